@@ -1,0 +1,319 @@
+"""Dispatch and combine: move token rows to the experts that own them and back.
+
+Both are ``custom_vjp`` operations whose backward passes read only the routing
+handle (plain int32 data), so remat can save it and backward never re-runs the
+routing or the forward exchange. The local passes come from a backend
+(:mod:`~moe_ep.transport.xla` or :mod:`~moe_ep.transport.cupy`); the exchanges
+are XLA ``all_to_all`` collectives over the EP mesh axis, issued here, once.
+
+Data flow of a forward dispatch on each rank (see ``layout.py`` for the names)::
+
+  route(topk_idx)         -> send_slot, send_token, route_slot       (local)
+  pack_meta               -> meta [R, 2SK+L]                         (local)
+  all_to_all(meta)        -> recv_meta                               (small exchange)
+  slab_layout(recv_meta)  -> recv_pos, slab_row, weights, counts, demand
+  gather_rows(tokens, send_token) -> send_rows [R, S, H]             (local)
+  all_to_all(send_rows)   -> recv_rows [R, S, H]                     (the row exchange)
+  gather_rows(recv_rows, slab_row) -> slabs [L, C, H]                (local)
+
+Combine runs the row path backwards with sums: per received row, the sum of
+its members' slab rows (partial sums reduced before they travel), one
+exchange, then per token the sum over destination ranks. With one rank the
+two gathers on each side compose into one and nothing is exchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name as _attach_name
+
+from moe_ep.transport import backend as _backend
+from moe_ep.transport.layout import (
+    Dispatched,
+    RoutingHandle,
+    expert_capacity_for,
+    send_capacity_for,
+)
+
+__all__ = [
+    "Dispatched",
+    "RoutingHandle",
+    "combine",
+    "dispatch",
+    "expert_capacity_for",
+    "send_capacity_for",
+    "CHECKPOINT_FIELDS",
+    "NAMED_SCOPES",
+]
+
+CHECKPOINT_FIELDS = ("tokens", "weights", "handle", "counts")
+
+# Every exchange is issued under one of these scopes, which reach the compiled
+# HLO's op_name metadata: tests and profiles tell the four passes apart by them.
+NAMED_SCOPES = {
+    "dispatch": "moe_dispatch_fwd",
+    "combine": "moe_combine_fwd",
+    "dispatch_bwd": "moe_dispatch_bwd",
+    "combine_bwd": "moe_combine_bwd",
+}
+
+
+def _ep_size(axis_name) -> int:
+  return 1 if axis_name is None else jax.lax.axis_size(axis_name)
+
+
+def _exchange(x: jax.Array, axis_name, what: str) -> jax.Array:
+  """``all_to_all`` over the leading [R] axis: row d goes to rank d, and the
+  result's row src is what rank src sent here. ``what`` names the exchange
+  inside the enclosing pass's scope (``moe_dispatch_fwd/exchange_rows``)."""
+  with jax.named_scope(what):
+    return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """Static arguments of one dispatch/combine pair."""
+
+  num_experts: int
+  ep_size: int
+  expert_capacity: int
+  send_capacity: int
+  axis_name: object
+  backend: str
+  checkpoint_name: str | None = None
+  weight_dtype: str = "float32"
+
+  @property
+  def ops(self):
+    return _backend.resolve(self.backend)
+
+
+# --- the two row paths, shared by the forward and backward rules ------------
+
+
+def _rows_to_slabs(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """``rows [T, H]`` (one per token) -> ``[L, C, H]`` slabs along ``handle``."""
+  ops = spec.ops
+  if spec.ep_size == 1:
+    token_of_slab_row = ops.gather_rows(handle.send_token.reshape(-1), handle.slab_row)
+    return ops.gather_rows(rows, token_of_slab_row)
+  send_rows = ops.gather_rows(rows, handle.send_token)
+  recv_rows = _exchange(send_rows, spec.axis_name, "exchange_rows")
+  return ops.gather_rows(recv_rows.reshape(-1, rows.shape[-1]), handle.slab_row)
+
+
+def _slabs_to_rows(spec: _Spec, slabs: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """``slabs [L, C, H]`` -> ``[T, H]``: each token's sum over its kept rows."""
+  ops = spec.ops
+  hidden = slabs.shape[-1]
+  flat_slabs = slabs.reshape(-1, hidden)
+  if spec.ep_size == 1:
+    # Member positions of each token's one wire row, composed through the slot.
+    member_pos = handle.recv_pos.reshape(-1, handle.top_k)
+    token_member_pos = ops.gather_rows(member_pos, handle.send_slot[:, 0])
+    token_member_pos = jnp.where(handle.send_slot[:, :1] >= 0, token_member_pos, -1)
+    return ops.gather_sum_rows(flat_slabs, token_member_pos)
+  partial_sums = ops.gather_sum_rows(flat_slabs, handle.recv_pos.reshape(-1, handle.top_k))
+  returned = _exchange(partial_sums.reshape(spec.ep_size, -1, hidden), spec.axis_name,
+                       "exchange_rows")
+  wire_row = jnp.where(handle.send_slot >= 0,
+                       jnp.arange(spec.ep_size, dtype=jnp.int32) * spec.send_capacity
+                       + handle.send_slot, -1)
+  return ops.gather_sum_rows(returned.reshape(-1, hidden), wire_row)
+
+
+def _weights_to_routes(spec: _Spec, slab_weight_grad: jax.Array,
+                       handle: RoutingHandle) -> jax.Array:
+  """``[L, C]`` per-slab-row values -> ``[T, K]`` per-route values (0 if dropped)."""
+  ops = spec.ops
+  top_k = handle.top_k
+  per_member = ops.gather_rows(slab_weight_grad.reshape(-1), handle.recv_pos)  # [R, S, K]
+  if spec.ep_size > 1:
+    per_member = _exchange(per_member, spec.axis_name, "exchange_weights")
+  member = jnp.where(handle.route_slot >= 0,
+                     handle.route_slot * top_k + jnp.arange(top_k, dtype=jnp.int32), -1)
+  return ops.gather_rows(per_member.reshape(-1), member)
+
+
+# --- dispatch ----------------------------------------------------------------
+
+
+def _name(spec: _Spec, field: str, value):
+  if spec.checkpoint_name is None:
+    return value
+  return _attach_name(value, f"{spec.checkpoint_name}.{field}")
+
+
+def _dispatch_forward(spec: _Spec, tokens, topk_idx, topk_weights) -> Dispatched:
+  ops = spec.ops
+  with jax.named_scope(NAMED_SCOPES["dispatch"]):
+    send_slot, send_token, route_slot = ops.route(
+        topk_idx, num_experts=spec.num_experts, ep_size=spec.ep_size,
+        send_capacity=spec.send_capacity)
+    meta = ops.pack_meta(topk_idx, topk_weights, send_token, num_experts=spec.num_experts)
+    if spec.ep_size > 1:
+      meta = _exchange(meta, spec.axis_name, "exchange_meta")
+    recv_pos, slab_row, slab_weights, counts, demand = ops.slab_layout(
+        meta, top_k=topk_idx.shape[1],
+        num_local_experts=spec.num_experts // spec.ep_size,
+        expert_capacity=spec.expert_capacity)
+    handle = RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row)
+    slabs = _rows_to_slabs(spec, tokens, handle)
+  # Names go on the outputs here, inside the forward rule, so they also mark
+  # the residual (the handle) that the backward rule reads.
+  return Dispatched(
+      tokens=_name(spec, "tokens", slabs),
+      weights=_name(spec, "weights", slab_weights),
+      handle=_name(spec, "handle", handle),
+      counts=_name(spec, "counts", counts),
+      demand=demand,
+  )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dispatch(spec, tokens, topk_idx, topk_weights):
+  return _dispatch_forward(spec, tokens, topk_idx, topk_weights)
+
+
+def _dispatch_fwd(spec, tokens, topk_idx, topk_weights):
+  out = _dispatch_forward(spec, tokens, topk_idx, topk_weights)
+  return out, out.handle
+
+
+def _dispatch_bwd(spec, handle, grads: Dispatched):
+  with jax.named_scope(NAMED_SCOPES["dispatch_bwd"]):
+    token_grad = _slabs_to_rows(spec, grads.tokens, handle)
+    weight_grad = _weights_to_routes(spec, grads.weights.astype(jnp.float32), handle)
+  # Slabs carry the tokens' dtype, so grads.tokens has it too.
+  return token_grad.astype(grads.tokens.dtype), None, weight_grad.astype(spec.weight_dtype)
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def _check_rank(name: str, value, rank: int, shape_doc: str) -> None:
+  if value.ndim != rank:
+    raise ValueError(f"{name} must be {shape_doc} (rank {rank}); got shape {value.shape}")
+
+
+def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
+             num_experts: int, expert_capacity: int, axis_name=None,
+             send_capacity: int | None = None, checkpoint_name: str | None = None,
+             backend: str = "auto") -> Dispatched:
+  """Sends each token's rows to the experts it is routed to.
+
+  Call it per rank inside ``shard_map`` over the EP mesh axis ``axis_name``
+  (size ``R``); with ``axis_name=None`` there is one rank and no collective.
+
+  Args:
+    tokens: ``[T, H]`` this rank's tokens.
+    topk_idx: ``[T, K]`` int32 global expert ids; ids outside
+      ``[0, num_experts)`` mean "not routed".
+    topk_weights: ``[T, K]`` routing weights (differentiable).
+    num_experts: ``E``; rank ``r`` owns experts ``[r*L, (r+1)*L)``, ``L = E // R``.
+    expert_capacity: ``C`` rows per expert slab; a slab keeps its first ``C``
+      rows in (source rank, source token, k) order and drops the rest.
+    axis_name: the EP mesh axis, or None.
+    send_capacity: ``S`` rows per destination chunk (None: ``T``, never drops;
+      values above ``T`` are clamped to ``T``).
+    checkpoint_name: when set, the outputs and the residual the backward keeps
+      are named ``f"{checkpoint_name}.{field}"`` for ``field`` in
+      :data:`CHECKPOINT_FIELDS`, so a remat policy can save them.
+    backend: ``"auto"``, ``"xla"`` or ``"cupy"``.
+
+  Returns:
+    :class:`Dispatched`: ``tokens [L, C, H]``, ``weights [L, C]`` float32,
+    ``handle``, ``counts [L]``, ``demand [L]``.
+  """
+  _backend.check_name(backend)
+  _check_rank("tokens", tokens, 2, "[T, H]")
+  _check_rank("topk_idx", topk_idx, 2, "[T, K]")
+  if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
+    raise ValueError(f"topk_idx must hold integer expert ids; got dtype {topk_idx.dtype}")
+  if topk_weights.shape != topk_idx.shape:
+    raise ValueError(f"topk_weights shape {topk_weights.shape} must equal "
+                     f"topk_idx shape {topk_idx.shape}")
+  if topk_idx.shape[0] != tokens.shape[0]:
+    raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but tokens has "
+                     f"{tokens.shape[0]}: both must be [T, ...]")
+  num_tokens, top_k = topk_idx.shape
+  ep_size = _ep_size(axis_name)
+  # Reuses the capacity helper's checks: positive sizes, K <= E, E % R == 0.
+  expert_capacity_for(max(num_tokens, 1), top_k, num_experts, ep_size)
+  if not isinstance(expert_capacity, int) or expert_capacity < 1:
+    raise ValueError(f"expert_capacity={expert_capacity!r} must be an integer >= 1")
+  if send_capacity is None:
+    send_capacity = num_tokens
+  elif not isinstance(send_capacity, int) or send_capacity < 1:
+    raise ValueError(f"send_capacity={send_capacity!r} must be an integer >= 1 or None")
+  spec = _Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=expert_capacity,
+               send_capacity=min(send_capacity, num_tokens), axis_name=axis_name,
+               backend=backend, checkpoint_name=checkpoint_name,
+               weight_dtype=jnp.dtype(topk_weights.dtype).name)
+  spec.ops  # resolves the backend now: a missing CuPy fails at trace time
+  return _dispatch(spec, tokens, topk_idx.astype(jnp.int32), topk_weights)
+
+
+# --- combine -----------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _combine(spec, expert_outputs, handle):
+  with jax.named_scope(NAMED_SCOPES["combine"]):
+    return _slabs_to_rows(spec, expert_outputs, handle)
+
+
+def _combine_fwd(spec, expert_outputs, handle):
+  return _combine(spec, expert_outputs, handle), handle
+
+
+def _combine_bwd(spec, handle, output_grad):
+  # y has expert_outputs' dtype, so output_grad (and the slab grad) does too.
+  with jax.named_scope(NAMED_SCOPES["combine_bwd"]):
+    slab_grad = _rows_to_slabs(spec, output_grad, handle)
+  return slab_grad, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int,
+            axis_name=None, backend: str = "auto") -> jax.Array:
+  """Brings expert outputs back to their tokens and sums them.
+
+  Args:
+    expert_outputs: ``[L, C, H]`` in the slab layout of the dispatch that made
+      ``handle``. Unweighted: multiply by ``Dispatched.weights`` first.
+    handle: the dispatch's :class:`RoutingHandle`.
+    num_tokens: ``T``, this rank's token count.
+    axis_name: the EP mesh axis the dispatch used, or None.
+    backend: ``"auto"``, ``"xla"`` or ``"cupy"``.
+
+  Returns:
+    ``[T, H]`` in ``expert_outputs.dtype``: ``y[t]`` is the sum over the kept
+    routes of ``t`` of their rows, summed in float32 in a fixed order (a
+    token's experts on one rank first, on that rank, then over ranks).
+  """
+  _backend.check_name(backend)
+  _check_rank("expert_outputs", expert_outputs, 3, "[L, C, H]")
+  if not isinstance(handle, RoutingHandle):
+    raise ValueError(f"handle must be the RoutingHandle from dispatch; got {type(handle)}")
+  if expert_outputs.shape[:2] != handle.slab_row.shape:
+    raise ValueError(f"expert_outputs shape {expert_outputs.shape} must be [L, C, H] with "
+                     f"[L, C] = {handle.slab_row.shape} from the handle")
+  if num_tokens != handle.num_tokens:
+    raise ValueError(f"num_tokens={num_tokens} does not match the handle's "
+                     f"{handle.num_tokens} tokens")
+  ep_size = _ep_size(axis_name)
+  if ep_size != handle.ep_size:
+    raise ValueError(f"axis_name={axis_name!r} has size {ep_size} but the handle was "
+                     f"made for {handle.ep_size} ranks")
+  spec = _Spec(num_experts=handle.num_local_experts * ep_size, ep_size=ep_size,
+               expert_capacity=handle.expert_capacity, send_capacity=handle.send_capacity,
+               axis_name=axis_name, backend=backend)
+  spec.ops
+  return _combine(spec, expert_outputs, handle)

@@ -1,0 +1,170 @@
+"""Capacity math and the routing handle: pure data, no backend code.
+
+Notation used throughout the transport (per rank of the EP axis):
+
+* ``R`` ranks on the EP axis, ``T`` local tokens, ``K`` routes per token,
+  ``E`` experts, ``L = E // R`` local experts, ``C`` rows per expert slab
+  (``expert_capacity``), ``S`` rows per destination send chunk
+  (``send_capacity``), ``H`` hidden size.
+* Rank ``r`` owns global experts ``[r*L, (r+1)*L)``; route ``(t, k)`` with id
+  ``e`` goes to rank ``e // L``, local expert ``e % L``.
+* A token is sent at most once to each destination rank (one wire row per
+  distinct ``(token, rank)`` pair); the receiver expands it into one slab row
+  per local expert it was routed to.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+
+# Slabs are the M dimension of the expert GEMMs: large ones are rounded to a
+# whole number of 128-row tiles, small ones (tests, tiny models) to 8 rows.
+_LARGE_SLAB_ROWS = 1024
+_LARGE_SLAB_MULTIPLE = 128
+_SMALL_SLAB_MULTIPLE = 8
+
+
+def _round_up(value: int, multiple: int) -> int:
+  return -(-value // multiple) * multiple
+
+
+def _check_positive(name: str, value: int) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def _check_experts(num_experts: int, top_k: int, ep_size: int) -> None:
+  _check_positive("num_experts", num_experts)
+  _check_positive("top_k", top_k)
+  _check_positive("ep_size", ep_size)
+  if top_k > num_experts:
+    raise ValueError(f"top_k={top_k} must be <= num_experts={num_experts}")
+  if num_experts % ep_size:
+    raise ValueError(
+        f"num_experts={num_experts} is not divisible by the ep axis size {ep_size}")
+
+
+def expert_capacity_for(num_tokens: int, top_k: int, num_experts: int,
+                        ep_size: int, capacity_factor: float | None = None) -> int:
+  """Rows per expert slab ``C``.
+
+  Args:
+    num_tokens: tokens per rank ``T``.
+    top_k: routes per token ``K``.
+    num_experts: total experts ``E``.
+    ep_size: ranks on the EP axis ``R``.
+    capacity_factor: ``None`` gives the dropless bound ``R * T`` (every token
+      of every source rank routed to one expert; assumes a token's K expert ids
+      are distinct, as any top-k router gives). A float scales the balanced
+      load ``R * T * K / E``.
+
+  Returns:
+    ``C``, rounded up to a GEMM-friendly multiple and never above the rounded
+    dropless bound.
+  """
+  _check_positive("num_tokens", num_tokens)
+  _check_experts(num_experts, top_k, ep_size)
+  dropless = _round_up(ep_size * num_tokens, _SMALL_SLAB_MULTIPLE)
+  if capacity_factor is None:
+    rows = ep_size * num_tokens
+  else:
+    if not capacity_factor > 0:
+      raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0 or None")
+    rows = math.ceil(capacity_factor * ep_size * num_tokens * top_k / num_experts)
+  multiple = _LARGE_SLAB_MULTIPLE if rows >= _LARGE_SLAB_ROWS else _SMALL_SLAB_MULTIPLE
+  return max(1, min(_round_up(rows, multiple), dropless))
+
+
+def send_capacity_for(num_tokens: int, top_k: int, num_experts: int,
+                      ep_size: int, capacity_factor: float | None = None) -> int:
+  """Rows per destination send chunk ``S``.
+
+  ``None`` gives ``T`` (a token is sent at most once per rank, so this never
+  drops). A float scales the balanced number of routes one rank sends to one
+  destination, ``T * K / R``; rows are deduplicated routes, so this drops on
+  the wire only what the slabs' balanced budget would also exceed.
+  """
+  _check_positive("num_tokens", num_tokens)
+  _check_experts(num_experts, top_k, ep_size)
+  if capacity_factor is None:
+    return num_tokens
+  if not capacity_factor > 0:
+    raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0 or None")
+  rows = math.ceil(capacity_factor * num_tokens * top_k / ep_size)
+  return max(1, min(_round_up(rows, _SMALL_SLAB_MULTIPLE), num_tokens))
+
+
+class RoutingHandle(NamedTuple):
+  """The complete routing state of one dispatch: plain int32 arrays.
+
+  Combine and both backward passes read only this; nothing is cached by
+  pointer or held in Python. ``-1`` marks "no row" everywhere.
+
+  Attributes:
+    send_slot: ``[T, R]`` slot of token ``t`` in its chunk to rank ``d``
+      (sender side; -1 if the token has no route to ``d`` or was dropped on
+      the wire).
+    send_token: ``[R, S]`` token index held by slot ``s`` of the chunk to
+      rank ``d`` (the inverse of ``send_slot``).
+    route_slot: ``[T, K]`` flat wire row ``d * S + slot`` that carries route
+      ``(t, k)``, or -1 (invalid id, or dropped on the wire).
+    recv_pos: ``[R, S, K]`` flat slab position ``l * C + c`` of member ``k``
+      of the row received from rank ``src`` in slot ``s`` (receiver side; -1
+      if absent or dropped for capacity).
+    slab_row: ``[L, C]`` flat received row ``src * S + s`` feeding slab row
+      ``(l, c)``, or -1 on padding rows.
+  """
+
+  send_slot: jax.Array
+  send_token: jax.Array
+  route_slot: jax.Array
+  recv_pos: jax.Array
+  slab_row: jax.Array
+
+  @property
+  def num_tokens(self) -> int:
+    return self.send_slot.shape[0]
+
+  @property
+  def ep_size(self) -> int:
+    return self.send_slot.shape[1]
+
+  @property
+  def send_capacity(self) -> int:
+    return self.send_token.shape[1]
+
+  @property
+  def top_k(self) -> int:
+    return self.route_slot.shape[1]
+
+  @property
+  def num_local_experts(self) -> int:
+    return self.slab_row.shape[0]
+
+  @property
+  def expert_capacity(self) -> int:
+    return self.slab_row.shape[1]
+
+
+class Dispatched(NamedTuple):
+  """What ``dispatch`` returns (a pytree).
+
+  Attributes:
+    tokens: ``[L, C, H]`` slab ``l`` holds the rows routed to global expert
+      ``r*L + l``, in the order (source rank, source token index, k); rows
+      ``>= counts[l]`` are zero.
+    weights: ``[L, C]`` float32 routing weight of each row, 0 on padding.
+    handle: the :class:`RoutingHandle`.
+    counts: ``[L]`` int32 rows kept per local expert.
+    demand: ``[L]`` int32 rows routed to each local expert before any drop,
+      across all source ranks.
+  """
+
+  tokens: jax.Array
+  weights: jax.Array
+  handle: RoutingHandle
+  counts: jax.Array
+  demand: jax.Array

@@ -1,0 +1,201 @@
+"""dispatch/combine against dense per-token references, on 1-8 devices."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import moe_ep.transport as transport
+from conftest import BACKENDS, make_mesh
+from moe_ep.transport import combine, dispatch, expert_capacity_for
+from reference import dense_moe, kept_routes
+
+HIDDEN = 8
+NUM_EXPERTS = 16
+TOKENS = 13  # per rank: divisible by nothing convenient
+
+# float32: the transport copies rows exactly and sums in float32 in a fixed
+# order; the reference sums in another order, so values agree to a few ulps of
+# the largest term (1e-5 on O(1) values); gradients pass through two such sums.
+F32_TOL = dict(rtol=1e-5, atol=1e-5)
+F32_GRAD_TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def make_routing(kind: str, rng, ranks: int, tokens: int, top_k: int,
+                 num_experts: int = NUM_EXPERTS) -> np.ndarray:
+  """``[R, T, K]`` expert ids; distinct per token except where noted."""
+  if kind == "balanced":
+    probs = np.full(num_experts, 1.0 / num_experts)
+  elif kind == "skewed":
+    probs = np.exp(-0.6 * np.arange(num_experts))
+    probs /= probs.sum()
+  elif kind == "empty_experts":  # the upper half of the experts gets nothing
+    probs = np.where(np.arange(num_experts) < num_experts // 2, 1.0, 0.0)
+    probs /= probs.sum()
+  else:
+    raise ValueError(kind)
+  ids = np.stack([
+      np.stack([rng.choice(num_experts, size=top_k, replace=False, p=probs)
+                for _ in range(tokens)]) for _ in range(ranks)])
+  return ids.astype(np.int32)
+
+
+def run_transport(tokens, topk_idx, topk_weights, expert_maps, *, ep_size,
+                  expert_capacity, send_capacity=None, backend="xla", wrap=None):
+  """Per-rank dispatch -> tanh(x @ M_e) * w -> combine, under shard_map.
+
+  Args: global arrays ``tokens [R*T, H]``, ``topk_idx/topk_weights [R*T, K]``,
+  ``expert_maps [E, H, H]``. ``wrap`` optionally transforms the per-rank body
+  (e.g. ``jax.checkpoint``).
+
+  Returns ``(y [R*T, H], counts [E], demand [E])``.
+  """
+  axis = "ep" if ep_size > 1 else None
+  num_tokens = tokens.shape[0] // ep_size
+
+  def body(x, idx, w, maps):
+    d = dispatch(x, idx, w, num_experts=NUM_EXPERTS, expert_capacity=expert_capacity,
+                 axis_name=axis, send_capacity=send_capacity, backend=backend)
+    hidden = jnp.tanh(jnp.einsum("lch,lhg->lcg", d.tokens.astype(jnp.float32), maps))
+    out = (hidden * d.weights[..., None]).astype(x.dtype)
+    y = combine(out, d.handle, num_tokens=num_tokens, axis_name=axis, backend=backend)
+    return y, d.counts, d.demand
+
+  if wrap is not None:
+    body = wrap(body)
+  mesh = make_mesh((ep_size,), ("ep",), backend)
+  return jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(
+      tokens, topk_idx, topk_weights, expert_maps)
+
+
+def expert_fn(maps):
+  return lambda ids, x: jnp.tanh(jnp.einsum("nh,nhg->ng", x.astype(jnp.float32), maps[ids]))
+
+
+def random_problem(rng, ep_size, top_k, routing="balanced", dtype=np.float32):
+  tokens = rng.normal(size=(ep_size * TOKENS, HIDDEN)).astype(dtype)
+  idx = make_routing(routing, rng, ep_size, TOKENS, top_k)
+  weights = rng.uniform(0.1, 1.0, size=idx.shape).astype(np.float32)
+  maps = (rng.normal(size=(NUM_EXPERTS, HIDDEN, HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32)
+  return tokens, idx, weights, maps
+
+
+def check_against_reference(rng, *, ep_size, top_k, routing="balanced", capacity=None,
+                            send_capacity=None, backend="xla", idx_override=None):
+  tokens, idx, weights, maps = random_problem(rng, ep_size, top_k, routing)
+  if idx_override is not None:
+    idx = idx_override
+  capacity = capacity or expert_capacity_for(TOKENS, top_k, NUM_EXPERTS, ep_size)
+  keep, demand, counts, _ = kept_routes(
+      idx, num_experts=NUM_EXPERTS, ep_size=ep_size, expert_capacity=capacity,
+      send_capacity=send_capacity or TOKENS)
+  flat = lambda a: a.reshape(ep_size * TOKENS, -1)
+  idx_flat, keep_flat = flat(idx), flat(keep)
+  cotangent = rng.normal(size=tokens.shape).astype(np.float32)
+
+  run = jax.jit(functools.partial(run_transport, ep_size=ep_size, expert_capacity=capacity,
+                                  send_capacity=send_capacity, backend=backend))
+  y, got_counts, got_demand = run(tokens, idx_flat, flat(weights), maps)
+  ref = dense_moe(tokens, idx_flat, flat(weights), keep_flat, expert_fn(maps))
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref), **F32_TOL)
+  np.testing.assert_array_equal(np.asarray(got_demand), demand)
+  np.testing.assert_array_equal(np.asarray(got_counts), counts)
+
+  def loss(x, w, m):
+    return jnp.vdot(run(x, idx_flat, w, m)[0], cotangent)
+
+  def ref_loss(x, w, m):
+    return jnp.vdot(dense_moe(x, idx_flat, w, keep_flat, expert_fn(m)), cotangent)
+
+  grads = jax.grad(loss, argnums=(0, 1, 2))(tokens, flat(weights), maps)
+  ref_grads = jax.grad(ref_loss, argnums=(0, 1, 2))(tokens, flat(weights), maps)
+  for got, want in zip(grads, ref_grads):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32_GRAD_TOL)
+  return keep, demand, counts
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("routing", ["balanced", "skewed", "empty_experts"])
+@pytest.mark.parametrize("ep_size", [1, 2, 4, 8])
+def test_dropless_matches_dense_reference(ep_size, routing, backend):
+  rng = np.random.default_rng(ep_size * 10 + len(routing))
+  keep, demand, counts = check_against_reference(
+      rng, ep_size=ep_size, top_k=3, routing=routing, backend=backend)
+  assert keep.all(), "dropless capacity must keep every route"
+  np.testing.assert_array_equal(counts, demand)
+  if routing == "empty_experts":
+    assert (demand[NUM_EXPERTS // 2:] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ep_size", [1, 4])
+def test_tight_capacity_keeps_the_first_rows_in_slab_order(ep_size, backend):
+  rng = np.random.default_rng(7)
+  _, demand, counts = check_against_reference(
+      rng, ep_size=ep_size, top_k=4, routing="skewed", capacity=3, backend=backend)
+  assert (counts < demand).any(), "the skewed routing must overflow capacity 3"
+  assert (counts <= 3).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_send_capacity_drops_on_the_wire_and_shows_in_counts(backend):
+  rng = np.random.default_rng(3)
+  _, demand, counts = check_against_reference(
+      rng, ep_size=4, top_k=4, routing="skewed", send_capacity=5, backend=backend)
+  assert (counts < demand).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ep_size", [1, 4])
+def test_out_of_range_ids_are_not_routed(ep_size, backend):
+  rng = np.random.default_rng(11)
+  idx = make_routing("balanced", rng, ep_size, TOKENS, 3)
+  idx[:, ::3, 0] = -1
+  idx[:, 1::4, 1] = NUM_EXPERTS
+  idx[:, 2, :] = NUM_EXPERTS + 5  # a token with no valid route at all
+  _, demand, _ = check_against_reference(rng, ep_size=ep_size, top_k=3, idx_override=idx,
+                                         backend=backend)
+  assert demand.sum() == ((idx >= 0) & (idx < NUM_EXPERTS)).sum()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("top_k", [1, NUM_EXPERTS])
+def test_extreme_top_k(top_k, backend):
+  check_against_reference(np.random.default_rng(top_k), ep_size=4, top_k=top_k, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_tokens(backend):
+  """bf16 rows are copied exactly; each expert output is rounded to bf16, each
+  rank's partial sum once more on the wire and the total once at the end:
+  at most ~3 bf16 roundings (2**-8 each) of sum_k |w f(x)|."""
+  ep_size, top_k = 4, 3
+  rng = np.random.default_rng(5)
+  tokens, idx, weights, maps = random_problem(rng, ep_size, top_k)
+  tokens = jnp.asarray(tokens, jnp.bfloat16)
+  flat = lambda a: a.reshape(ep_size * TOKENS, -1)
+  capacity = expert_capacity_for(TOKENS, top_k, NUM_EXPERTS, ep_size)
+  y, _, _ = jax.jit(functools.partial(run_transport, ep_size=ep_size, expert_capacity=capacity,
+                                      backend=backend))(tokens, flat(idx), flat(weights), maps)
+  assert y.dtype == jnp.bfloat16
+  keep = np.ones(flat(idx).shape, bool)
+  ref = dense_moe(tokens, flat(idx), flat(weights), keep, expert_fn(maps))
+  magnitude = dense_moe(tokens, flat(idx), flat(weights), keep,
+                        lambda i, x: jnp.abs(expert_fn(maps)(i, x)))
+  err = np.abs(np.asarray(y, np.float32) - np.asarray(ref))
+  assert (err <= 3 * 2.0**-8 * np.asarray(magnitude) + 1e-6).all(), err.max()
+
+
+def test_expert_capacity_for():
+  assert expert_capacity_for(13, 3, 16, 4) == 56  # dropless: R*T = 52 -> multiple of 8
+  assert expert_capacity_for(4096, 8, 64, 8) == 32768  # dropless, large: multiple of 128
+  assert expert_capacity_for(4096, 8, 64, 8, capacity_factor=1.0) == 4096  # R*T*K/E
+  assert expert_capacity_for(4096, 8, 64, 8, capacity_factor=1.25) == 5120
+  assert expert_capacity_for(10, 2, 64, 1, capacity_factor=1.0) == 8  # ceil(0.3125) -> 8
+  with pytest.raises(ValueError, match="top_k=5 must be <= num_experts=4"):
+    expert_capacity_for(8, 5, 4, 1)
+  with pytest.raises(ValueError, match="num_experts=10 is not divisible by the ep axis size 4"):
+    expert_capacity_for(8, 2, 10, 4)
