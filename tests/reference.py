@@ -64,3 +64,22 @@ def dense_moe(tokens, topk_idx, topk_weights, keep, expert_fn):
     weight = jnp.where(keep[:, k], topk_weights[:, k].astype(jnp.float32), 0.0)
     total = total + weight[:, None] * out
   return total
+
+
+def make_routing(kind: str, rng, ranks: int, tokens: int, top_k: int,
+                 num_experts: int = 16) -> np.ndarray:
+  """``[R, T, K]`` expert ids; distinct per token except where noted."""
+  if kind == "balanced":
+    probs = np.full(num_experts, 1.0 / num_experts)
+  elif kind == "skewed":
+    probs = np.exp(-0.6 * np.arange(num_experts))
+    probs /= probs.sum()
+  elif kind == "empty_experts":  # the upper half of the experts gets nothing
+    probs = np.where(np.arange(num_experts) < num_experts // 2, 1.0, 0.0)
+    probs /= probs.sum()
+  else:
+    raise ValueError(kind)
+  ids = np.stack([
+      np.stack([rng.choice(num_experts, size=top_k, replace=False, p=probs)
+                for _ in range(tokens)]) for _ in range(ranks)])
+  return ids.astype(np.int32)

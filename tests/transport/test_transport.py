@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 import moe_ep.transport as transport
 from conftest import BACKENDS, make_mesh
 from moe_ep.transport import combine, dispatch, expert_capacity_for
-from reference import dense_moe, kept_routes
+from reference import dense_moe, kept_routes, make_routing
 
 HIDDEN = 8
 NUM_EXPERTS = 16
@@ -22,25 +22,6 @@ TOKENS = 13  # per rank: divisible by nothing convenient
 # the largest term (1e-5 on O(1) values); gradients pass through two such sums.
 F32_TOL = dict(rtol=1e-5, atol=1e-5)
 F32_GRAD_TOL = dict(rtol=1e-4, atol=1e-4)
-
-
-def make_routing(kind: str, rng, ranks: int, tokens: int, top_k: int,
-                 num_experts: int = NUM_EXPERTS) -> np.ndarray:
-  """``[R, T, K]`` expert ids; distinct per token except where noted."""
-  if kind == "balanced":
-    probs = np.full(num_experts, 1.0 / num_experts)
-  elif kind == "skewed":
-    probs = np.exp(-0.6 * np.arange(num_experts))
-    probs /= probs.sum()
-  elif kind == "empty_experts":  # the upper half of the experts gets nothing
-    probs = np.where(np.arange(num_experts) < num_experts // 2, 1.0, 0.0)
-    probs /= probs.sum()
-  else:
-    raise ValueError(kind)
-  ids = np.stack([
-      np.stack([rng.choice(num_experts, size=top_k, replace=False, p=probs)
-                for _ in range(tokens)]) for _ in range(ranks)])
-  return ids.astype(np.int32)
 
 
 def run_transport(tokens, topk_idx, topk_weights, expert_maps, *, ep_size,

@@ -1,0 +1,74 @@
+"""Bad static arguments fail at trace time, naming the argument and the rule."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import make_mesh
+from moe_ep.transport import backend as transport_backend
+from moe_ep.transport import combine, dispatch
+from moe_ep.transport import cupy as cupy_backend
+
+TOKENS = jnp.zeros((6, 4), jnp.float32)
+IDX = jnp.zeros((6, 2), jnp.int32)
+WEIGHTS = jnp.ones((6, 2), jnp.float32)
+
+
+def call(**overrides):
+  args = dict(tokens=TOKENS, topk_idx=IDX, topk_weights=WEIGHTS)
+  kwargs = dict(num_experts=4, expert_capacity=8, backend="xla")
+  for key, value in overrides.items():
+    (args if key in args else kwargs)[key] = value
+  return dispatch(args.pop("tokens"), args.pop("topk_idx"), args.pop("topk_weights"), **kwargs)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(tokens=jnp.zeros((6,))), r"tokens must be \[T, H\]"),
+    (dict(topk_idx=jnp.zeros((6,), jnp.int32)), r"topk_idx must be \[T, K\]"),
+    (dict(topk_idx=jnp.zeros((6, 2), jnp.float32)), "topk_idx must hold integer"),
+    (dict(topk_weights=jnp.ones((6, 3))), "topk_weights shape"),
+    (dict(topk_idx=jnp.zeros((5, 2), jnp.int32), topk_weights=jnp.ones((5, 2))),
+     r"topk_idx has 5 rows but tokens has 6"),
+    (dict(num_experts=1), "top_k=2 must be <= num_experts=1"),
+    (dict(num_experts=0), "num_experts=0 must be a positive integer"),
+    (dict(expert_capacity=0), "expert_capacity=0 must be an integer >= 1"),
+    (dict(send_capacity=0), "send_capacity=0 must be an integer >= 1"),
+    (dict(backend="triton"), "backend='triton' is not one of"),
+])
+def test_bad_dispatch_arguments(overrides, message):
+  with pytest.raises(ValueError, match=message):
+    call(**overrides)
+
+
+def test_bad_combine_arguments():
+  d = call()
+  slabs = d.tokens
+  with pytest.raises(ValueError, match=r"expert_outputs must be \[L, C, H\]"):
+    combine(slabs[0], d.handle, num_tokens=6, backend="xla")
+  with pytest.raises(ValueError, match="must be \\[L, C, H\\] with \\[L, C\\]"):
+    combine(slabs[:, :4], d.handle, num_tokens=6, backend="xla")
+  with pytest.raises(ValueError, match="num_tokens=5 does not match the handle's 6"):
+    combine(slabs, d.handle, num_tokens=5, backend="xla")
+  with pytest.raises(ValueError, match="handle must be the RoutingHandle"):
+    combine(slabs, tuple(d.handle), num_tokens=6, backend="xla")
+
+
+def test_experts_not_divisible_by_ep_size_is_named():
+  mesh = make_mesh((4,), ("ep",))
+  fn = lambda x, i, w: dispatch(x, i, w, num_experts=6, expert_capacity=8, axis_name="ep",
+                                backend="xla").tokens
+  with pytest.raises(ValueError, match="num_experts=6 is not divisible by the ep axis size 4"):
+    jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(
+        np.zeros((8, 4), np.float32), np.zeros((8, 2), np.int32), np.ones((8, 2), np.float32))
+
+
+def test_cupy_backend_without_cupy_names_the_extra(monkeypatch):
+  monkeypatch.setattr(cupy_backend, "cupy_available", lambda: False)
+  transport_backend.resolve.cache_clear()
+  try:
+    with pytest.raises(ImportError, match=r"moe_ep\[cuda13\]"):
+      call(backend="cupy")
+  finally:
+    transport_backend.resolve.cache_clear()
