@@ -83,3 +83,58 @@ def make_routing(kind: str, rng, ranks: int, tokens: int, top_k: int,
       np.stack([rng.choice(num_experts, size=top_k, replace=False, p=probs)
                 for _ in range(tokens)]) for _ in range(ranks)])
   return ids.astype(np.int32)
+
+
+def _activation(hidden, activation):
+  import jax
+  if activation == "gelu":
+    return jax.nn.gelu(hidden)
+  gate, up = jnp.split(hidden, 2, axis=-1)
+  gate = gate * (1 / (1 + jnp.exp(-gate))) if activation == "swiglu" else jax.nn.gelu(gate)
+  return gate * up
+
+
+def reference_moe_layer(params, x, config):
+  """Dense MoE: every expert applied to every token, then each token's top-k
+  outputs picked and weighted. No slabs, no capacity, no exchange.
+
+  Args:
+    params: dict of global arrays ``router``, ``w_in``, ``w_out`` and
+      optionally ``shared_w_in``, ``shared_w_out``.
+    x: ``[B, S, H]``.
+
+  Returns:
+    ``(y [B, S, H] float32, aux_loss, z_loss, tokens_per_expert [E])``.
+  """
+  import jax
+  assert config.num_groups is None and not config.use_expert_bias
+  hidden = x.shape[-1]
+  tokens = jnp.asarray(x, jnp.float32).reshape(-1, hidden)
+  logits = tokens @ params["router"]
+  if config.score_function == "softmax":
+    exp = jnp.exp(logits - logits.max(-1, keepdims=True))
+    scores = exp / exp.sum(-1, keepdims=True)
+  else:
+    scores = 1 / (1 + jnp.exp(-logits))
+  idx = jnp.argsort(-jax.lax.stop_gradient(scores), axis=-1, stable=True)[:, :config.top_k]
+  weights = jnp.take_along_axis(scores, idx, axis=-1)
+  if config.normalize_top_k:
+    weights = weights / weights.sum(-1, keepdims=True)
+  weights = weights * config.routed_scaling
+
+  every = jnp.einsum("nh,ehf->enf", tokens, params["w_in"])
+  every = jnp.einsum("enf,efh->enh", _activation(every, config.activation), params["w_out"])
+  rows = jnp.arange(tokens.shape[0])
+  y = sum(weights[:, k, None] * every[idx[:, k], rows] for k in range(config.top_k))
+  if "shared_w_in" in params:
+    y = y + _activation(tokens @ params["shared_w_in"], config.activation) @ params["shared_w_out"]
+
+  counts = jnp.zeros(config.num_experts, jnp.int32).at[idx.reshape(-1)].add(1)
+  fraction = counts / counts.sum()
+  distribution = scores if config.score_function == "softmax" else scores / scores.sum(
+      -1, keepdims=True)
+  aux_loss = config.aux_loss_coeff * config.num_experts * jnp.sum(
+      fraction * distribution.mean(0))
+  lse = jnp.log(jnp.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  z_loss = config.z_loss_coeff * jnp.mean(lse ** 2)
+  return y.reshape(x.shape), aux_loss, z_loss, counts

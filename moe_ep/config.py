@@ -1,0 +1,267 @@
+"""Static configuration: frozen dataclasses validated on construction, and
+their 1:1 mapping to and from plain dicts (YAML).
+
+Validation messages name the field and the rule, e.g.
+``MoEConfig.top_k=9 must be <= num_experts=8``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from moe_ep.transport import CHECKPOINT_FIELDS
+from moe_ep.transport.backend import BACKENDS
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+ACTIVATIONS = ("swiglu", "geglu", "gelu")
+
+# Checkpoint-name groups of RematConfig.save, each expanding to named values.
+REMAT_GROUPS = {
+    "router": ("router.scores", "router.topk_idx", "router.topk_weights"),
+    "dispatch": tuple(f"dispatch.{field}" for field in CHECKPOINT_FIELDS),
+    "expert_hidden": ("expert_hidden",),
+    "expert_output": ("expert_output",),
+}
+REMAT_NAMES = tuple(name for group in REMAT_GROUPS.values() for name in group)
+
+
+def _fail(cls, field: str, value, rule: str):
+  raise ValueError(f"{cls.__name__}.{field}={value!r} {rule}")
+
+
+def _check_int(obj, field: str, minimum: int) -> None:
+  value = getattr(obj, field)
+  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    _fail(type(obj), field, value, f"must be an integer >= {minimum}")
+
+
+def _check_number(obj, field: str, minimum: float, strict: bool = False) -> None:
+  value = getattr(obj, field)
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+      value > minimum if strict else value >= minimum)
+  if not ok:
+    _fail(type(obj), field, value, f"must be a number {'>' if strict else '>='} {minimum}")
+
+
+def _check_choice(obj, field: str, choices) -> None:
+  value = getattr(obj, field)
+  if value not in choices:
+    _fail(type(obj), field, value, f"must be one of {tuple(choices)}")
+
+
+def _as_tuple(obj, field: str) -> None:
+  value = getattr(obj, field)
+  if isinstance(value, str):
+    value = (value,)
+  object.__setattr__(obj, field, tuple(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class RematConfig:
+  """Which of the layer's named values a remat policy saves.
+
+  Names are always attached with ``jax.ad_checkpoint.checkpoint_name`` as
+  ``f"{prefix}.{name}"``. ``save`` lists groups (``"router"``,
+  ``"dispatch"``, ``"expert_hidden"``, ``"expert_output"``) or single names
+  (``"dispatch.tokens"``, ``"dispatch.weights"``, ``"dispatch.handle"``,
+  ``"dispatch.counts"``, ``"router.scores"``, ...). With ``apply=True`` the
+  layer checkpoints its own body with :meth:`policy`; with ``apply=False`` a
+  user's ``jax.checkpoint(..., policy=remat.policy())`` does the same.
+
+  >>> RematConfig(save=("dispatch",)).names
+  ('moe.dispatch.tokens', 'moe.dispatch.weights', 'moe.dispatch.handle', 'moe.dispatch.counts')
+  """
+
+  save: tuple[str, ...] = ("dispatch",)
+  prefix: str = "moe"
+  apply: bool = False
+
+  def __post_init__(self):
+    _as_tuple(self, "save")
+    for entry in self.save:
+      if entry not in REMAT_GROUPS and entry not in REMAT_NAMES:
+        _fail(type(self), "save", self.save,
+              f"contains unknown name {entry!r}; known groups {tuple(REMAT_GROUPS)} "
+              f"and names {REMAT_NAMES}")
+    if not isinstance(self.prefix, str) or not self.prefix:
+      _fail(type(self), "prefix", self.prefix, "must be a non-empty string")
+    if not isinstance(self.apply, bool):
+      _fail(type(self), "apply", self.apply, "must be a bool")
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    """The full checkpoint names saved, in a fixed order, without repeats."""
+    chosen = []
+    for entry in self.save:
+      for name in REMAT_GROUPS.get(entry, (entry,)):
+        if name not in chosen:
+          chosen.append(name)
+    return tuple(f"{self.prefix}.{name}" for name in chosen)
+
+  def name(self, value_name: str) -> str:
+    """The checkpoint name the layer attaches to ``value_name``."""
+    return f"{self.prefix}.{value_name}"
+
+  def policy(self):
+    """A ``jax.checkpoint`` policy saving exactly :attr:`names`."""
+    return jax.checkpoint_policies.save_only_these_names(*self.names)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """Configuration of :class:`~moe_ep.ExpertParallelMoE`.
+
+  Attributes:
+    hidden_size: ``H``, the model width.
+    ffn_size: ``F``, each expert's hidden width.
+    num_experts: ``E`` routed experts; divisible by the EP axis size.
+    top_k: ``K`` experts per token.
+    score_function: ``"softmax"`` or ``"sigmoid"`` router scores.
+    normalize_top_k: divide the K selected scores by their sum.
+    routed_scaling: multiplies the routing weights after normalisation.
+    num_groups, group_top_k: DeepSeek-style group-limited routing: experts
+      form ``num_groups`` equal groups and a token picks its K experts inside
+      its best ``group_top_k`` groups (a group scores the sum of its two best
+      experts). Both None, or both set.
+    use_expert_bias: add a learned-by-update (not by gradient) bias to the
+      scores used for selection only (auxiliary-loss-free balancing).
+    expert_bias_update_rate: step of :meth:`ExpertParallelMoE.update_expert_bias`.
+    aux_loss_coeff: load-balancing loss coefficient (Switch style, global batch).
+    z_loss_coeff: router z-loss coefficient.
+    activation: ``"swiglu"``, ``"geglu"`` or ``"gelu"``.
+    num_shared_experts: always-on experts, one dense MLP of width
+      ``num_shared_experts * ffn_size``.
+    capacity_factor: None = dropless; a float sizes both the expert slabs and
+      the per-destination send chunks (see ``expert_capacity_for``).
+    expert_capacity: rows per expert slab; overrides the factor's slab size.
+    ep_axis: the mesh axis experts are sharded over.
+    batch_axes: other mesh axes that shard the batch (absent ones are ignored).
+    dtype: compute dtype; param_dtype: parameter dtype.
+    transport: dispatch/combine backend: ``"auto"``, ``"xla"`` or ``"cupy"``.
+    remat: the :class:`RematConfig`.
+  """
+
+  hidden_size: int
+  ffn_size: int
+  num_experts: int
+  top_k: int
+  score_function: str = "softmax"
+  normalize_top_k: bool = True
+  routed_scaling: float = 1.0
+  num_groups: int | None = None
+  group_top_k: int | None = None
+  use_expert_bias: bool = False
+  expert_bias_update_rate: float = 1e-3
+  aux_loss_coeff: float = 0.0
+  z_loss_coeff: float = 0.0
+  activation: str = "swiglu"
+  num_shared_experts: int = 0
+  capacity_factor: float | None = None
+  expert_capacity: int | None = None
+  ep_axis: str = "ep"
+  batch_axes: tuple[str, ...] = ("dp",)
+  dtype: str = "bfloat16"
+  param_dtype: str = "float32"
+  transport: str = "auto"
+  remat: RematConfig = dataclasses.field(default_factory=RematConfig)
+
+  def __post_init__(self):
+    cls = type(self)
+    for field in ("hidden_size", "ffn_size", "num_experts", "top_k"):
+      _check_int(self, field, 1)
+    if self.top_k > self.num_experts:
+      _fail(cls, "top_k", self.top_k, f"must be <= num_experts={self.num_experts}")
+    _check_choice(self, "score_function", SCORE_FUNCTIONS)
+    _check_choice(self, "activation", ACTIVATIONS)
+    _check_choice(self, "transport", BACKENDS)
+    _check_number(self, "routed_scaling", 0.0, strict=True)
+    for field in ("expert_bias_update_rate", "aux_loss_coeff", "z_loss_coeff"):
+      _check_number(self, field, 0.0)
+    _check_int(self, "num_shared_experts", 0)
+    if self.capacity_factor is not None:
+      _check_number(self, "capacity_factor", 0.0, strict=True)
+    if self.expert_capacity is not None:
+      _check_int(self, "expert_capacity", 1)
+    self._check_groups()
+    _as_tuple(self, "batch_axes")
+    if self.ep_axis in self.batch_axes:
+      _fail(cls, "batch_axes", self.batch_axes, f"must not contain ep_axis={self.ep_axis!r}")
+    for field in ("dtype", "param_dtype"):
+      try:
+        object.__setattr__(self, field, jnp.dtype(getattr(self, field)).name)
+      except TypeError:
+        _fail(cls, field, getattr(self, field), "is not a dtype name")
+    if isinstance(self.remat, dict):
+      object.__setattr__(self, "remat", from_dict(RematConfig, self.remat, "remat"))
+    if not isinstance(self.remat, RematConfig):
+      _fail(cls, "remat", self.remat, "must be a RematConfig")
+
+  def _check_groups(self):
+    cls = type(self)
+    if (self.num_groups is None) != (self.group_top_k is None):
+      _fail(cls, "num_groups", self.num_groups,
+            f"and group_top_k={self.group_top_k!r} must both be set or both be None")
+    if self.num_groups is None:
+      return
+    _check_int(self, "num_groups", 1)
+    _check_int(self, "group_top_k", 1)
+    if self.num_experts % self.num_groups:
+      _fail(cls, "num_groups", self.num_groups,
+            f"must divide num_experts={self.num_experts}")
+    if self.group_top_k > self.num_groups:
+      _fail(cls, "group_top_k", self.group_top_k, f"must be <= num_groups={self.num_groups}")
+    selectable = self.group_top_k * (self.num_experts // self.num_groups)
+    if self.top_k > selectable:
+      _fail(cls, "top_k", self.top_k,
+            f"must be <= group_top_k * experts per group = {selectable}")
+
+  @property
+  def num_input_projections(self) -> int:
+    """2 for gated activations (gate and up), 1 otherwise."""
+    return 2 if self.activation in ("swiglu", "geglu") else 1
+
+
+# --- dict/YAML mapping ---------------------------------------------------------
+
+
+def _field_types(cls) -> dict[str, Any]:
+  return typing.get_type_hints(cls)
+
+
+def from_dict(cls, data: dict | None, path: str | None = None):
+  """Builds dataclass ``cls`` from a plain dict, recursing into nested
+  dataclass fields. Unknown keys raise ValueError naming the key and path."""
+  path = path or cls.__name__
+  data = dict(data or {})
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  unknown = sorted(set(data) - set(fields))
+  if unknown:
+    raise ValueError(f"unknown key {path}.{unknown[0]} (known: {sorted(fields)})")
+  types = _field_types(cls)
+  kwargs = {}
+  for name, value in data.items():
+    field_type = types[name]
+    if dataclasses.is_dataclass(field_type) and isinstance(value, dict):
+      value = from_dict(field_type, value, f"{path}.{name}")
+    elif isinstance(value, list):
+      value = tuple(value)
+    kwargs[name] = value
+  return cls(**kwargs)
+
+
+def to_dict(config) -> dict:
+  """Inverse of :func:`from_dict`: nested plain dicts, tuples as lists."""
+  out = {}
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if dataclasses.is_dataclass(value):
+      value = to_dict(value)
+    elif isinstance(value, tuple):
+      value = list(value)
+    out[field.name] = value
+  return out

@@ -1,0 +1,240 @@
+"""ExpertParallelMoE: route -> dispatch -> experts -> combine, as one NNX layer.
+
+The whole data flow is :func:`_moe_shard`, the per-shard body that
+``shard_map`` runs on every device of the mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from moe_ep import router
+from moe_ep.config import MoEConfig
+from moe_ep.experts import expert_mlp
+from moe_ep.transport import combine, dispatch, expert_capacity_for, send_capacity_for
+
+
+class ExpertBias(nnx.Variable):
+  """Per-expert selection bias for auxiliary-loss-free balancing.
+
+  Not an ``nnx.Param``: optimizers built on ``nnx.Param`` leave it alone, and
+  it changes only through :meth:`ExpertParallelMoE.update_expert_bias`.
+  """
+
+
+class MoEAux(NamedTuple):
+  """Auxiliary outputs of one layer call (global over the whole batch).
+
+  Attributes:
+    aux_loss: scalar load-balancing loss, already times ``aux_loss_coeff``.
+    z_loss: scalar router z-loss, already times ``z_loss_coeff``.
+    tokens_per_expert: ``[E]`` int32 routes per expert before any drop.
+    dropped_fraction: scalar share of routes dropped for capacity.
+  """
+
+  aux_loss: jax.Array
+  z_loss: jax.Array
+  tokens_per_expert: jax.Array
+  dropped_fraction: jax.Array
+
+
+class _ShardLayout(NamedTuple):
+  """Static facts about how one call is split over the mesh."""
+
+  ep_axis: str | None  # None: one EP rank, no exchange
+  ep_size: int
+  batch_axes: tuple[str, ...]  # every mesh axis that shards the batch, ep last
+  num_shards: int  # product of their sizes
+
+
+def _moe_shard(config: MoEConfig, layout: _ShardLayout, x: jax.Array,
+               params: dict) -> tuple[jax.Array, MoEAux]:
+  """One shard's MoE: ``x [b, s, H]`` -> ``(y [b, s, H], aux)``.
+
+  ``params`` holds this shard's slices: ``router [H, E]``, ``w_in [L, H, n*F]``,
+  ``w_out [L, F, H]``, optionally ``expert_bias [E]``, ``shared_w_in [H, n*F_s]``,
+  ``shared_w_out [F_s, H]``.
+  """
+  batch, seq, hidden = x.shape
+  num_tokens = batch * seq
+  dtype = jnp.dtype(config.dtype)
+  remat = config.remat
+  name = lambda value_name, value: checkpoint_name(value, remat.name(value_name))
+  tokens = x.reshape(num_tokens, hidden).astype(dtype)
+
+  # Route (float32 router).
+  logits = tokens.astype(jnp.float32) @ params["router"].astype(jnp.float32)
+  routing = router.route(
+      logits, top_k=config.top_k, score_function=config.score_function,
+      normalize_top_k=config.normalize_top_k, routed_scaling=config.routed_scaling,
+      num_groups=config.num_groups, group_top_k=config.group_top_k,
+      expert_bias=params.get("expert_bias"), name=name)
+
+  # Dispatch.
+  capacity_args = (num_tokens, config.top_k, config.num_experts, layout.ep_size)
+  expert_capacity = config.expert_capacity or expert_capacity_for(
+      *capacity_args, config.capacity_factor)
+  dispatched = dispatch(
+      tokens, routing.topk_idx, routing.topk_weights, num_experts=config.num_experts,
+      expert_capacity=expert_capacity, axis_name=layout.ep_axis,
+      send_capacity=send_capacity_for(*capacity_args, config.capacity_factor),
+      checkpoint_name=remat.name("dispatch"), backend=config.transport)
+
+  # Experts, weighted in float32 before the unweighted combine.
+  out = expert_mlp(dispatched.tokens, params["w_in"], params["w_out"], config.activation, name)
+  out = (out.astype(jnp.float32) * dispatched.weights[..., None]).astype(dtype)
+
+  # Combine.
+  y = combine(out, dispatched.handle, num_tokens=num_tokens, axis_name=layout.ep_axis,
+              backend=config.transport)
+  if "shared_w_in" in params:
+    y = y + expert_mlp(tokens[None], params["shared_w_in"][None],
+                       params["shared_w_out"][None], config.activation)[0]
+
+  aux = _aux(config, layout, routing, logits, kept=dispatched.counts.sum())
+  return y.reshape(batch, seq, hidden).astype(x.dtype), aux
+
+
+def _aux(config: MoEConfig, layout: _ShardLayout, routing: router.Routing,
+         logits: jax.Array, kept: jax.Array) -> MoEAux:
+  """Batch-global statistics and losses: one int and one float all-reduce."""
+  total = lambda value: (jax.lax.psum(value, layout.batch_axes) if layout.batch_axes
+                         else value)
+  num_experts = config.num_experts
+  counts = total(jnp.concatenate([router.expert_histogram(routing.topk_idx, num_experts),
+                                  kept[None].astype(jnp.int32)]))
+  tokens_per_expert, kept_total = counts[:num_experts], counts[num_experts]
+  routes_total = tokens_per_expert.sum()
+  dropped = 1.0 - kept_total.astype(jnp.float32) / jnp.maximum(routes_total, 1)
+
+  num_global_tokens = routing.scores.shape[0] * layout.num_shards
+  zero = jnp.zeros((), jnp.float32)
+  aux_loss, z_loss = zero, zero
+  if config.aux_loss_coeff > 0 or config.z_loss_coeff > 0:
+    sums = total(jnp.concatenate([
+        router.score_distribution(routing.scores, config.score_function).sum(axis=0),
+        router.z_loss_terms(logits).sum()[None]])) / num_global_tokens
+    if config.aux_loss_coeff > 0:
+      aux_loss = config.aux_loss_coeff * router.load_balancing_loss(
+          tokens_per_expert, sums[:num_experts])
+    if config.z_loss_coeff > 0:
+      z_loss = config.z_loss_coeff * sums[num_experts]
+  return MoEAux(aux_loss, z_loss, tokens_per_expert, dropped)
+
+
+def _scaled_init(fan_in_axis: int):
+  return jax.nn.initializers.variance_scaling(
+      1.0, "fan_in", "truncated_normal", in_axis=fan_in_axis, out_axis=-1)
+
+
+class ExpertParallelMoE(nnx.Module):
+  """Mixture-of-Experts FFN with experts sharded over a mesh axis.
+
+  >>> layer = ExpertParallelMoE(MoEConfig(hidden_size=8, ffn_size=16, num_experts=4,
+  ...                                     top_k=2), rngs=nnx.Rngs(0))
+  >>> y, aux = layer(jnp.ones((2, 3, 8)))
+  >>> y.shape, aux.tokens_per_expert.shape
+  ((2, 3, 8), (4,))
+
+  Args:
+    config: the :class:`~moe_ep.MoEConfig`.
+    mesh: a ``jax.sharding.Mesh`` containing ``config.ep_axis`` (and any of
+      ``config.batch_axes``), or None for one device without EP.
+    rngs: parameter initialisation keys (``rngs.params()``).
+
+  Calling ``layer(x)`` with ``x [B, S, H]`` (batch sharded over the batch axes
+  and the EP axis) returns ``(y [B, S, H], MoEAux)``; y has x's dtype.
+  """
+
+  def __init__(self, config: MoEConfig, *, mesh: jax.sharding.Mesh | None = None,
+               rngs: nnx.Rngs):
+    self.config = config
+    self.mesh = mesh
+    self._shard_layout(config, mesh)  # validates the mesh now
+    hidden, ffn, experts = config.hidden_size, config.ffn_size, config.num_experts
+    n_in = config.num_input_projections
+    ep = config.ep_axis if mesh is not None else None
+    self.router = self._param(rngs, _scaled_init(0), (hidden, experts), (None, None))
+    self.w_in = self._param(rngs, _scaled_init(-2), (experts, hidden, n_in * ffn),
+                            (ep, None, None))
+    self.w_out = self._param(rngs, _scaled_init(-2), (experts, ffn, hidden), (ep, None, None))
+    if config.use_expert_bias:
+      self.expert_bias = ExpertBias(jnp.zeros((experts,), jnp.float32))
+    if config.num_shared_experts:
+      shared = config.num_shared_experts * ffn
+      self.shared_w_in = self._param(rngs, _scaled_init(0), (hidden, n_in * shared),
+                                     (None, None))
+      self.shared_w_out = self._param(rngs, _scaled_init(0), (shared, hidden), (None, None))
+
+  @staticmethod
+  def _shard_layout(config: MoEConfig, mesh) -> _ShardLayout:
+    if mesh is None:
+      return _ShardLayout(None, 1, (), 1)
+    if config.ep_axis not in mesh.axis_names:
+      raise ValueError(f"MoEConfig.ep_axis={config.ep_axis!r} is not an axis of the mesh "
+                       f"{tuple(mesh.axis_names)}")
+    ep_size = mesh.shape[config.ep_axis]
+    if config.num_experts % ep_size:
+      raise ValueError(f"MoEConfig.num_experts={config.num_experts} is not divisible by "
+                       f"the ep axis size {ep_size}")
+    axes = tuple(a for a in config.batch_axes if a in mesh.axis_names) + (config.ep_axis,)
+    return _ShardLayout(config.ep_axis if ep_size > 1 else None, ep_size, axes,
+                        math.prod(mesh.shape[a] for a in axes))
+
+  def _param(self, rngs: nnx.Rngs, init, shape: tuple, spec: tuple) -> nnx.Param:
+    value = init(rngs.params(), shape, jnp.dtype(self.config.param_dtype))
+    if self.mesh is None:
+      return nnx.Param(value)
+    return nnx.Param(value, out_sharding=spec, mesh=self.mesh)
+
+  def update_expert_bias(self, aux: MoEAux) -> None:
+    """Applies one auxiliary-loss-free bias step from ``aux.tokens_per_expert``.
+
+    Call it in the train step after the gradient, e.g.::
+
+      (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+      optimizer.update(model, grads)
+      model.moe.update_expert_bias(aux)
+    """
+    if not self.config.use_expert_bias:
+      raise ValueError("update_expert_bias needs MoEConfig.use_expert_bias=True")
+    self.expert_bias[...] = router.expert_bias_step(
+        self.expert_bias[...], jax.lax.stop_gradient(aux.tokens_per_expert),
+        self.config.expert_bias_update_rate)
+
+  def _params(self) -> dict:
+    params = {"router": self.router[...], "w_in": self.w_in[...], "w_out": self.w_out[...]}
+    if self.config.use_expert_bias:
+      params["expert_bias"] = self.expert_bias[...]
+    if self.config.num_shared_experts:
+      params["shared_w_in"] = self.shared_w_in[...]
+      params["shared_w_out"] = self.shared_w_out[...]
+    return params
+
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
+    config, layout = self.config, self._shard_layout(self.config, self.mesh)
+    if x.ndim != 3 or x.shape[-1] != config.hidden_size:
+      raise ValueError(f"x must be [B, S, hidden_size={config.hidden_size}]; got {x.shape}")
+    body = functools.partial(_moe_shard, config, layout)
+    if config.remat.apply:
+      body = jax.checkpoint(body, policy=config.remat.policy())
+    params = self._params()
+    if self.mesh is None:
+      return body(x, params)
+    if x.shape[0] % layout.num_shards:
+      raise ValueError(f"x batch size {x.shape[0]} must be divisible by the "
+                       f"{layout.num_shards} shards of mesh axes {layout.batch_axes}")
+    expert_spec = P(config.ep_axis)
+    param_specs = {key: expert_spec if key in ("w_in", "w_out") else P() for key in params}
+    x_spec = P(layout.batch_axes)
+    aux_specs = MoEAux(P(), P(), P(), P())
+    return jax.shard_map(body, mesh=self.mesh, in_specs=(x_spec, param_specs),
+                         out_specs=(x_spec, aux_specs))(x, params)
