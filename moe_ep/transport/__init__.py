@@ -8,18 +8,20 @@ are XLA ``all_to_all`` collectives over the EP mesh axis, issued here, once.
 
 Data flow of a forward dispatch on each rank (see ``layout.py`` for the names)::
 
-  route(topk_idx)         -> send_slot, send_token, route_slot       (local)
-  pack_meta               -> meta [R, 2SK+L]                         (local)
+  route(topk_idx, w)      -> send_slot, send_token, route_slot, meta [R, 2SK+L]
   all_to_all(meta)        -> recv_meta                               (small exchange)
   slab_layout(recv_meta)  -> recv_pos, slab_row, weights, counts, demand
-  gather_rows(tokens, send_token) -> send_rows [R, S, H]             (local)
+  expand_rows(tokens)     -> send_rows [R, S, H]   (each token once per rank)
   all_to_all(send_rows)   -> recv_rows [R, S, H]                     (the row exchange)
-  gather_rows(recv_rows, slab_row) -> slabs [L, C, H]                (local)
+  expand_rows(recv_rows)  -> slabs [L, C, H]       (each row once per local expert)
 
-Combine runs the row path backwards with sums: per received row, the sum of
-its members' slab rows (partial sums reduced before they travel), one
-exchange, then per token the sum over destination ranks. With one rank the
-two gathers on each side compose into one and nothing is exchanged.
+Combine runs the row path backwards with sums (``gather_sum_rows``): per
+received row, the sum of its members' slab rows (partial sums reduced before
+they travel), one exchange, then per token the sum over destination ranks.
+With one rank the two passes on each side compose into one and nothing is
+exchanged. Every row movement has its map in both directions in the handle,
+so a backend can read each input row once (``expand_rows``) or write each
+output row once (``gather_sum_rows``).
 """
 
 from __future__ import annotations
@@ -95,15 +97,41 @@ class _Spec:
 # --- the two row paths, shared by the forward and backward rules ------------
 
 
+def _lookup(table: jax.Array, index: jax.Array) -> jax.Array:
+  """``table[index]`` for small int32 index tables; -1 where ``index`` is -1
+  (or the entry itself is -1)."""
+  valid = (index >= 0) & (index < table.shape[0])
+  return jnp.where(valid, table[jnp.where(valid, index, 0)], -1)
+
+
+def _wire_rows(handle: RoutingHandle) -> jax.Array:
+  """``[T, R]`` flat send-buffer row ``d * S + slot`` of each (token, rank), or -1."""
+  ranks = jnp.arange(handle.ep_size, dtype=jnp.int32)
+  return jnp.where(handle.send_slot >= 0, ranks * handle.send_capacity + handle.send_slot, -1)
+
+
+def _token_member_pos(handle: RoutingHandle) -> jax.Array:
+  """One rank only: ``[T, K]`` slab positions of each token's members,
+  composed through its single wire slot."""
+  member_pos = handle.recv_pos.reshape(-1, handle.top_k)
+  return jnp.where(handle.send_slot[:, :1] >= 0,
+                   member_pos[jnp.maximum(handle.send_slot[:, 0], 0)], -1)
+
+
 def _rows_to_slabs(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
   """``rows [T, H]`` (one per token) -> ``[L, C, H]`` slabs along ``handle``."""
   ops = spec.ops
+  hidden = rows.shape[-1]
+  slab_shape = handle.slab_row.shape + (hidden,)
+  slab_row = handle.slab_row.reshape(-1)
   if spec.ep_size == 1:
-    token_of_slab_row = ops.gather_rows(handle.send_token.reshape(-1), handle.slab_row)
-    return ops.gather_rows(rows, token_of_slab_row)
-  send_rows = ops.gather_rows(rows, handle.send_token)
-  recv_rows = _exchange(send_rows, spec.axis_name, "exchange_rows")
-  return ops.gather_rows(recv_rows.reshape(-1, rows.shape[-1]), handle.slab_row)
+    token_of_slab_row = _lookup(handle.send_token.reshape(-1), slab_row)
+    return ops.expand_rows(rows, _token_member_pos(handle), token_of_slab_row).reshape(slab_shape)
+  send_rows = ops.expand_rows(rows, _wire_rows(handle), handle.send_token.reshape(-1))
+  recv_rows = _exchange(send_rows.reshape(spec.ep_size, -1, hidden), spec.axis_name,
+                        "exchange_rows")
+  return ops.expand_rows(recv_rows.reshape(-1, hidden),
+                         handle.recv_pos.reshape(-1, handle.top_k), slab_row).reshape(slab_shape)
 
 
 def _slabs_to_rows(spec: _Spec, slabs: jax.Array, handle: RoutingHandle) -> jax.Array:
@@ -112,31 +140,24 @@ def _slabs_to_rows(spec: _Spec, slabs: jax.Array, handle: RoutingHandle) -> jax.
   hidden = slabs.shape[-1]
   flat_slabs = slabs.reshape(-1, hidden)
   if spec.ep_size == 1:
-    # Member positions of each token's one wire row, composed through the slot.
-    member_pos = handle.recv_pos.reshape(-1, handle.top_k)
-    token_member_pos = ops.gather_rows(member_pos, handle.send_slot[:, 0])
-    token_member_pos = jnp.where(handle.send_slot[:, :1] >= 0, token_member_pos, -1)
-    return ops.gather_sum_rows(flat_slabs, token_member_pos)
+    return ops.gather_sum_rows(flat_slabs, _token_member_pos(handle))
   partial_sums = ops.gather_sum_rows(flat_slabs, handle.recv_pos.reshape(-1, handle.top_k))
   returned = _exchange(partial_sums.reshape(spec.ep_size, -1, hidden), spec.axis_name,
                        "exchange_rows")
-  wire_row = jnp.where(handle.send_slot >= 0,
-                       jnp.arange(spec.ep_size, dtype=jnp.int32) * spec.send_capacity
-                       + handle.send_slot, -1)
-  return ops.gather_sum_rows(returned.reshape(-1, hidden), wire_row)
+  return ops.gather_sum_rows(returned.reshape(-1, hidden), _wire_rows(handle))
 
 
-def _weights_to_routes(spec: _Spec, slab_weight_grad: jax.Array,
-                       handle: RoutingHandle) -> jax.Array:
-  """``[L, C]`` per-slab-row values -> ``[T, K]`` per-route values (0 if dropped)."""
-  ops = spec.ops
+def _weights_to_routes(spec: _Spec, slab_values: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """``[L, C]`` per-slab-row float32 values -> ``[T, K]`` per route (0 if
+  dropped). Small: plain jnp on every backend."""
   top_k = handle.top_k
-  per_member = ops.gather_rows(slab_weight_grad.reshape(-1), handle.recv_pos)  # [R, S, K]
+  flat = slab_values.reshape(-1)
+  per_member = jnp.where(handle.recv_pos >= 0, flat[jnp.maximum(handle.recv_pos, 0)], 0.0)
   if spec.ep_size > 1:
     per_member = _exchange(per_member, spec.axis_name, "exchange_weights")
-  member = jnp.where(handle.route_slot >= 0,
-                     handle.route_slot * top_k + jnp.arange(top_k, dtype=jnp.int32), -1)
-  return ops.gather_rows(per_member.reshape(-1), member)
+  member = handle.route_slot * top_k + jnp.arange(top_k, dtype=jnp.int32)
+  flat_members = per_member.reshape(-1)
+  return jnp.where(handle.route_slot >= 0, flat_members[jnp.maximum(member, 0)], 0.0)
 
 
 # --- dispatch ----------------------------------------------------------------
@@ -151,10 +172,9 @@ def _name(spec: _Spec, field: str, value):
 def _dispatch_forward(spec: _Spec, tokens, topk_idx, topk_weights) -> Dispatched:
   ops = spec.ops
   with jax.named_scope(NAMED_SCOPES["dispatch"]):
-    send_slot, send_token, route_slot = ops.route(
-        topk_idx, num_experts=spec.num_experts, ep_size=spec.ep_size,
-        send_capacity=spec.send_capacity)
-    meta = ops.pack_meta(topk_idx, topk_weights, send_token, num_experts=spec.num_experts)
+    send_slot, send_token, route_slot, meta = ops.route(
+        topk_idx, topk_weights.astype(jnp.float32), num_experts=spec.num_experts,
+        ep_size=spec.ep_size, send_capacity=spec.send_capacity)
     if spec.ep_size > 1:
       meta = _exchange(meta, spec.axis_name, "exchange_meta")
     recv_pos, slab_row, slab_weights, counts, demand = ops.slab_layout(

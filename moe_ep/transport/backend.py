@@ -1,8 +1,8 @@
 """Picks the implementation of the transport's local passes.
 
-A backend is a module (or an object) with the five functions of
-:mod:`moe_ep.transport.xla`: ``route``, ``pack_meta``, ``slab_layout``,
-``gather_rows``, ``gather_sum_rows``. Exchanges, custom_vjp rules and
+A backend is a module (or an object) with the four functions of
+:mod:`moe_ep.transport.xla`: ``route``, ``slab_layout``, ``expand_rows``,
+``gather_sum_rows``. Exchanges, custom_vjp rules and
 checkpoint names live above the backends, in :mod:`moe_ep.transport`.
 """
 
@@ -15,7 +15,7 @@ import jax
 from moe_ep.transport import xla
 
 BACKENDS = ("auto", "xla", "cupy")
-_FUNCTIONS = ("route", "pack_meta", "slab_layout", "gather_rows", "gather_sum_rows")
+_FUNCTIONS = ("route", "slab_layout", "expand_rows", "gather_sum_rows")
 
 
 def check_name(backend: str) -> None:

@@ -1,8 +1,9 @@
 """The pure-JAX backend: the transport's local passes as jnp code.
 
 Runs on every platform and is the reference for the CuPy backend, which
-implements the same five functions with the same outputs (integers exactly,
-floats up to the order of a sum that both take in the same fixed order).
+implements the same four functions (``route``, ``slab_layout``,
+``expand_rows``, ``gather_sum_rows``) with the same outputs: integers exactly,
+floats summed in the same fixed order.
 Row movement is done with gathers driven by the handle, never scatter-adds:
 XLA's scatter with duplicates is slow on GPU and its summation order is not
 fixed.
@@ -16,18 +17,28 @@ import jax.numpy as jnp
 from moe_ep.transport import meta as meta_layout
 
 
-def route(topk_idx: jax.Array, *, num_experts: int, ep_size: int,
-          send_capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Sender-side route table: which wire slot carries each (token, rank).
+def route(topk_idx: jax.Array, topk_weights: jax.Array, *, num_experts: int, ep_size: int,
+          send_capacity: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Sender side: which wire slot carries each (token, rank), and the metadata
+  that travels with the rows.
 
   Args:
     topk_idx: ``[T, K]`` int32 global expert ids; ids outside
       ``[0, num_experts)`` are not routed.
+    topk_weights: ``[T, K]`` float32 routing weights.
 
   Returns:
-    ``send_slot [T, R]``, ``send_token [R, S]``, ``route_slot [T, K]``: see
-    :class:`~moe_ep.transport.layout.RoutingHandle`.
+    ``send_slot [T, R]``, ``send_token [R, S]``, ``route_slot [T, K]`` (see
+    :class:`~moe_ep.transport.layout.RoutingHandle`) and ``meta [R, W]``
+    (see :mod:`moe_ep.transport.meta`).
   """
+  send_slot, send_token, route_slot = _route_table(
+      topk_idx, num_experts=num_experts, ep_size=ep_size, send_capacity=send_capacity)
+  meta = _pack_meta(topk_idx, topk_weights, send_token, num_experts=num_experts)
+  return send_slot, send_token, route_slot, meta
+
+
+def _route_table(topk_idx, *, num_experts, ep_size, send_capacity):
   num_tokens, _ = topk_idx.shape
   local_experts = num_experts // ep_size
   valid = (topk_idx >= 0) & (topk_idx < num_experts)
@@ -50,20 +61,10 @@ def route(topk_idx: jax.Array, *, num_experts: int, ep_size: int,
   return send_slot, send_token, route_slot.astype(jnp.int32)
 
 
-def pack_meta(topk_idx: jax.Array, topk_weights: jax.Array, send_token: jax.Array,
-              *, num_experts: int) -> jax.Array:
-  """The routing metadata that travels with the rows.
-
-  Args:
-    topk_idx: ``[T, K]`` int32 global expert ids.
-    topk_weights: ``[T, K]`` routing weights.
-    send_token: ``[R, S]`` token held by each send slot, or -1.
-
-  Returns:
-    ``[R, meta_width]`` int32, laid out as :mod:`moe_ep.transport.meta`
-    describes: per slot the K local expert ids on that rank (or -1) and their
-    float32 weights, then the per-expert demand this rank sends to that rank.
-  """
+def _pack_meta(topk_idx, topk_weights, send_token, *, num_experts):
+  """``[R, W]`` int32: per slot the K local expert ids on that rank (or -1)
+  and their float32 weights, then the routes this rank sends to each of the
+  destination's experts."""
   ep_size, send_capacity = send_token.shape
   num_tokens, top_k = topk_idx.shape
   local_experts = num_experts // ep_size
@@ -127,6 +128,26 @@ def slab_layout(recv_meta: jax.Array, *, top_k: int, num_local_experts: int,
   demand = demand_sent.sum(axis=0, dtype=jnp.int32)
   return (recv_pos.reshape(ep_size, send_capacity, top_k), slab_row,
           slab_weights, counts, demand)
+
+
+def expand_rows(table: jax.Array, targets: jax.Array, sources: jax.Array) -> jax.Array:
+  """Copies each table row to every output row it feeds; other rows are zero.
+
+  ``targets`` and ``sources`` describe the same map in both directions (both
+  come from the routing handle): ``targets[m, j] == n`` exactly when
+  ``sources[n] == m``. This backend gathers through ``sources``; a kernel may
+  instead read each table row once and write it through ``targets``.
+
+  Args:
+    table: ``[M, H]``.
+    targets: ``[M, J]`` int32 output row of copy ``j`` of row ``m``, or -1.
+    sources: ``[N]`` int32 table row feeding output row ``n``, or -1 (zero row).
+
+  Returns:
+    ``[N, H]`` in ``table.dtype``.
+  """
+  del targets
+  return gather_rows(table, sources)
 
 
 def gather_rows(table: jax.Array, index: jax.Array) -> jax.Array:

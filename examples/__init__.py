@@ -1,0 +1,1 @@
+"""Examples: a small MoE language model pretrained with moe_ep, and an ablation runner."""

@@ -1,0 +1,114 @@
+"""Token streams that are pure functions of ``(seed, step, row)``.
+
+Row ``r`` of step ``s`` is drawn from its own generator seeded with
+``(seed, s, r)``, so every process makes exactly the rows its devices hold,
+a resumed run sees the same batches as an uninterrupted one, and the stream
+does not depend on how many processes share the batch.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+
+from examples.train_config import Config
+
+
+class SyntheticCorpus:
+  """Sequences from one of ``num_topics`` sparse random Markov chains.
+
+  Each topic is a first-order chain over the vocabulary in which a token can
+  be followed by only ``successors`` tokens, with random probabilities. A
+  sequence picks its topic at random, so a model must learn the bigram
+  tables and infer from the context which table is in use: the loss falls
+  fast from ``log(vocab_size)`` towards :attr:`entropy_floor`.
+
+  >>> corpus = SyntheticCorpus(vocab_size=32, seq_len=8, num_topics=2, successors=3, seed=0)
+  >>> corpus.rows(step=0, start=0, stop=4).shape
+  (4, 9)
+  """
+
+  def __init__(self, *, vocab_size: int, seq_len: int, num_topics: int, successors: int,
+               seed: int):
+    self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+    self.num_topics = num_topics
+    rng = np.random.default_rng([seed, 0x5EED])
+    shape = (num_topics, vocab_size)
+    # next_tokens[t, prev, j]: the j-th possible successor of prev under topic t.
+    self.next_tokens = np.stack([np.stack([rng.choice(vocab_size, successors, replace=False)
+                                           for _ in range(vocab_size)])
+                                 for _ in range(num_topics)]).astype(np.int32)
+    probs = rng.dirichlet(np.ones(successors), size=shape)  # [topics, vocab, successors]
+    self.cumulative = np.cumsum(probs, axis=-1)
+    self.entropy_floor = self._entropy_floor(probs)
+
+  def _entropy_floor(self, probs: np.ndarray) -> float:
+    """Nats per token of the chains once the topic is known: the loss a
+    perfect model approaches (slightly below what is reachable, since the
+    first tokens of a sequence leave the topic uncertain)."""
+    entropies = -(probs * np.log(probs)).sum(-1)  # [topics, vocab]
+    floor = 0.0
+    for topic in range(self.num_topics):
+      transition = np.zeros((self.vocab_size, self.vocab_size))
+      rows = np.arange(self.vocab_size)[:, None]
+      np.add.at(transition, (rows, self.next_tokens[topic]), probs[topic])
+      stationary = np.full(self.vocab_size, 1.0 / self.vocab_size)
+      for _ in range(200):
+        stationary = stationary @ transition
+      floor += stationary @ entropies[topic] / self.num_topics
+    return float(floor)
+
+  def rows(self, step: int, start: int, stop: int) -> np.ndarray:
+    """Rows ``start:stop`` of step ``step``'s batch: ``[stop - start, seq_len + 1]`` int32."""
+    count = stop - start
+    topics = np.empty(count, np.int64)
+    first = np.empty(count, np.int64)
+    uniforms = np.empty((count, self.seq_len))
+    for i, row in enumerate(range(start, stop)):
+      rng = np.random.default_rng([self.seed, step, row])
+      topics[i], first[i] = rng.integers(self.num_topics), rng.integers(self.vocab_size)
+      uniforms[i] = rng.random(self.seq_len)
+    tokens = np.empty((count, self.seq_len + 1), np.int32)
+    tokens[:, 0] = first
+    for t in range(self.seq_len):
+      prev = tokens[:, t]
+      choice = (uniforms[:, t, None] > self.cumulative[topics, prev]).sum(-1)
+      choice = np.minimum(choice, self.next_tokens.shape[-1] - 1)  # cumsum rounding
+      tokens[:, t + 1] = self.next_tokens[topics, prev, choice]
+    return tokens
+
+  def describe(self) -> str:
+    return (f"synthetic corpus: vocab {self.vocab_size}, {self.num_topics} hidden chains, "
+            f"loss floor ~{self.entropy_floor:.2f} nats/token")
+
+
+class ByteCorpus:
+  """Random ``seq_len + 1``-byte windows of a file (vocabulary 256)."""
+
+  def __init__(self, path, *, seq_len: int, seed: int):
+    self.path = pathlib.Path(path)
+    self.bytes = np.fromfile(self.path, dtype=np.uint8)
+    self.seq_len, self.seed = seq_len, seed
+    if self.bytes.size <= seq_len + 1:
+      raise ValueError(f"{self.path} has {self.bytes.size} bytes; needs more than "
+                       f"train.seq_len + 1 = {seq_len + 1}")
+
+  def rows(self, step: int, start: int, stop: int) -> np.ndarray:
+    """Rows ``start:stop`` of step ``step``'s batch: ``[stop - start, seq_len + 1]`` int32."""
+    offsets = np.array([np.random.default_rng([self.seed, step, row]).integers(
+        self.bytes.size - self.seq_len - 1) for row in range(start, stop)])
+    return self.bytes[offsets[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
+
+  def describe(self) -> str:
+    return f"byte-level corpus: {self.path} ({self.bytes.size:,} bytes)"
+
+
+def make_corpus(config: Config):
+  """The corpus ``config.data`` names."""
+  train, data = config.train, config.data
+  if data.path is not None:
+    return ByteCorpus(data.path, seq_len=train.seq_len, seed=train.seed)
+  return SyntheticCorpus(vocab_size=config.model.vocab_size, seq_len=train.seq_len,
+                         num_topics=data.num_topics, successors=data.successors,
+                         seed=train.seed)

@@ -1,0 +1,286 @@
+"""Configuration of a pretraining run: frozen dataclasses that YAML maps onto
+1:1, and MaxText-style ``key=value`` command-line overrides.
+
+A YAML file has one section per dataclass (``model``, ``moe``, ``train``,
+``data``, ``mesh``); ``moe`` is :class:`moe_ep.MoEConfig` itself. Unknown keys
+are errors naming the key, in the file and in overrides alike:
+
+>>> load_config("configs/tiny.yaml", ["moe.top_k=4", "train.steps=50"]).moe.top_k
+4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import typing
+
+import yaml
+
+from moe_ep import MoEConfig
+from moe_ep.config import from_dict, to_dict
+
+MESH_AXES = ("dp", "ep")
+DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
+
+def _fail(obj, field: str, rule: str):
+  raise ValueError(f"{type(obj).__name__}.{field}={getattr(obj, field)!r} {rule}")
+
+
+def _check_int(obj, field: str, minimum: int, optional: bool = False) -> None:
+  value = getattr(obj, field)
+  if optional and value is None:
+    return
+  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    _fail(obj, field, f"must be an integer >= {minimum}")
+
+
+def _check_number(obj, field: str, minimum: float, optional: bool = False) -> None:
+  value = getattr(obj, field)
+  if optional and value is None:
+    return
+  if not isinstance(value, (int, float)) or isinstance(value, bool) or value < minimum:
+    _fail(obj, field, f"must be a number >= {minimum}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The decoder-only transformer around the MoE layers.
+
+  Attributes:
+    vocab_size: tokens in the vocabulary (byte-level data needs >= 256).
+    d_model: model width; equals ``moe.hidden_size``.
+    num_layers: transformer blocks.
+    num_heads: attention heads; ``d_model / num_heads`` is even (RoPE).
+    mlp_size: hidden width of the dense FFN blocks.
+    moe_every: every ``moe_every``-th block has an MoE FFN, the others a
+      dense one (1: all blocks are MoE); divides ``num_layers``.
+    scan_layers: stack the repeating blocks and run them with ``nnx.scan``
+      (one compiled body whatever the depth) instead of a Python loop.
+    remat_blocks: checkpoint each repeating unit with the policy of
+      ``moe.remat`` (recompute attention and dense FFNs in the backward pass,
+      keep the MoE's named values it saves).
+    rope_base: rotary position embedding base.
+    dtype: compute dtype of attention and dense layers (``moe.dtype`` for the MoE).
+  """
+
+  vocab_size: int = 256
+  d_model: int = 64
+  num_layers: int = 2
+  num_heads: int = 4
+  mlp_size: int = 256
+  moe_every: int = 1
+  scan_layers: bool = True
+  remat_blocks: bool = False
+  rope_base: float = 10000.0
+  dtype: str = "float32"
+
+  def __post_init__(self):
+    for field in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_size", "moe_every"):
+      _check_int(self, field, 1)
+    if self.d_model % (2 * self.num_heads):
+      _fail(self, "d_model", f"must be a multiple of 2 * num_heads={self.num_heads} "
+            "(an even head size for rotary embeddings)")
+    if self.num_layers % self.moe_every:
+      _fail(self, "num_layers", f"must be a multiple of moe_every={self.moe_every}")
+    for field in ("scan_layers", "remat_blocks"):
+      if not isinstance(getattr(self, field), bool):
+        _fail(self, field, "must be a bool")
+    _check_number(self, "rope_base", 1.0)
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.num_layers // self.moe_every
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """The optimisation and the run's bookkeeping.
+
+  Attributes:
+    seed: parameter initialisation and the data stream (a pure function of
+      ``(seed, step)``).
+    steps: optimizer steps of the whole run.
+    batch_size: global sequences per step; divisible by the mesh's devices.
+    seq_len: tokens per sequence (the model sees ``seq_len``, predicts the next).
+    learning_rate: AdamW peak rate, reached after ``warmup_steps`` of linear
+      warm-up, then cosine decay to ``learning_rate * final_lr_fraction``.
+    weight_decay: AdamW decoupled decay of matrices (not norm scales).
+    grad_clip_norm: clip the global gradient norm to this (None: no clipping).
+    checkpoint_every: save an Orbax checkpoint every this many steps and at
+      the end (0: never).
+    log_every: print a plain progress line every this many steps when the
+      output is not a terminal (logs of multi-process jobs, CI).
+    run_dir: checkpoints, metrics.jsonl, metrics.png and summary.json go here.
+  """
+
+  seed: int = 0
+  steps: int = 300
+  batch_size: int = 32
+  seq_len: int = 64
+  learning_rate: float = 3e-3
+  warmup_steps: int = 30
+  final_lr_fraction: float = 0.1
+  weight_decay: float = 0.1
+  grad_clip_norm: float | None = 1.0
+  checkpoint_every: int = 100
+  log_every: int = 25
+  run_dir: str = "runs/tiny"
+
+  def __post_init__(self):
+    _check_int(self, "seed", 0)
+    for field in ("steps", "batch_size", "seq_len", "log_every"):
+      _check_int(self, field, 1)
+    for field in ("warmup_steps", "checkpoint_every"):
+      _check_int(self, field, 0)
+    if self.warmup_steps >= self.steps:
+      _fail(self, "warmup_steps", f"must be < steps={self.steps}")
+    _check_number(self, "learning_rate", 0.0)
+    _check_number(self, "weight_decay", 0.0)
+    _check_number(self, "grad_clip_norm", 0.0, optional=True)
+    if not 0.0 <= self.final_lr_fraction <= 1.0:
+      _fail(self, "final_lr_fraction", "must be in [0, 1]")
+    if not isinstance(self.run_dir, str) or not self.run_dir:
+      _fail(self, "run_dir", "must be a non-empty path")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where the tokens come from.
+
+  Attributes:
+    path: a text file trained on byte-level (vocabulary 256), or None for the
+      built-in synthetic corpus.
+    num_topics: synthetic corpus: each sequence follows one of this many
+      hidden Markov chains, so the model must infer the chain from context.
+    successors: synthetic corpus: tokens that can follow a given token.
+  """
+
+  path: str | None = None
+  num_topics: int = 4
+  successors: int = 4
+
+  def __post_init__(self):
+    if self.path is not None and not isinstance(self.path, str):
+      _fail(self, "path", "must be a file path or null")
+    _check_int(self, "num_topics", 1)
+    _check_int(self, "successors", 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """The ``("dp", "ep")`` device mesh; ``dp * ep`` must be the device count.
+
+  Attributes:
+    dp: data-parallel size (None: the devices left after ``ep``).
+    ep: expert-parallel size (None: the devices left after ``dp``; with both
+      None, all devices go to ``ep``).
+  """
+
+  dp: int | None = None
+  ep: int | None = None
+
+  def __post_init__(self):
+    _check_int(self, "dp", 1, optional=True)
+    _check_int(self, "ep", 1, optional=True)
+
+  def shape(self, num_devices: int) -> tuple[int, int]:
+    """``(dp, ep)`` for ``num_devices`` devices."""
+    dp, ep = self.dp, self.ep
+    if dp is None and ep is None:
+      dp = 1
+    if ep is None:
+      ep = num_devices // dp
+    elif dp is None:
+      dp = num_devices // ep
+    if dp * ep != num_devices:
+      raise ValueError(f"MeshConfig dp={self.dp} ep={self.ep} does not tile the "
+                       f"{num_devices} devices (dp * ep must equal the device count)")
+    return dp, ep
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """A whole run: one section per YAML mapping."""
+
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  moe: MoEConfig = dataclasses.field(
+      default_factory=lambda: MoEConfig(hidden_size=64, ffn_size=128, num_experts=8, top_k=2))
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+  def __post_init__(self):
+    if self.moe.hidden_size != self.model.d_model:
+      raise ValueError(f"MoEConfig.hidden_size={self.moe.hidden_size} must equal "
+                       f"ModelConfig.d_model={self.model.d_model}")
+    if self.moe.ep_axis != "ep" or not set(self.moe.batch_axes) <= set(MESH_AXES):
+      raise ValueError(f"MoEConfig.ep_axis={self.moe.ep_axis!r} and batch_axes="
+                       f"{self.moe.batch_axes!r} must name the mesh axes {MESH_AXES}")
+    if self.data.path is not None and self.model.vocab_size < 256:
+      raise ValueError(f"ModelConfig.vocab_size={self.model.vocab_size} must be >= 256 "
+                       "for byte-level data")
+
+
+# --- YAML and overrides --------------------------------------------------------
+
+
+def _section_type(cls, key: str, dotted: str):
+  """The type of field ``key`` of dataclass ``cls``; errors name ``dotted``."""
+  fields = {f.name for f in dataclasses.fields(cls)}
+  if key not in fields:
+    raise ValueError(f"unknown key {dotted!r} (known keys here: {sorted(fields)})")
+  return typing.get_type_hints(cls)[key]
+
+
+def parse_override(text: str) -> tuple[str, object]:
+  """``"moe.top_k=4"`` -> ``("moe.top_k", 4)``; the value is parsed as YAML."""
+  key, sep, value = text.partition("=")
+  if not sep or not key:
+    raise ValueError(f"override {text!r} must look like section.key=value")
+  return key.strip(), yaml.safe_load(value)
+
+
+def apply_overrides(data: dict, overrides) -> dict:
+  """Returns ``data`` (nested dicts) with each dotted ``key=value`` set.
+
+  Every key is checked against the dataclasses first, so a typo fails with
+  its dotted name instead of being silently added.
+  """
+  data = yaml.safe_load(yaml.safe_dump(data))  # a deep copy of plain data
+  for text in overrides:
+    key, value = parse_override(text)
+    parts = key.split(".")
+    cls, node = Config, data
+    for depth, part in enumerate(parts):
+      field_type = _section_type(cls, part, ".".join(parts[:depth + 1]))
+      if depth == len(parts) - 1:
+        node[part] = value
+      elif dataclasses.is_dataclass(field_type):
+        cls = field_type
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+          raise ValueError(f"override {text!r}: {'.'.join(parts[:depth + 1])} is not a section")
+      else:
+        raise ValueError(f"override {text!r}: {'.'.join(parts[:depth + 1])} is a value, "
+                         "not a section")
+  return data
+
+
+def config_from_dict(data: dict | None) -> Config:
+  """Builds a :class:`Config`; unknown keys raise naming ``config.section.key``."""
+  return from_dict(Config, data, "config")
+
+
+def load_config(path=None, overrides=()) -> Config:
+  """Reads a YAML config (default ``configs/tiny.yaml``) and applies overrides."""
+  path = pathlib.Path(path or DEFAULT_CONFIG)
+  data = yaml.safe_load(path.read_text()) or {}
+  if not isinstance(data, dict):
+    raise ValueError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+  return config_from_dict(apply_overrides(data, overrides))
+
+
+def config_to_yaml(config: Config) -> str:
+  return yaml.safe_dump(to_dict(config), sort_keys=False)
