@@ -81,11 +81,16 @@ def _pump(stream, sink: list, tail: collections.deque, prefix: str, echo: bool):
 
 
 def _kill(process: subprocess.Popen) -> None:
-  if process.poll() is None:
-    try:
-      os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-      pass
+  """Kills the child's whole process group (its own subprocesses too, even
+  after the child itself exited) and reaps it."""
+  try:
+    os.killpg(process.pid, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):
+    pass
+  try:
+    process.wait(timeout=5)
+  except subprocess.TimeoutExpired:
+    pass
 
 
 def launch(command: list[str], num_processes: int, *, timeout_s: float = 600,

@@ -2,7 +2,9 @@
 
 import os
 
-# Must happen before JAX initialises its backends.
+# Must happen before JAX initialises its backends. No GPU memory preallocation:
+# multi-process GPU tests start children that need the GPUs too.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8").strip()
@@ -10,6 +12,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+# float32 tests compare against float32 references: no TF32 matmuls on GPU.
+jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def gpu_devices() -> list:
@@ -46,6 +51,19 @@ def devices_for(backend: str, count: int) -> list:
   if len(devices) < count:
     pytest.skip(f"needs {count} devices for backend={backend}, have {len(devices)}")
   return devices[:count]
+
+
+def device_count(backend: str) -> int:
+  return len(gpu_devices()) if backend == "cupy" else len(jax.devices("cpu"))
+
+
+def layer_mesh_cases() -> list[tuple[str, tuple[int, int]]]:
+  """(backend, ("dp", "ep") shape) pairs with EP > 1 that this machine can run:
+  2x4 and 1x8 on the 8 CPU devices; all GPUs on the EP axis for CuPy."""
+  cases = [("xla", (2, 4)), ("xla", (1, 8))]
+  if "cupy" in BACKENDS and device_count("cupy") >= 2:
+    cases.append(("cupy", (1, device_count("cupy"))))
+  return cases
 
 
 def make_mesh(shape: tuple, names: tuple, backend: str = "xla") -> jax.sharding.Mesh:

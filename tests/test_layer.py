@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import hlo
-from conftest import BACKENDS, make_mesh
+from conftest import BACKENDS, device_count, layer_mesh_cases, make_mesh
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
 from moe_ep.transport import NAMED_SCOPES
 from reference import reference_moe_layer
@@ -23,6 +23,11 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-4)
 ROWS = f"{NAMED_SCOPES['dispatch']}/exchange_rows"
 META = f"{NAMED_SCOPES['dispatch']}/exchange_meta"
+
+
+LAYER_MESHES = layer_mesh_cases()
+FIRST_MESH_PER_BACKEND = [case for i, case in enumerate(LAYER_MESHES)
+                          if case[0] not in [c[0] for c in LAYER_MESHES[:i]]]
 
 
 def config(**overrides) -> MoEConfig:
@@ -70,15 +75,15 @@ def biased_sigmoid_layer(mesh, **overrides):
   return layer
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 4), (1, 8)])
+@pytest.mark.parametrize("backend, mesh_shape", LAYER_MESHES)
 @pytest.mark.parametrize("routing", ["softmax", "sigmoid_biased"])
-def test_saved_dispatch_removes_redispatch(routing, mesh_shape):
-  mesh = make_mesh(mesh_shape, ("dp", "ep"))
+def test_saved_dispatch_removes_redispatch(routing, backend, mesh_shape):
+  mesh = make_mesh(mesh_shape, ("dp", "ep"), backend)
   if routing == "softmax":
-    layer = ExpertParallelMoE(config(aux_loss_coeff=0.01, z_loss_coeff=1e-3), mesh=mesh,
-                              rngs=nnx.Rngs(0))
+    layer = ExpertParallelMoE(config(aux_loss_coeff=0.01, z_loss_coeff=1e-3, transport=backend),
+                              mesh=mesh, rngs=nnx.Rngs(0))
   else:
-    layer = biased_sigmoid_layer(mesh)
+    layer = biased_sigmoid_layer(mesh, transport=backend)
   x = batch(0)
   names = jax.checkpoint_policies.save_only_these_names
   text_plain, plain = compiled_value_and_grad(layer, x)
@@ -127,12 +132,13 @@ def stacked_layers(cfg, mesh, count=2):
   return create(nnx.Rngs(0))
 
 
-def test_saved_handles_in_scan_match_plain_scan_and_unrolled_loop():
+@pytest.mark.parametrize("backend, mesh_shape", FIRST_MESH_PER_BACKEND)
+def test_saved_handles_in_scan_match_plain_scan_and_unrolled_loop(backend, mesh_shape):
   """Two stacked layers through nnx.scan with the dispatch saved, against a
   plain scan and a Python loop over the two layers, on two batches run by the
   same compiled executables (no stale routing state)."""
-  mesh = make_mesh((2, 4), ("dp", "ep"))
-  cfg = config(aux_loss_coeff=0.01)
+  mesh = make_mesh(mesh_shape, ("dp", "ep"), backend)
+  cfg = config(aux_loss_coeff=0.01, transport=backend)
   stack = stacked_layers(cfg, mesh)
   graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
 
@@ -179,10 +185,11 @@ def test_saved_handles_in_scan_match_plain_scan_and_unrolled_loop():
     assert step._cache_size() == 1
 
 
-def test_overflow_backward_saved_equals_recomputed():
-  mesh = make_mesh((2, 4), ("dp", "ep"))
+@pytest.mark.parametrize("backend, mesh_shape", FIRST_MESH_PER_BACKEND)
+def test_overflow_backward_saved_equals_recomputed(backend, mesh_shape):
+  mesh = make_mesh(mesh_shape, ("dp", "ep"), backend)
   capacity = 4
-  layer = biased_sigmoid_layer(mesh, expert_capacity=capacity)
+  layer = biased_sigmoid_layer(mesh, expert_capacity=capacity, transport=backend)
   x = batch(4)
   _, plain = compiled_value_and_grad(layer, x)
   _, saved = compiled_value_and_grad(layer, x, RematConfig(save=("dispatch",)).policy())
@@ -203,7 +210,10 @@ REFERENCE_CASES = [(1, a) for a in ("swiglu", "geglu", "gelu")] + [
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ep_size, activation", REFERENCE_CASES)
 def test_layer_matches_dense_reference(ep_size, activation, backend):
-  mesh = make_mesh((8 // ep_size, ep_size), ("dp", "ep"), backend)
+  devices = device_count(backend)
+  if ep_size > devices or devices % ep_size:
+    pytest.skip(f"EP={ep_size} needs a multiple of {ep_size} {backend} devices")
+  mesh = make_mesh((devices // ep_size, ep_size), ("dp", "ep"), backend)
   cfg = config(activation=activation, num_shared_experts=1, aux_loss_coeff=0.01,
                z_loss_coeff=1e-3, routed_scaling=1.5, transport=backend)
   layer = ExpertParallelMoE(cfg, mesh=mesh, rngs=nnx.Rngs(ep_size))
@@ -225,11 +235,12 @@ def test_layer_matches_dense_reference(ep_size, activation, backend):
                                err_msg=key, **GRAD_TOL)
 
 
-def test_layer_output_matches_reference_in_bfloat16():
+@pytest.mark.parametrize("backend, mesh_shape", FIRST_MESH_PER_BACKEND)
+def test_layer_output_matches_reference_in_bfloat16(backend, mesh_shape):
   """Default dtype: bf16 compute against the float32 reference with bf16
   tolerance (inputs and weights rounded to bf16, ~2**-8 relative each)."""
-  mesh = make_mesh((2, 4), ("dp", "ep"))
-  cfg = dataclasses.replace(config(), dtype="bfloat16")
+  mesh = make_mesh(mesh_shape, ("dp", "ep"), backend)
+  cfg = dataclasses.replace(config(transport=backend), dtype="bfloat16")
   layer = ExpertParallelMoE(cfg, mesh=mesh, rngs=nnx.Rngs(0))
   x = batch(6)
   y, _ = nnx.jit(lambda m, v: m(v))(layer, jnp.asarray(x, jnp.bfloat16))

@@ -1,10 +1,302 @@
-"""CuPy backend (work in progress)."""
+"""The CuPy backend: ``kernels/*.cu`` launched on XLA's own stream.
+
+Each function has the signature and outputs of its twin in
+:mod:`moe_ep.transport.xla`; each lowers to one
+``jax.experimental.buffer_callback`` (FFI buffers, no host round trip) whose
+Python callback only launches kernels: raw pointers from
+``__cuda_array_interface__``, XLA's stream wrapped by
+``cupy.cuda.ExternalStream``, scratch space declared as an extra output so
+nothing is allocated and nothing synchronises. Launch shapes depend on static
+shapes only, so every callback is ``command_buffer_compatible`` and XLA can
+replay it from a CUDA graph.
+
+Kernels compile with NVRTC once per device, at trace time (never inside a
+step); this is the only module that imports CuPy.
+"""
+
+from __future__ import annotations
+
 import importlib.util
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+from moe_ep.transport import kernel_source
+from moe_ep.transport import meta as meta_layout
+from moe_ep.transport import xla
+
+_INSTALL_HINT = ("backend='cupy' needs CuPy: pip install 'moe_ep[cuda13]' (CUDA 13) "
+                 "or 'moe_ep[cuda12]' (CUDA 12)")
+
+KERNELS = {
+    "rows.cu": ("expand_rows_v16", "expand_rows_v8", "expand_rows_v4", "expand_rows_v2",
+                "gather_sum_rows_f32", "gather_sum_rows_bf16", "gather_sum_rows_f16"),
+    "layout.cu": ("route_count", "route_scan", "route_rank", "route_finish",
+                  "slab_count", "slab_scan", "slab_rank", "slab_pad"),
+}
+_SUM_KERNELS = {jnp.dtype(jnp.float32): "gather_sum_rows_f32",
+                jnp.dtype(jnp.bfloat16): "gather_sum_rows_bf16",
+                jnp.dtype(jnp.float16): "gather_sum_rows_f16"}
+_MAX_THREADS = 256
+_SHARED_INTS = 12288  # 48 KiB of dynamic shared memory, the default limit
+_SCAN_THREADS = 256
+
+_compiled: dict[int, dict[str, object]] = {}  # device ordinal -> kernel name -> RawKernel
+_compile_lock = threading.Lock()
+
 
 def cupy_available() -> bool:
   return importlib.util.find_spec("cupy") is not None
 
+
 def require_cupy() -> None:
   if not cupy_available():
-    raise ImportError("backend='cupy' needs CuPy: pip install 'moe_ep[cuda13]' (CUDA 13) "
-                      "or 'moe_ep[cuda12]' (CUDA 12)")
+    raise ImportError(_INSTALL_HINT)
+
+
+# --- compilation ---------------------------------------------------------------
+
+
+def compile_kernels(device_ordinal: int) -> dict[str, object]:
+  """Compiles every kernel file for one CUDA device (cached)."""
+  with _compile_lock:
+    if device_ordinal in _compiled:
+      return _compiled[device_ordinal]
+    import cupy
+    functions = {}
+    with cupy.cuda.Device(device_ordinal):
+      for kernel_file, names in KERNELS.items():
+        module = cupy.RawModule(code=kernel_source.source(kernel_file),
+                                options=kernel_source.COMPILE_OPTIONS)
+        try:
+          module.compile()
+        except cupy.cuda.compiler.CompileException as error:
+          raise RuntimeError(f"compiling kernels/{kernel_file} failed:\n{error}") from error
+        for name in names:
+          functions[name] = module.get_function(name)
+    _compiled[device_ordinal] = functions
+    return functions
+
+
+def _gpu_ordinals() -> list[int]:
+  try:
+    devices = jax.local_devices(backend="gpu")
+  except RuntimeError:
+    return []
+  ordinals = []
+  for device in devices:
+    hardware_id = getattr(device, "local_hardware_id", None)
+    ordinals.append(device.id if hardware_id is None else hardware_id)
+  return ordinals
+
+
+def _compile_at_trace_time() -> None:
+  """Compiles for every local GPU now, so no step ever waits for NVRTC.
+  Without CuPy or GPUs (e.g. lowering for CUDA on a CPU machine) it does
+  nothing; the callbacks then fail only if they actually run."""
+  if not cupy_available():
+    return
+  for ordinal in _gpu_ordinals():
+    compile_kernels(ordinal)
+
+
+# --- launching -----------------------------------------------------------------
+
+
+def _pointer(buffer) -> np.uint64:
+  return np.uint64(buffer.__cuda_array_interface__["data"][0])
+
+
+def _device_ordinal(buffer) -> int:
+  device_type, ordinal = buffer.__dlpack_device__()
+  if device_type != 2:  # kDLCUDA
+    raise RuntimeError("backend='cupy' ran on a non-CUDA buffer; use backend='auto' or 'xla' "
+                       "off CUDA devices")
+  return ordinal
+
+
+def _launcher(ctx, buffer):
+  """Returns ``launch(name, grid, block, *args, shared_ints=0)`` on the
+  buffer's device and XLA's stream."""
+  import cupy
+  ordinal = _device_ordinal(buffer)
+  functions = _compiled.get(ordinal) or compile_kernels(ordinal)
+  stream = cupy.cuda.ExternalStream(ctx.stream, ordinal)
+
+  def launch(name, grid, block, *args, shared_ints=0):
+    with cupy.cuda.Device(ordinal), stream:
+      functions[name]((int(grid),), (int(block),), args, shared_mem=4 * shared_ints)
+  return launch
+
+
+def _i32(*values):
+  return tuple(np.int32(v) for v in values)
+
+
+def _varying_axes(x) -> frozenset:
+  """The shard_map axes ``x`` varies over (``aval.mat.varying`` in newer
+  JAX, ``aval.vma`` in older)."""
+  aval = jax.typeof(x)
+  manual_axis_type = getattr(aval, "mat", None)
+  if manual_axis_type is not None:
+    return frozenset(manual_axis_type.varying)
+  return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def _varying_like(outputs, *inputs):
+  """buffer_callback drops shard_map's varying-axes type; restore the union
+  of the inputs' so both platform branches agree."""
+  axes = frozenset().union(*(_varying_axes(x) for x in inputs))
+  if not axes:
+    return outputs
+  axes = tuple(sorted(axes, key=str))
+  return [jax.lax.pcast(out, axes, to="varying") for out in outputs]
+
+
+def _call(scope: str, callback, result_shapes, *inputs):
+  _compile_at_trace_time()
+  with jax.named_scope(scope):
+    outputs = buffer_callback(callback, result_shapes, command_buffer_compatible=True)(*inputs)
+  return _varying_like(list(outputs), *inputs)
+
+
+def _threads_for(row_work: int) -> int:
+  return int(min(_MAX_THREADS, max(32, -(-row_work // 32) * 32)))
+
+
+def _tile_threads(num_keys: int, extra_ints: int = 0) -> int:
+  """Threads per tile block of the layout kernels: one warp-count row of
+  ``num_keys`` ints per warp (plus ``extra_ints``) must fit in shared memory."""
+  warps = (_SHARED_INTS - extra_ints) // max(num_keys, 1)
+  if warps < 1:
+    raise ValueError(f"{num_keys} keys do not fit the layout kernels' shared memory")
+  return 32 * min(32, warps)
+
+
+# --- the four backend functions ---------------------------------------------------
+
+
+def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capacity: int):
+  """Kernels ``route_count``, ``route_scan``, ``route_rank``, ``route_finish``;
+  see :func:`moe_ep.transport.xla.route`."""
+  num_tokens, top_k = topk_idx.shape
+  local_experts = num_experts // ep_size
+  width = meta_layout.width(send_capacity, top_k, local_experts)
+  demand_offset = 2 * send_capacity * top_k
+  threads = _tile_threads(ep_size, extra_ints=num_experts)
+  tiles = -(-num_tokens // threads)
+  workspace = (tiles * ep_size, tiles * ep_size, tiles * num_experts, ep_size)
+  shapes = [jax.ShapeDtypeStruct((num_tokens, ep_size), jnp.int32),
+            jax.ShapeDtypeStruct((ep_size, send_capacity), jnp.int32),
+            jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32),
+            jax.ShapeDtypeStruct((ep_size, width), jnp.int32),
+            jax.ShapeDtypeStruct((sum(workspace),), jnp.int32)]
+
+  def callback(ctx, outs, idx, weights):
+    send_slot, send_token, route_slot, meta, scratch = (_pointer(b) for b in outs)
+    dest_counts, dest_offsets, expert_counts, dest_totals = (
+        scratch + np.uint64(4 * o) for o in np.cumsum((0,) + workspace[:-1]))
+    launch = _launcher(ctx, idx)
+    sizes = _i32(num_tokens, top_k, num_experts, local_experts, ep_size)
+    launch("route_count", tiles, threads, _pointer(idx), *sizes, dest_counts, expert_counts,
+           shared_ints=threads // 32 * ep_size + num_experts)
+    launch("route_scan", 1, _SCAN_THREADS, dest_counts, expert_counts,
+           *_i32(tiles, ep_size, num_experts, local_experts, width, demand_offset),
+           dest_offsets, dest_totals, meta)
+    launch("route_rank", tiles, threads, _pointer(idx), *sizes, np.int32(send_capacity),
+           dest_offsets, send_slot, send_token, route_slot, shared_ints=threads // 32 * ep_size)
+    launch("route_finish", -(-ep_size * send_capacity // _MAX_THREADS), _MAX_THREADS,
+           _pointer(idx), _pointer(weights), *sizes, np.int32(send_capacity), dest_totals,
+           send_token, meta, np.int32(width))
+
+  outputs = _call("moe_cupy_route", callback, shapes, topk_idx.astype(jnp.int32),
+                  topk_weights.astype(jnp.float32))
+  return tuple(outputs[:4])
+
+
+def slab_layout(recv_meta, *, top_k: int, num_local_experts: int, expert_capacity: int):
+  """Kernels ``slab_count``, ``slab_scan``, ``slab_rank``, ``slab_pad``;
+  see :func:`moe_ep.transport.xla.slab_layout`."""
+  ep_size, width = recv_meta.shape
+  local_experts, capacity = num_local_experts, expert_capacity
+  send_capacity = (width - local_experts) // (2 * top_k)
+  num_members = ep_size * send_capacity * top_k
+  threads = _tile_threads(local_experts)
+  tiles = -(-num_members // threads)
+  shapes = [jax.ShapeDtypeStruct((ep_size, send_capacity, top_k), jnp.int32),
+            jax.ShapeDtypeStruct((local_experts, capacity), jnp.int32),
+            jax.ShapeDtypeStruct((local_experts, capacity), jnp.float32),
+            jax.ShapeDtypeStruct((local_experts,), jnp.int32),
+            jax.ShapeDtypeStruct((local_experts,), jnp.int32),
+            jax.ShapeDtypeStruct((2 * tiles * local_experts,), jnp.int32)]
+
+  def callback(ctx, outs, meta):
+    recv_pos, slab_row, slab_weights, counts, demand, scratch = (_pointer(b) for b in outs)
+    tile_counts, tile_offsets = scratch, scratch + np.uint64(4 * tiles * local_experts)
+    launch = _launcher(ctx, meta)
+    shared = threads // 32 * local_experts
+    launch("slab_count", tiles, threads, _pointer(meta),
+           *_i32(ep_size, send_capacity, top_k, local_experts, width), tile_counts,
+           shared_ints=shared)
+    launch("slab_scan", 1, _SCAN_THREADS, tile_counts,
+           *_i32(tiles, local_experts, capacity, ep_size, width, 2 * send_capacity * top_k),
+           _pointer(meta), tile_offsets, counts, demand)
+    launch("slab_rank", tiles, threads, _pointer(meta),
+           *_i32(ep_size, send_capacity, top_k, local_experts, capacity, width),
+           tile_offsets, recv_pos, slab_row, slab_weights, shared_ints=shared)
+    launch("slab_pad", -(-local_experts * capacity // _MAX_THREADS), _MAX_THREADS, counts,
+           *_i32(local_experts, capacity), slab_row, slab_weights)
+
+  return tuple(_call("moe_cupy_slab_layout", callback, shapes, recv_meta)[:5])
+
+
+_VECTOR_BYTES = (16, 8, 4, 2)
+
+
+def expand_rows(table, targets, sources):
+  """Kernel ``expand_rows_v{16,8,4,2}``: each table row read once and written
+  to all its targets; see :func:`moe_ep.transport.xla.expand_rows`."""
+  num_table_rows, hidden = table.shape
+  row_bytes = hidden * table.dtype.itemsize
+  vector = next((v for v in _VECTOR_BYTES if row_bytes % v == 0), None)
+  if vector is None:  # odd widths of 1-byte types: no kernel variant
+    return xla.expand_rows(table, targets, sources)
+  num_out_rows = sources.shape[0]
+  fanout = targets.shape[1]
+  row_vecs = row_bytes // vector
+  threads = _threads_for(-(-row_vecs // 4))
+  zero_blocks = -(-num_out_rows // 8)
+
+  def callback(ctx, outs, rows, target_index, source_index):
+    (out,) = outs
+    _launcher(ctx, rows)(f"expand_rows_v{vector}", num_table_rows + zero_blocks, threads,
+                         _pointer(rows), _pointer(target_index), _pointer(source_index),
+                         _pointer(out), *_i32(num_table_rows, fanout, num_out_rows, row_vecs))
+
+  shape = jax.ShapeDtypeStruct((num_out_rows, hidden), table.dtype)
+  return _call("moe_cupy_expand_rows", callback, [shape], table,
+               targets.astype(jnp.int32), sources.astype(jnp.int32))[0]
+
+
+def gather_sum_rows(table, index):
+  """Kernel ``gather_sum_rows_{f32,bf16,f16}``: fixed-order float32 sums;
+  see :func:`moe_ep.transport.xla.gather_sum_rows`."""
+  kernel = _SUM_KERNELS.get(jnp.dtype(table.dtype))
+  if kernel is None:
+    return xla.gather_sum_rows(table, index)
+  num_table_rows, hidden = table.shape
+  num_out_rows, fanin = index.shape
+  per_vector = 16 // table.dtype.itemsize
+  threads = _threads_for(hidden // per_vector if hidden % per_vector == 0 else hidden)
+
+  def callback(ctx, outs, rows, row_index):
+    (out,) = outs
+    _launcher(ctx, rows)(kernel, num_out_rows, threads, _pointer(rows), _pointer(row_index),
+                         _pointer(out), *_i32(num_table_rows, fanin, num_out_rows, hidden))
+
+  shape = jax.ShapeDtypeStruct((num_out_rows, hidden), table.dtype)
+  return _call("moe_cupy_gather_sum_rows", callback, [shape], table,
+               index.astype(jnp.int32))[0]

@@ -11,7 +11,7 @@ from conftest import BACKENDS, make_mesh
 from moe_ep.transport import RoutingHandle, combine, dispatch, expert_capacity_for
 from reference import make_routing
 
-EP, TOKENS, HIDDEN, EXPERTS, TOP_K = 4, 12, 8, 8, 2
+EP, TOKENS, HIDDEN, EXPERTS, TOP_K = 2, 12, 8, 8, 2  # EP=2 also runs on a 2-GPU machine
 CAPACITY = expert_capacity_for(TOKENS, TOP_K, EXPERTS, EP)
 
 
@@ -81,21 +81,22 @@ def test_handle_is_plain_data_between_computations(backend):
   def combine_only(out, handle):
     return combine(out, handle, num_tokens=TOKENS, axis_name="ep", backend=backend)
 
-  out, handle = jax.jit(sharded(dispatch_only))(tokens, idx, weights)
+  out, handle = jax.jit(sharded(dispatch_only, backend=backend))(tokens, idx, weights)
   host_handle = RoutingHandle(*(np.asarray(a) for a in handle))
   assert all(a.dtype == np.int32 for a in host_handle)
-  y_from_host = jax.jit(sharded(combine_only))(np.asarray(out), host_handle)
-  y_direct = jax.jit(sharded(lambda x, i, w: moe_step(x, i, w, backend)))(tokens, idx, weights)
+  y_from_host = jax.jit(sharded(combine_only, backend=backend))(np.asarray(out), host_handle)
+  y_direct = jax.jit(sharded(lambda x, i, w: moe_step(x, i, w, backend), backend=backend))(
+      tokens, idx, weights)
   np.testing.assert_array_equal(np.asarray(y_from_host), np.asarray(y_direct))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_same_executable_on_new_routing_gives_new_results(backend):
   """No routing state survives between calls of one compiled function."""
-  step = jax.jit(sharded(lambda x, i, w: moe_step(x, i, w, backend)))
+  step = jax.jit(sharded(lambda x, i, w: moe_step(x, i, w, backend), backend=backend))
   first, second = inputs(2), inputs(3)
   y1, y2 = step(*first), step(*second)
-  fresh = jax.jit(sharded(lambda x, i, w: moe_step(x, i, w, backend)))
+  fresh = jax.jit(sharded(lambda x, i, w: moe_step(x, i, w, backend), backend=backend))
   np.testing.assert_array_equal(np.asarray(y2), np.asarray(fresh(*second)))
   np.testing.assert_array_equal(np.asarray(y1), np.asarray(step(*first)))
   assert not np.allclose(np.asarray(y1), np.asarray(y2))

@@ -1,0 +1,37 @@
+// Shared helpers of the moe_ep kernels. Prepended to every kernels/*.cu before
+// it is compiled (by NVRTC through CuPy, or by nvcc in the compile test), so
+// it uses no headers: fixed-width types, bf16/f16 conversions by PTX.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+#define MOE_EP_FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float bf16_to_f32(u16 bits) {
+  return __uint_as_float(((u32)bits) << 16);
+}
+
+__device__ __forceinline__ u16 f32_to_bf16(float value) {  // round to nearest even
+  u16 bits;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+  return bits;
+}
+
+__device__ __forceinline__ float f16_to_f32(u16 bits) {
+  float value;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(bits));
+  return value;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float value) {
+  u16 bits;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+  return bits;
+}
+
+__device__ __forceinline__ u32 lanemask_lt() {
+  u32 mask;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
+  return mask;
+}

@@ -1,0 +1,40 @@
+"""Finds and assembles the CUDA sources in ``kernels/`` (no CuPy needed).
+
+Used by the CuPy backend (NVRTC) and by the test that compiles every kernel
+with ``nvcc``, so both see the same text: ``common.cuh`` followed by the
+kernel file, each under a ``#line`` directive so compiler errors name the
+kernel file and line.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import pathlib
+
+COMMON_HEADER = "common.cuh"
+KERNEL_FILES = ("rows.cu", "layout.cu")
+# NVRTC options; nvcc understands the same ones.
+COMPILE_OPTIONS = ("-std=c++17",)
+
+
+def kernel_dir() -> pathlib.Path:
+  """``kernels/`` of a source checkout, or the copy shipped in the wheel."""
+  checkout = pathlib.Path(__file__).resolve().parents[2] / "kernels"
+  if (checkout / COMMON_HEADER).is_file():
+    return checkout
+  shipped = pathlib.Path(str(importlib.resources.files("moe_ep.kernels")))
+  if (shipped / COMMON_HEADER).is_file():
+    return shipped
+  raise FileNotFoundError(f"moe_ep kernels not found in {checkout} or {shipped}")
+
+
+def source(kernel_file: str) -> str:
+  """The full translation unit of one kernel file."""
+  if kernel_file not in KERNEL_FILES:
+    raise ValueError(f"kernel_file={kernel_file!r} is not one of {KERNEL_FILES}")
+  folder = kernel_dir()
+  parts = []
+  for name in (COMMON_HEADER, kernel_file):
+    path = folder / name
+    parts.append(f'#line 1 "{path}"\n{path.read_text()}')
+  return "\n".join(parts)
