@@ -1,0 +1,51 @@
+"""``python -m moe_ep.bench [transport|experts|layer|overhead|ep|all] [--smoke]``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pathlib
+
+from moe_ep.bench import common
+
+BENCHMARKS = {
+    "transport": "P1: dispatch+combine round trip vs sort-based permute (one device)",
+    "experts": "P3: expert bank TFLOP/s vs dense matmul",
+    "layer": "P4: whole layer forward+backward MFU (one device)",
+    "overhead": "host overhead per buffer_callback, with and without command buffers",
+    "ep": "P2: dispatch/combine bandwidth across this process's GPUs",
+}
+# Tiny shapes that run anywhere (CPU included) to check the programs themselves.
+SMOKE = {
+    "transport": dict(tokens=256, hidden=64, num_experts=8, top_k=2, backends=("xla",), iters=2,
+                      copy_bytes=1 << 20),
+    "experts": dict(shapes=((64, 32, 4),), total_rows=128, iters=2, matmul_size=128),
+    "layer": dict(hidden=64, ffn=32, num_experts=4, top_k=2, tokens=256, seq=64,
+                  backend="xla", iters=2, matmul_size=128),
+    "ep": dict(token_counts=(64,), expert_counts=(8,), hidden=32, backend="xla", iters=2),
+}
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("names", nargs="*", metavar="NAME",
+                      help="all (default), " + ", ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, to test the programs")
+  parser.add_argument("--out", type=pathlib.Path, default=common.RESULTS_DIR)
+  args = parser.parse_args(argv)
+  unknown = sorted(set(args.names) - set(BENCHMARKS) - {"all"})
+  if unknown:
+    parser.error(f"unknown benchmark {unknown[0]!r}; choose from {[*BENCHMARKS, 'all']}")
+  names = list(BENCHMARKS) if not args.names or "all" in args.names else args.names
+  for name in names:
+    if args.smoke and name not in SMOKE:
+      continue
+    module = importlib.import_module(f"moe_ep.bench.{name}")
+    result = module.run(**(SMOKE[name] if args.smoke else {}))
+    path = common.write_result(name + ("-smoke" if args.smoke else ""), result, args.out)
+    print(module.summary(result))
+    print(f"  -> {path}")
+
+
+if __name__ == "__main__":
+  main()
