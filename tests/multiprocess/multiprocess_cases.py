@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
-from moe_ep.transport import combine, dispatch, expert_capacity_for
+from moe_ep.transport import combine, dispatch
 
 CASES = ("transport", "layer", "overflow")
 
@@ -29,8 +29,10 @@ HIDDEN, FFN, EXPERTS, TOP_K = 16, 24, 8, 2
 BATCH_PER_SHARD, SEQ = 2, 3
 # Overflow: two experts take every route, each keeps OVERFLOW_CAPACITY rows.
 OVERFLOW_CAPACITY = 2
-# The transport: 16 experts, skewed routing, 13 tokens per EP rank.
+# The transport: 16 experts, skewed routing, 13 tokens per EP rank, slabs of
+# 8 rows (below the busiest experts' demand, above the others').
 TRANSPORT_EXPERTS, TRANSPORT_TOP_K, TRANSPORT_TOKENS = 16, 3, 13
+TRANSPORT_CAPACITY = 8
 
 
 def build_mesh(devices, dp: int, ep: int) -> jax.sharding.Mesh:
@@ -53,7 +55,7 @@ def to_host(tree) -> dict:
   return multihost_utils.process_allgather(tree, tiled=True)
 
 
-# --- (a) the transport ----------------------------------------------------------
+# --- the transport ---------------------------------------------------------------
 
 
 def transport_problem(seed: int, ep: int) -> dict[str, np.ndarray]:
@@ -75,42 +77,40 @@ def transport_problem(seed: int, ep: int) -> dict[str, np.ndarray]:
 
 
 def run_transport(devices, seed: int, backend: str) -> dict[str, np.ndarray]:
-  """dispatch -> ``tanh(x @ M_e) * w`` -> combine with EP over all ``devices``
-  (a dropless and a tight-capacity run): ``y``, ``counts``, ``demand`` and the
-  gradients of ``<y, cotangent>`` wrt tokens, weights and maps."""
+  """dispatch -> ``tanh(x @ M_e) * w`` -> combine with EP over all ``devices``:
+  ``y``, ``counts``, ``demand`` and the gradients of ``<y, cotangent>`` wrt
+  tokens, weights and maps. The skewed routing overflows the first experts'
+  slabs of TRANSPORT_CAPACITY rows and leaves the others whole."""
   ep = len(devices)
   mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
-  problem = transport_problem(seed, ep)
   # Every input is split over the ranks: tokens by row, maps by expert.
-  sharded = {key: global_array(mesh, P("ep"), value) for key, value in problem.items()}
-  dropless = expert_capacity_for(TRANSPORT_TOKENS, TRANSPORT_TOP_K, TRANSPORT_EXPERTS, ep)
-  results = {}
-  for label, capacity in (("dropless", dropless), ("capacity3", 3)):
-    def body(tokens, idx, weights, maps, capacity=capacity):
-      d = dispatch(tokens, idx, weights, num_experts=TRANSPORT_EXPERTS,
-                   expert_capacity=capacity, axis_name="ep", backend=backend)
-      hidden = jnp.tanh(jnp.einsum("lch,lhg->lcg", d.tokens, maps))
-      y = combine(hidden * d.weights[..., None], d.handle, num_tokens=tokens.shape[0],
-                  axis_name="ep", backend=backend)
-      return y, d.counts, d.demand
+  problem = {key: global_array(mesh, P("ep"), value)
+             for key, value in transport_problem(seed, ep).items()}
 
-    run = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+  def body(tokens, idx, weights, maps):
+    d = dispatch(tokens, idx, weights, num_experts=TRANSPORT_EXPERTS,
+                 expert_capacity=TRANSPORT_CAPACITY, axis_name="ep", backend=backend)
+    hidden = jnp.tanh(jnp.einsum("lch,lhg->lcg", d.tokens, maps))
+    y = combine(hidden * d.weights[..., None], d.handle, num_tokens=tokens.shape[0],
+                axis_name="ep", backend=backend)
+    return y, d.counts, d.demand
 
-    def loss(tokens, weights, maps, idx, cotangent):
-      y, counts, demand = run(tokens, idx, weights, maps)
-      return jnp.vdot(y, cotangent), (y, counts, demand)
+  run = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-    (_, (y, counts, demand)), grads = step(
-        sharded["tokens"], sharded["topk_weights"], sharded["maps"], sharded["topk_idx"],
-        sharded["cotangent"])
-    out = to_host({"y": y, "counts": counts, "demand": demand, "tokens_grad": grads[0],
-                   "weights_grad": grads[1], "maps_grad": grads[2]})
-    results.update({f"transport/ep{ep}/{label}/{key}": value for key, value in out.items()})
-  return results
+  def loss(tokens, weights, maps, idx, cotangent):
+    y, counts, demand = run(tokens, idx, weights, maps)
+    return jnp.vdot(y, cotangent), (y, counts, demand)
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  (_, (y, counts, demand)), grads = step(problem["tokens"], problem["topk_weights"],
+                                         problem["maps"], problem["topk_idx"],
+                                         problem["cotangent"])
+  out = to_host({"y": y, "counts": counts, "demand": demand, "tokens_grad": grads[0],
+                 "weights_grad": grads[1], "maps_grad": grads[2]})
+  return {f"transport/ep{ep}/{key}": value for key, value in out.items()}
 
 
-# --- (b) and (c) the layer ------------------------------------------------------
+# --- the layer -------------------------------------------------------------------
 
 
 def layer_config(transport: str, **overrides) -> MoEConfig:
@@ -119,12 +119,12 @@ def layer_config(transport: str, **overrides) -> MoEConfig:
                              aux_loss_coeff=0.01, z_loss_coeff=1e-3), **overrides})
 
 
-def biased_sigmoid_layer(mesh, transport: str) -> ExpertParallelMoE:
+def biased_sigmoid_layer(mesh, seed: int, transport: str) -> ExpertParallelMoE:
   """Sigmoid router whose bias sends every token to experts 0 and 1, whose
   slabs keep only OVERFLOW_CAPACITY rows each (as in tests/test_layer.py)."""
   layer = ExpertParallelMoE(
       layer_config(transport, score_function="sigmoid", use_expert_bias=True,
-                   expert_capacity=OVERFLOW_CAPACITY), mesh=mesh, rngs=nnx.Rngs(0))
+                   expert_capacity=OVERFLOW_CAPACITY), mesh=mesh, rngs=nnx.Rngs(seed))
   layer.expert_bias[...] = jnp.zeros(EXPERTS).at[:2].set(10.0)
   return layer
 
@@ -155,7 +155,7 @@ def layer_value_and_grad(layer: ExpertParallelMoE, x: jax.Array, policy) -> dict
 
 
 def run_layer(devices, seed: int, dp: int, ep: int, transport: str) -> dict[str, np.ndarray]:
-  """(b): the layer's value_and_grad with the dispatch saved by RematConfig."""
+  """The layer's value_and_grad with the dispatch saved by RematConfig."""
   mesh = build_mesh(devices, dp, ep)
   layer = ExpertParallelMoE(layer_config(transport), mesh=mesh, rngs=nnx.Rngs(seed))
   out = layer_value_and_grad(layer, layer_batch(seed, mesh),
@@ -164,9 +164,9 @@ def run_layer(devices, seed: int, dp: int, ep: int, transport: str) -> dict[str,
 
 
 def run_overflow(devices, seed: int, dp: int, ep: int, transport: str) -> dict[str, np.ndarray]:
-  """(c): capacity below demand, with the dispatch saved and with nothing saved."""
+  """Capacity below demand, with the dispatch saved and with nothing saved."""
   mesh = build_mesh(devices, dp, ep)
-  layer = biased_sigmoid_layer(mesh, transport)
+  layer = biased_sigmoid_layer(mesh, seed, transport)
   x = layer_batch(seed, mesh)
   results = {}
   for label, policy in (("saved", RematConfig(save=("dispatch",)).policy()),

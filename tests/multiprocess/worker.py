@@ -17,11 +17,16 @@ import argparse
 import os
 import sys
 
+import jax
+import numpy as np
+
+from moe_ep.distributed import initialize_from_env
+from multiprocess_cases import CASES, parse_mesh, run_cases
+
 PLATFORMS = {"cpu": "cpu", "gpu": "cuda"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  from multiprocess_cases import CASES, parse_mesh
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("out", help=".npz that process 0 writes the results to")
   parser.add_argument("--seed", type=int, default=0)
@@ -37,17 +42,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  # Before JAX starts a backend: one platform only, and on GPU no process may
-  # reserve most of a GPU that a neighbour shares.
-  os.environ.setdefault("JAX_PLATFORMS", PLATFORMS[args.platform])
-  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
-  import jax
-  import numpy as np
-
-  from moe_ep.distributed import initialize_from_env
-  from multiprocess_cases import run_cases
-
+  # JAX starts its backends at the first device query, so these still apply.
+  # On GPU no process may reserve most of a GPU that another process shares,
+  # and float32 GEMMs stay float32 (not TF32) to compare with a CPU reference.
+  jax.config.update("jax_platforms", PLATFORMS[args.platform])
+  if args.platform == "gpu":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    jax.config.update("jax_default_matmul_precision", "highest")
   initialize_from_env()
   results = run_cases(jax.devices(), args.cases.split(","), args.mesh, args.seed,
                       args.transport)
