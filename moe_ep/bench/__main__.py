@@ -6,6 +6,9 @@ import argparse
 import importlib
 import pathlib
 
+import jax
+
+from moe_ep import distributed
 from moe_ep.bench import common
 
 BENCHMARKS = {
@@ -33,6 +36,7 @@ def main(argv=None) -> None:
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, to test the programs")
   parser.add_argument("--out", type=pathlib.Path, default=common.RESULTS_DIR)
   args = parser.parse_args(argv)
+  distributed.initialize_from_env()  # a no-op unless started by moe_ep.launch
   unknown = sorted(set(args.names) - set(BENCHMARKS) - {"all"})
   if unknown:
     parser.error(f"unknown benchmark {unknown[0]!r}; choose from {[*BENCHMARKS, 'all']}")
@@ -42,9 +46,10 @@ def main(argv=None) -> None:
       continue
     module = importlib.import_module(f"moe_ep.bench.{name}")
     result = module.run(**(SMOKE[name] if args.smoke else {}))
-    path = common.write_result(name + ("-smoke" if args.smoke else ""), result, args.out)
-    print(module.summary(result))
-    print(f"  -> {path}")
+    if jax.process_index() == 0:
+      path = common.write_result(name + ("-smoke" if args.smoke else ""), result, args.out)
+      print(module.summary(result))
+      print(f"  -> {path}")
 
 
 if __name__ == "__main__":

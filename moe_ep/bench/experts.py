@@ -17,7 +17,7 @@ def bank_flops(rows: int, hidden: int, ffn: int) -> int:
   return 3 * (2 * rows * hidden * 2 * ffn + 2 * rows * ffn * hidden)
 
 
-def run(shapes=SHAPES, total_rows: int = 32768, iters: int = 5, matmul_size: int = 8192) -> dict:
+def run(shapes=SHAPES, total_rows: int = 65536, iters: int = 3, matmul_size: int = 8192) -> dict:
   peak = common.matmul_tflops(matmul_size)
   results = []
   for hidden, ffn, experts in shapes:

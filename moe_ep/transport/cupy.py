@@ -118,13 +118,32 @@ def _device_ordinal(buffer) -> int:
   return ordinal
 
 
+class _StreamHandle:
+  """A raw ``cudaStream_t`` in the CUDA stream protocol."""
+
+  def __init__(self, handle: int):
+    self.handle = handle
+
+  def __cuda_stream__(self):
+    return (0, self.handle)
+
+
+def _external_stream(cupy, handle: int, ordinal: int):
+  """XLA's stream as a CuPy stream (``Stream.from_external`` where CuPy has
+  it, the older ``ExternalStream`` otherwise)."""
+  if hasattr(cupy.cuda.Stream, "from_external"):
+    with cupy.cuda.Device(ordinal):
+      return cupy.cuda.Stream.from_external(_StreamHandle(handle))
+  return cupy.cuda.ExternalStream(handle, ordinal)
+
+
 def _launcher(ctx, buffer):
   """Returns ``launch(name, grid, block, *args, shared_ints=0)`` on the
   buffer's device and XLA's stream."""
   import cupy
   ordinal = _device_ordinal(buffer)
   functions = _compiled.get(ordinal) or compile_kernels(ordinal)
-  stream = cupy.cuda.ExternalStream(ctx.stream, ordinal)
+  stream = _external_stream(cupy, ctx.stream, ordinal)
 
   def launch(name, grid, block, *args, shared_ints=0):
     with cupy.cuda.Device(ordinal), stream:
