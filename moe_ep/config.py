@@ -24,6 +24,7 @@ ACTIVATIONS = ("swiglu", "geglu", "gelu")
 REMAT_GROUPS = {
     "router": ("router.scores", "router.topk_idx", "router.topk_weights"),
     "dispatch": tuple(f"dispatch.{field}" for field in CHECKPOINT_FIELDS),
+    "combine": ("combine.output",),
     "expert_hidden": ("expert_hidden",),
     "expert_output": ("expert_output",),
 }
@@ -67,11 +68,17 @@ class RematConfig:
 
   Names are always attached with ``jax.ad_checkpoint.checkpoint_name`` as
   ``f"{prefix}.{name}"``. ``save`` lists groups (``"router"``,
-  ``"dispatch"``, ``"expert_hidden"``, ``"expert_output"``) or single names
-  (``"dispatch.tokens"``, ``"dispatch.weights"``, ``"dispatch.handle"``,
-  ``"dispatch.counts"``, ``"router.scores"``, ...). With ``apply=True`` the
-  layer checkpoints its own body with :meth:`policy`; with ``apply=False`` a
-  user's ``jax.checkpoint(..., policy=remat.policy())`` does the same.
+  ``"dispatch"``, ``"combine"``, ``"expert_hidden"``, ``"expert_output"``)
+  or single names (``"dispatch.tokens"``, ``"dispatch.weights"``,
+  ``"dispatch.handle"``, ``"dispatch.counts"``, ``"router.scores"``, ...).
+  With ``apply=True`` the layer checkpoints its own body with :meth:`policy`;
+  with ``apply=False`` a user's ``jax.checkpoint(..., policy=remat.policy())``
+  does the same.
+
+  Saving ``"dispatch"`` means backward never re-runs the dispatch exchange.
+  Saving ``"combine"`` as well (the combined output, ``[T, H]`` per layer)
+  also spares the combine exchange when something after the layer inside the
+  same checkpoint needs the layer's output in its backward pass.
 
   >>> RematConfig(save=("dispatch",)).names
   ('moe.dispatch.tokens', 'moe.dispatch.weights', 'moe.dispatch.handle', 'moe.dispatch.counts')

@@ -93,8 +93,8 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, x: jax.Array,
   out = (out.astype(jnp.float32) * dispatched.weights[..., None]).astype(dtype)
 
   # Combine.
-  y = combine(out, dispatched.handle, num_tokens=num_tokens, axis_name=layout.ep_axis,
-              backend=config.transport)
+  y = name("combine.output", combine(out, dispatched.handle, num_tokens=num_tokens,
+                                     axis_name=layout.ep_axis, backend=config.transport))
   if "shared_w_in" in params:
     y = y + expert_mlp(tokens[None], params["shared_w_in"][None],
                        params["shared_w_out"][None], config.activation)[0]
@@ -111,6 +111,9 @@ def _aux(config: MoEConfig, layout: _ShardLayout, routing: router.Routing,
   num_experts = config.num_experts
   counts = total(jnp.concatenate([router.expert_histogram(routing.topk_idx, num_experts),
                                   kept[None].astype(jnp.int32)]))
+  # The batch-global form of the dispatch counts: saved with them, so a remat
+  # policy saving "dispatch" re-runs no all-reduce either.
+  counts = checkpoint_name(counts, config.remat.name("dispatch.counts"))
   tokens_per_expert, kept_total = counts[:num_experts], counts[num_experts]
   routes_total = tokens_per_expert.sum()
   dropped = 1.0 - kept_total.astype(jnp.float32) / jnp.maximum(routes_total, 1)

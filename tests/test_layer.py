@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import hlo
 from conftest import BACKENDS, device_count, layer_mesh_cases, make_mesh
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
+from moe_ep.bench import hlo
 from moe_ep.transport import NAMED_SCOPES
 from reference import reference_moe_layer
 
@@ -101,6 +101,12 @@ def test_saved_dispatch_removes_redispatch(routing, backend, mesh_shape):
   assert hlo.count(text_plain, scope=ROWS) == 1
   assert hlo.count(text_saved, scope=ROWS) == 1
   assert hlo.count(text_nothing, scope=ROWS) == 2
+  # Saving dispatch and combine outputs re-runs no collective at all (the
+  # global load counts are saved with the dispatch counts).
+  text_both, both = compiled_value_and_grad(layer, x,
+                                            RematConfig(save=("dispatch", "combine")).policy())
+  assert len(hlo.collectives(text_both)) == len(hlo.collectives(text_plain))
+  assert_trees_close(both, plain, GRAD_TOL)
   dispatch_exchanges = lambda text: hlo.count(text, scope=NAMED_SCOPES["dispatch"] + "/")
   assert dispatch_exchanges(text_saved) == dispatch_exchanges(text_plain) == 2
   assert dispatch_exchanges(text_partial) > dispatch_exchanges(text_saved)

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-import hlo
 import moe_ep.transport as transport
 from conftest import make_mesh
+from moe_ep.bench import hlo
 from moe_ep.transport import combine, dispatch, expert_capacity_for
 from reference import kept_routes, make_routing
 from test_transport import HIDDEN, NUM_EXPERTS, TOKENS

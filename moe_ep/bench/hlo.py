@@ -1,4 +1,5 @@
-"""Reading compiled HLO text: which collectives it issues, under which scope."""
+"""Reading compiled HLO text: which collectives it issues, under which scope
+(used by the remat benchmark and by the tests)."""
 
 import re
 
