@@ -18,10 +18,10 @@ def run(calls: int = 200) -> dict:
   results = {}
   for command_buffer in (True, False):
     def callback(ctx, outs, table, index):
-      cupy_backend._launcher(ctx, table)(
-          "gather_sum_rows_f32", 1, 32, cupy_backend._pointer(table),
-          cupy_backend._pointer(index), cupy_backend._pointer(outs[0]),
-          *cupy_backend._i32(1, 1, 1, width))
+      with cupy_backend._on_xla_stream(ctx, table) as launch:
+        launch("gather_sum_rows_f32", 1, 32, cupy_backend._pointer(table),
+               cupy_backend._pointer(index), cupy_backend._pointer(outs[0]),
+               *cupy_backend._i32(1, 1, 1, width))
 
     launch = buffer_callback(callback, [jax.ShapeDtypeStruct((1, width), jnp.float32)],
                              command_buffer_compatible=command_buffer)

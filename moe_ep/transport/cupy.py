@@ -16,6 +16,7 @@ step); this is the only module that imports CuPy.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import threading
 
@@ -137,18 +138,26 @@ def _external_stream(cupy, handle: int, ordinal: int):
   return cupy.cuda.ExternalStream(handle, ordinal)
 
 
-def _launcher(ctx, buffer):
-  """Returns ``launch(name, grid, block, *args, shared_ints=0)`` on the
-  buffer's device and XLA's stream."""
+_streams: dict[tuple[int, int], object] = {}  # (device ordinal, cudaStream_t) -> CuPy stream
+
+
+@contextlib.contextmanager
+def _on_xla_stream(ctx, buffer):
+  """Makes the buffer's device and XLA's stream current; yields
+  ``launch(name, grid, block, *args, shared_ints=0)``."""
   import cupy
   ordinal = _device_ordinal(buffer)
   functions = _compiled.get(ordinal) or compile_kernels(ordinal)
-  stream = _external_stream(cupy, ctx.stream, ordinal)
+  key = (ordinal, ctx.stream)
+  stream = _streams.get(key)
+  if stream is None:
+    stream = _streams.setdefault(key, _external_stream(cupy, ctx.stream, ordinal))
 
   def launch(name, grid, block, *args, shared_ints=0):
-    with cupy.cuda.Device(ordinal), stream:
-      functions[name]((int(grid),), (int(block),), args, shared_mem=4 * shared_ints)
-  return launch
+    functions[name]((int(grid),), (int(block),), args, shared_mem=4 * shared_ints)
+
+  with cupy.cuda.Device(ordinal), stream:
+    yield launch
 
 
 def _i32(*values):
@@ -218,18 +227,19 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
     send_slot, send_token, route_slot, meta, scratch = (_pointer(b) for b in outs)
     dest_counts, dest_offsets, expert_counts, dest_totals = (
         scratch + np.uint64(4 * o) for o in np.cumsum((0,) + workspace[:-1]))
-    launch = _launcher(ctx, idx)
     sizes = _i32(num_tokens, top_k, num_experts, local_experts, ep_size)
-    launch("route_count", tiles, threads, _pointer(idx), *sizes, dest_counts, expert_counts,
-           shared_ints=threads // 32 * ep_size + num_experts)
-    launch("route_scan", 1, _SCAN_THREADS, dest_counts, expert_counts,
-           *_i32(tiles, ep_size, num_experts, local_experts, width, demand_offset),
-           dest_offsets, dest_totals, meta)
-    launch("route_rank", tiles, threads, _pointer(idx), *sizes, np.int32(send_capacity),
-           dest_offsets, send_slot, send_token, route_slot, shared_ints=threads // 32 * ep_size)
-    launch("route_finish", -(-ep_size * send_capacity // _MAX_THREADS), _MAX_THREADS,
-           _pointer(idx), _pointer(weights), *sizes, np.int32(send_capacity), dest_totals,
-           send_token, meta, np.int32(width))
+    with _on_xla_stream(ctx, idx) as launch:
+      launch("route_count", tiles, threads, _pointer(idx), *sizes, dest_counts, expert_counts,
+             shared_ints=threads // 32 * ep_size + num_experts)
+      launch("route_scan", 1, _SCAN_THREADS, dest_counts, expert_counts,
+             *_i32(tiles, ep_size, num_experts, local_experts, width, demand_offset),
+             dest_offsets, dest_totals, meta)
+      launch("route_rank", tiles, threads, _pointer(idx), *sizes, np.int32(send_capacity),
+             dest_offsets, send_slot, send_token, route_slot,
+             shared_ints=threads // 32 * ep_size)
+      launch("route_finish", -(-ep_size * send_capacity // _MAX_THREADS), _MAX_THREADS,
+             _pointer(idx), _pointer(weights), *sizes, np.int32(send_capacity), dest_totals,
+             send_token, meta, np.int32(width))
 
   outputs = _call("moe_cupy_route", callback, shapes, topk_idx.astype(jnp.int32),
                   topk_weights.astype(jnp.float32))
@@ -255,19 +265,19 @@ def slab_layout(recv_meta, *, top_k: int, num_local_experts: int, expert_capacit
   def callback(ctx, outs, meta):
     recv_pos, slab_row, slab_weights, counts, demand, scratch = (_pointer(b) for b in outs)
     tile_counts, tile_offsets = scratch, scratch + np.uint64(4 * tiles * local_experts)
-    launch = _launcher(ctx, meta)
     shared = threads // 32 * local_experts
-    launch("slab_count", tiles, threads, _pointer(meta),
-           *_i32(ep_size, send_capacity, top_k, local_experts, width), tile_counts,
-           shared_ints=shared)
-    launch("slab_scan", 1, _SCAN_THREADS, tile_counts,
-           *_i32(tiles, local_experts, capacity, ep_size, width, 2 * send_capacity * top_k),
-           _pointer(meta), tile_offsets, counts, demand)
-    launch("slab_rank", tiles, threads, _pointer(meta),
-           *_i32(ep_size, send_capacity, top_k, local_experts, capacity, width),
-           tile_offsets, recv_pos, slab_row, slab_weights, shared_ints=shared)
-    launch("slab_pad", -(-local_experts * capacity // _MAX_THREADS), _MAX_THREADS, counts,
-           *_i32(local_experts, capacity), slab_row, slab_weights)
+    with _on_xla_stream(ctx, meta) as launch:
+      launch("slab_count", tiles, threads, _pointer(meta),
+             *_i32(ep_size, send_capacity, top_k, local_experts, width), tile_counts,
+             shared_ints=shared)
+      launch("slab_scan", 1, _SCAN_THREADS, tile_counts,
+             *_i32(tiles, local_experts, capacity, ep_size, width, 2 * send_capacity * top_k),
+             _pointer(meta), tile_offsets, counts, demand)
+      launch("slab_rank", tiles, threads, _pointer(meta),
+             *_i32(ep_size, send_capacity, top_k, local_experts, capacity, width),
+             tile_offsets, recv_pos, slab_row, slab_weights, shared_ints=shared)
+      launch("slab_pad", -(-local_experts * capacity // _MAX_THREADS), _MAX_THREADS, counts,
+             *_i32(local_experts, capacity), slab_row, slab_weights)
 
   return tuple(_call("moe_cupy_slab_layout", callback, shapes, recv_meta)[:5])
 
@@ -291,9 +301,10 @@ def expand_rows(table, targets, sources):
 
   def callback(ctx, outs, rows, target_index, source_index):
     (out,) = outs
-    _launcher(ctx, rows)(f"expand_rows_v{vector}", num_table_rows + zero_blocks, threads,
-                         _pointer(rows), _pointer(target_index), _pointer(source_index),
-                         _pointer(out), *_i32(num_table_rows, fanout, num_out_rows, row_vecs))
+    with _on_xla_stream(ctx, rows) as launch:
+      launch(f"expand_rows_v{vector}", num_table_rows + zero_blocks, threads, _pointer(rows),
+             _pointer(target_index), _pointer(source_index), _pointer(out),
+             *_i32(num_table_rows, fanout, num_out_rows, row_vecs))
 
   shape = jax.ShapeDtypeStruct((num_out_rows, hidden), table.dtype)
   return _call("moe_cupy_expand_rows", callback, [shape], table,
@@ -313,8 +324,9 @@ def gather_sum_rows(table, index):
 
   def callback(ctx, outs, rows, row_index):
     (out,) = outs
-    _launcher(ctx, rows)(kernel, num_out_rows, threads, _pointer(rows), _pointer(row_index),
-                         _pointer(out), *_i32(num_table_rows, fanin, num_out_rows, hidden))
+    with _on_xla_stream(ctx, rows) as launch:
+      launch(kernel, num_out_rows, threads, _pointer(rows), _pointer(row_index), _pointer(out),
+             *_i32(num_table_rows, fanin, num_out_rows, hidden))
 
   shape = jax.ShapeDtypeStruct((num_out_rows, hidden), table.dtype)
   return _call("moe_cupy_gather_sum_rows", callback, [shape], table,
