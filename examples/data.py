@@ -34,12 +34,14 @@ class SyntheticCorpus:
     self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
     self.num_topics = num_topics
     rng = np.random.default_rng([seed, 0x5EED])
-    shape = (num_topics, vocab_size)
-    # next_tokens[t, prev, j]: the j-th possible successor of prev under topic t.
-    self.next_tokens = np.stack([np.stack([rng.choice(vocab_size, successors, replace=False)
-                                           for _ in range(vocab_size)])
-                                 for _ in range(num_topics)]).astype(np.int32)
-    probs = rng.dirichlet(np.ones(successors), size=shape)  # [topics, vocab, successors]
+    shape = (num_topics, vocab_size, successors)
+    # next_tokens[t, prev, j]: the j-th possible successor of prev under topic
+    # t; strictly increasing offsets spanning less than the vocabulary keep
+    # the successors of one token distinct.
+    offsets = np.cumsum(rng.integers(1, vocab_size // successors, size=shape), axis=-1)
+    first = rng.integers(vocab_size, size=shape[:2] + (1,))
+    self.next_tokens = ((first + offsets) % vocab_size).astype(np.int32)
+    probs = rng.dirichlet(np.ones(successors), size=shape[:2])  # [topics, vocab, successors]
     self.cumulative = np.cumsum(probs, axis=-1)
     self.entropy_floor = self._entropy_floor(probs)
 
@@ -50,12 +52,11 @@ class SyntheticCorpus:
     entropies = -(probs * np.log(probs)).sum(-1)  # [topics, vocab]
     floor = 0.0
     for topic in range(self.num_topics):
-      transition = np.zeros((self.vocab_size, self.vocab_size))
-      rows = np.arange(self.vocab_size)[:, None]
-      np.add.at(transition, (rows, self.next_tokens[topic]), probs[topic])
       stationary = np.full(self.vocab_size, 1.0 / self.vocab_size)
-      for _ in range(200):
-        stationary = stationary @ transition
+      for _ in range(200):  # power iteration over the sparse transitions
+        stationary = np.bincount(self.next_tokens[topic].ravel(),
+                                 weights=(stationary[:, None] * probs[topic]).ravel(),
+                                 minlength=self.vocab_size)
       floor += stationary @ entropies[topic] / self.num_topics
     return float(floor)
 

@@ -5,7 +5,7 @@ A YAML file has one section per dataclass (``model``, ``moe``, ``train``,
 ``data``, ``mesh``); ``moe`` is :class:`moe_ep.MoEConfig` itself. Unknown keys
 are errors naming the key, in the file and in overrides alike:
 
->>> load_config("configs/tiny.yaml", ["moe.top_k=4", "train.steps=50"]).moe.top_k
+>>> load_config("configs/tiny.yaml", ["moe.top_k=4", "train.steps=500"]).moe.top_k
 4
 """
 
@@ -218,6 +218,9 @@ class Config:
     if self.moe.ep_axis != "ep" or not set(self.moe.batch_axes) <= set(MESH_AXES):
       raise ValueError(f"MoEConfig.ep_axis={self.moe.ep_axis!r} and batch_axes="
                        f"{self.moe.batch_axes!r} must name the mesh axes {MESH_AXES}")
+    if self.data.path is None and self.model.vocab_size < 2 * self.data.successors:
+      raise ValueError(f"ModelConfig.vocab_size={self.model.vocab_size} must be >= 2 * "
+                       f"DataConfig.successors={self.data.successors} for the synthetic corpus")
     if self.data.path is not None and self.model.vocab_size < 256:
       raise ValueError(f"ModelConfig.vocab_size={self.model.vocab_size} must be >= 256 "
                        "for byte-level data")

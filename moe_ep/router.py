@@ -130,6 +130,10 @@ def z_loss_terms(logits: jax.Array) -> jax.Array:
 def expert_bias_step(expert_bias: jax.Array, tokens_per_expert: jax.Array,
                      rate: float) -> jax.Array:
   """Auxiliary-loss-free balancing (DeepSeek-V3): raise the bias of
-  under-loaded experts and lower it for over-loaded ones by ``rate``."""
+  under-loaded experts and lower it for over-loaded ones by ``rate``.
+
+  ``expert_bias`` and ``tokens_per_expert`` are ``[..., E]``: stacked layers
+  (``[L, E]``) are balanced each against its own mean load."""
   load = tokens_per_expert.astype(jnp.float32)
-  return expert_bias + rate * jnp.sign(load.mean() - load).astype(expert_bias.dtype)
+  mean_load = load.mean(axis=-1, keepdims=True)
+  return expert_bias + rate * jnp.sign(mean_load - load).astype(expert_bias.dtype)

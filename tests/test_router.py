@@ -99,6 +99,13 @@ def test_expert_bias_update_moves_load_toward_balance():
   assert spread(load(bias)) < 0.25 * start, (start, spread(load(bias)))
 
 
+def test_expert_bias_step_balances_stacked_layers_separately():
+  bias = jnp.zeros((2, 3))
+  load = jnp.array([[1, 2, 6], [30, 30, 0]])  # means 3 and 20
+  np.testing.assert_array_equal(np.asarray(router.expert_bias_step(bias, load, 0.5)),
+                                [[0.5, 0.5, -0.5], [-0.5, -0.5, 0.5]])
+
+
 def test_expert_histogram_skips_out_of_range():
   idx = jnp.array([[0, 3], [-1, 3], [4, 1]])
   np.testing.assert_array_equal(np.asarray(router.expert_histogram(idx, 4)), [1, 1, 0, 2])

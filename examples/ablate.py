@@ -1,0 +1,232 @@
+"""Runs a sweep of pretraining variants and tabulates them.
+
+    python examples/ablate.py configs/ablations/remat.yaml
+    python examples/ablate.py configs/ablations/capacity.yaml train.steps=20
+    python examples/ablate.py configs/ablations/remat.yaml --processes 2  # 2-process jobs
+
+A sweep file names a base config, overrides for every variant, and the
+variants: a mapping ``name: {dotted.key: value}`` and/or a ``grid`` of
+``dotted.key: [values]`` (the variants are every mapping entry times every
+grid point). Each variant trains for the same steps; the output directory
+gets ``results.md`` (a markdown table), ``results.csv``, ``loss_curves.png``
+and one run directory per variant.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+# `python examples/ablate.py` puts examples/ on sys.path, not the repository.
+_REPO = str(pathlib.Path(__file__).resolve().parent.parent)
+if _REPO not in sys.path:
+  sys.path.insert(0, _REPO)
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import dataclasses  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+
+import yaml  # noqa: E402
+
+from examples import pretrain  # noqa: E402  (sets up the CPU devices before JAX starts)
+from examples import plots  # noqa: E402
+from examples.train_config import Config, load_config  # noqa: E402
+from moe_ep import launch  # noqa: E402
+
+PRETRAIN = pathlib.Path(pretrain.__file__).resolve()
+# name -> (header, format) of the table's columns, in order.
+COLUMNS = {
+    "variant": ("variant", "{}"),
+    "median_step_ms": ("step time (ms, median)", "{:.1f}"),
+    "peak_memory_mib": ("peak memory / device (MiB)", "{:.2f}"),
+    "final_loss": ("final loss", "{:.3f}"),
+    "dropped_fraction": ("dropped fraction", "{:.2%}"),
+    "tokens_per_s": ("tokens/s", "{:,.0f}"),
+    "compile_s": ("compile (s)", "{:.1f}"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  """A sweep file.
+
+  Attributes:
+    name: the file's stem, the default output folder name.
+    base: the base config (a path relative to the sweep file).
+    overrides: ``{dotted.key: value}`` applied to every variant.
+    variants: ``{name: {dotted.key: value}}`` (may be empty).
+    grid: ``{dotted.key: [values]}``, crossed with the variants.
+  """
+
+  name: str
+  base: pathlib.Path
+  overrides: dict
+  variants: dict
+  grid: dict
+
+  @classmethod
+  def load(cls, path) -> Sweep:
+    path = pathlib.Path(path)
+    data = yaml.safe_load(path.read_text()) or {}
+    known = {"base", "overrides", "variants", "grid"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+      raise ValueError(f"{path}: unknown key {unknown[0]!r} (known: {sorted(known)})")
+    if "base" not in data:
+      raise ValueError(f"{path}: needs a 'base' config")
+    grid = data.get("grid") or {}
+    for key, values in grid.items():
+      if not isinstance(values, list) or not values:
+        raise ValueError(f"{path}: grid.{key} must be a non-empty list of values")
+    return cls(name=path.stem, base=(path.parent / data["base"]).resolve(),
+               overrides=data.get("overrides") or {}, variants=data.get("variants") or {},
+               grid=grid)
+
+  def variant_overrides(self) -> dict[str, list[str]]:
+    """``{variant name: ["dotted.key=value", ...]}``, sweep overrides first.
+
+    A name joins the variant's name and its grid point, e.g.
+    ``save_dispatch,capacity_factor=1.25``.
+    """
+    out = {}
+    for (name, settings), point in itertools.product(
+        self.variants.items() or [(None, {})], itertools.product(*self.grid.values())):
+      grid_settings = dict(zip(self.grid, point))
+      label = ",".join([name] * (name is not None) + [
+          f"{key.rsplit('.', 1)[-1]}={json.dumps(value)}" for key, value in grid_settings.items()])
+      merged = {**self.overrides, **(settings or {}), **grid_settings}
+      out[label or "base"] = [f"{key}={json.dumps(value)}" for key, value in merged.items()]
+    return out
+
+
+@dataclasses.dataclass
+class VariantResult:
+  name: str
+  summary: dict
+  records: list[dict]
+
+  def row(self) -> dict:
+    summary = self.summary
+    return {
+        "variant": self.name,
+        "median_step_ms": 1e3 * summary["median_step_s"],
+        "peak_memory_mib": summary["peak_memory_bytes"] / 2**20,
+        "final_loss": summary["final_loss"],
+        "dropped_fraction": summary["dropped_fraction"],
+        "tokens_per_s": summary["tokens_per_s"],
+        "compile_s": summary["compile_s"],
+    }
+
+
+def _read_run(run_dir: pathlib.Path) -> tuple[dict, list[dict]]:
+  summary = json.loads((run_dir / "summary.json").read_text())
+  records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  return summary, records
+
+
+def run_variant(name: str, config: Config, overrides: list[str], *, base: pathlib.Path,
+                subprocess_run: bool = False, processes: int = 1,
+                gpus_per_process: int | None = None, timeout_s: float = 3600) -> VariantResult:
+  """Trains one variant: in this process (the default), in a child process,
+  or as a ``processes``-process job through :func:`moe_ep.launch.launch`."""
+  run_dir = pathlib.Path(config.train.run_dir)
+  if processes == 1 and not subprocess_run:
+    result = pretrain.train(config, progress=False)
+    return VariantResult(name, result.summary, result.records)
+  command = [sys.executable, str(PRETRAIN), str(base), *overrides,
+             f"train.run_dir={json.dumps(str(run_dir))}"]
+  if processes == 1:
+    subprocess.run(command, check=True, timeout=timeout_s, stdout=subprocess.DEVNULL)
+  else:
+    cpu_devices = None if gpus_per_process else max(1, 8 // processes)
+    launch.launch(command, processes, timeout_s=timeout_s, cpu_devices_per_process=cpu_devices,
+                  gpus_per_process=gpus_per_process)
+  return VariantResult(name, *_read_run(run_dir))
+
+
+def markdown_table(rows: list[dict]) -> str:
+  lines = ["| " + " | ".join(header for header, _ in COLUMNS.values()) + " |",
+           "|" + "|".join("---" if key == "variant" else "---:" for key in COLUMNS) + "|"]
+  for row in rows:
+    lines.append("| " + " | ".join(fmt.format(row[key]) for key, (_, fmt) in COLUMNS.items())
+                 + " |")
+  return "\n".join(lines) + "\n"
+
+
+def write_results(results: list[VariantResult], out_dir: pathlib.Path, title: str) -> None:
+  """``results.md``, ``results.csv`` and ``loss_curves.png`` in ``out_dir``."""
+  rows = [result.row() for result in results]
+  (out_dir / "results.md").write_text(f"{title}\n\n{markdown_table(rows)}")
+  with (out_dir / "results.csv").open("w", newline="") as file:
+    writer = csv.DictWriter(file, fieldnames=list(COLUMNS))
+    writer.writeheader()
+    writer.writerows(rows)
+  curves = {r.name: ([x["step"] for x in r.records], [x["ce_loss"] for x in r.records])
+            for r in results}
+  plots.plot_loss_curves(curves, out_dir / "loss_curves.png", title)
+
+
+def ablate(sweep_path, extra_overrides=(), *, out_dir=None, subprocess_run: bool = False,
+           processes: int = 1, gpus_per_process: int | None = None,
+           echo: bool = True) -> list[VariantResult]:
+  """Runs every variant of the sweep file and writes the results; returns them."""
+  sweep = Sweep.load(sweep_path)
+  out_dir = pathlib.Path(out_dir or pathlib.Path("runs") / "ablations" / sweep.name)
+  variants = {}
+  for name, overrides in sweep.variant_overrides().items():
+    overrides = [*overrides, *extra_overrides]
+    run_dir = out_dir / name.replace("/", "_")
+    try:  # every variant is checked before any trains
+      config = load_config(sweep.base, [*overrides, f"train.run_dir={json.dumps(str(run_dir))}"])
+    except ValueError as error:
+      raise ValueError(f"sweep {sweep_path}, variant {name!r}: {error}") from error
+    variants[name] = (config, overrides)
+  out_dir.mkdir(parents=True, exist_ok=True)
+
+  results = []
+  for name, (config, overrides) in variants.items():
+    result = run_variant(name, config, overrides, base=sweep.base, subprocess_run=subprocess_run,
+                         processes=processes, gpus_per_process=gpus_per_process)
+    results.append(result)
+    if echo:
+      row = result.row()
+      print(f"{name}: " + ", ".join(f"{COLUMNS[key][0]} {COLUMNS[key][1].format(row[key])}"
+                                    for key in list(COLUMNS)[1:]), flush=True)
+  first = next(iter(variants.values()))[0]
+  summary = results[0].summary
+  mesh = " x ".join(f"{axis}={size}" for axis, size in summary["mesh"].items())
+  title = (f"Sweep {sweep.name}: {first.train.steps} steps per variant, "
+           f"{summary['processes']} process(es), {summary['backend']} mesh {mesh}")
+  write_results(results, out_dir, title)
+  if echo:
+    print(f"{title}\n\n{markdown_table([r.row() for r in results])}\nwritten to {out_dir}/")
+  return results
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("sweep", help="a sweep file, e.g. configs/ablations/remat.yaml")
+  parser.add_argument("overrides", nargs="*", metavar="key=value",
+                      help="applied to every variant, after the sweep's own")
+  parser.add_argument("--out", help="output folder (default runs/ablations/<sweep name>)")
+  parser.add_argument("--subprocess", action="store_true",
+                      help="train each variant in a fresh process (default: in this one)")
+  parser.add_argument("--processes", type=int, default=1,
+                      help="train each variant as a job of this many processes "
+                           "(moe_ep.launch; on CPU the 8 devices are split between them)")
+  parser.add_argument("--gpus-per-process", type=int,
+                      help="with --processes on GPUs: GPUs each process uses")
+  args = parser.parse_args(argv)
+  if args.processes < 1:
+    parser.error(f"--processes={args.processes} must be >= 1")
+  ablate(args.sweep, args.overrides, out_dir=args.out, subprocess_run=args.subprocess,
+         processes=args.processes, gpus_per_process=args.gpus_per_process)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

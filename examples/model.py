@@ -1,0 +1,160 @@
+"""A decoder-only transformer language model whose FFNs are
+:class:`moe_ep.ExpertParallelMoE` layers (all of them, or every
+``moe_every``-th with dense MLPs between).
+
+The depth is a repeat of one :class:`BlockGroup` (``moe_every - 1`` dense
+blocks, then one MoE block). With ``scan_layers`` the groups are created
+stacked by ``nnx.vmap`` and run by ``nnx.scan``; otherwise they are a list
+run by a Python loop. Either way the MoE statistics come back with a leading
+``[num_moe_layers]`` axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from examples.train_config import Config, ModelConfig
+from moe_ep import ExpertParallelMoE, MoEAux, MoEConfig
+
+
+def rotary(x: jax.Array, base: float) -> jax.Array:
+  """Rotary position embedding of ``x [B, S, heads, head_dim]`` (positions 0..S-1)."""
+  seq, head_dim = x.shape[1], x.shape[-1]
+  inverse_frequency = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inverse_frequency  # [S, head_dim/2]
+  cos, sin = jnp.cos(angles)[:, None], jnp.sin(angles)[:, None]
+  first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+class CausalSelfAttention(nnx.Module):
+  """Pre-norm causal multi-head self-attention with rotary positions:
+  ``x [B, S, D]`` -> ``x + attention(norm(x)) [B, S, D]``."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    d_model, dtype = config.d_model, config.dtype
+    self.num_heads, self.rope_base = config.num_heads, config.rope_base
+    self.norm = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
+    self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, dtype=dtype, rngs=rngs)
+    self.out = nnx.Linear(d_model, d_model, use_bias=False, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    batch, seq, d_model = x.shape
+    qkv = self.qkv(self.norm(x)).reshape(batch, seq, 3, self.num_heads, -1)
+    query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    query, key = rotary(query, self.rope_base), rotary(key, self.rope_base)
+    attended = jax.nn.dot_product_attention(query, key, value, is_causal=True)
+    return x + self.out(attended.reshape(batch, seq, d_model))
+
+
+class DenseBlock(nnx.Module):
+  """Attention, then a pre-norm SwiGLU MLP: ``[B, S, D]`` -> ``[B, S, D]``."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    d_model, dtype = config.d_model, config.dtype
+    self.attention = CausalSelfAttention(config, rngs=rngs)
+    self.norm = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
+    self.w_in = nnx.Linear(d_model, 2 * config.mlp_size, use_bias=False, dtype=dtype, rngs=rngs)
+    self.w_out = nnx.Linear(config.mlp_size, d_model, use_bias=False, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = self.attention(x)
+    gate, up = jnp.split(self.w_in(self.norm(x)), 2, axis=-1)
+    return x + self.w_out(jax.nn.silu(gate) * up)
+
+
+class MoEBlock(nnx.Module):
+  """Attention, then a pre-norm expert-parallel MoE:
+  ``[B, S, D]`` -> ``([B, S, D], MoEAux)``."""
+
+  def __init__(self, config: ModelConfig, moe: MoEConfig, mesh, *, rngs: nnx.Rngs):
+    self.attention = CausalSelfAttention(config, rngs=rngs)
+    self.norm = nnx.RMSNorm(config.d_model, dtype=config.dtype, rngs=rngs)
+    self.moe = ExpertParallelMoE(moe, mesh=mesh, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
+    x = self.attention(x)
+    y, aux = self.moe(self.norm(x))
+    return x + y, aux
+
+
+class BlockGroup(nnx.Module):
+  """``moe_every - 1`` dense blocks and one MoE block: the unit the depth repeats."""
+
+  def __init__(self, config: Config, mesh, *, rngs: nnx.Rngs):
+    self.dense_blocks = nnx.List([DenseBlock(config.model, rngs=rngs)
+                                  for _ in range(config.model.moe_every - 1)])
+    self.moe_block = MoEBlock(config.model, config.moe, mesh, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
+    for block in self.dense_blocks:
+      x = block(x)
+    return self.moe_block(x)
+
+
+def _update_group_bias(group: BlockGroup, aux: MoEAux) -> None:
+  group.moe_block.moe.update_expert_bias(aux)
+
+
+class TransformerLM(nnx.Module):
+  """Token embedding, ``num_layers`` blocks, final RMSNorm, unembedding.
+
+  ``model(tokens [B, S] int32)`` -> ``(logits [B, S, vocab] float32, aux)``
+  where each field of ``aux`` (:class:`moe_ep.MoEAux`) has a leading
+  ``[num_moe_layers]`` axis, e.g. ``aux.tokens_per_expert [num_moe_layers, E]``.
+
+  Args:
+    config: the run's :class:`~examples.train_config.Config` (``model`` and ``moe``).
+    mesh: the ``("dp", "ep")`` mesh the MoE layers shard their experts over.
+    rngs: parameter initialisation keys.
+  """
+
+  def __init__(self, config: Config, mesh, *, rngs: nnx.Rngs):
+    model = config.model
+    self.scan_layers = model.scan_layers
+    self.remat_policy = config.moe.remat.policy() if model.remat_blocks else None
+    self.embed = nnx.Embed(model.vocab_size, model.d_model, dtype=model.dtype, rngs=rngs)
+    if model.scan_layers:
+      @nnx.split_rngs(splits=model.num_moe_layers)
+      # The layer's partition metadata gains an unnamed leading axis: P(None, "ep", ...).
+      @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+      def create_stack(rngs):
+        return BlockGroup(config, mesh, rngs=rngs)
+      self.groups = create_stack(rngs)
+    else:
+      self.groups = nnx.List([BlockGroup(config, mesh, rngs=rngs)
+                              for _ in range(model.num_moe_layers)])
+    self.norm = nnx.RMSNorm(model.d_model, dtype=model.dtype, rngs=rngs)
+    self.unembed = nnx.Linear(model.d_model, model.vocab_size, use_bias=False,
+                              dtype=model.dtype, rngs=rngs)
+
+  def __call__(self, tokens: jax.Array) -> tuple[jax.Array, MoEAux]:
+    def run_group(group: BlockGroup, x):
+      return group(x)
+    if self.remat_policy is not None:
+      run_group = nnx.remat(run_group, policy=self.remat_policy)
+
+    x = self.embed(tokens)
+    if self.scan_layers:
+      x, aux = nnx.scan(run_group, in_axes=(0, nnx.Carry),
+                        out_axes=(nnx.Carry, 0))(self.groups, x)
+    else:
+      auxes = []
+      for group in self.groups:
+        x, group_aux = run_group(group, x)
+        auxes.append(group_aux)
+      aux = jax.tree.map(lambda *values: jnp.stack(values), *auxes)
+    return self.unembed(self.norm(x)).astype(jnp.float32), aux
+
+  def update_expert_bias(self, aux: MoEAux) -> None:
+    """One auxiliary-loss-free bias step per MoE layer, from its own row of
+    ``aux`` (call after the optimizer update, outside the gradient)."""
+    if self.scan_layers:
+      nnx.vmap(_update_group_bias, in_axes=(0, 0),
+               transform_metadata={nnx.PARTITION_NAME: None})(self.groups, aux)
+    else:
+      for index, group in enumerate(self.groups):
+        _update_group_bias(group, jax.tree.map(lambda value: value[index], aux))
