@@ -116,7 +116,11 @@ class TransformerLM(nnx.Module):
     model = config.model
     self.scan_layers = model.scan_layers
     self.remat_policy = config.moe.remat.policy() if model.remat_blocks else None
-    self.embed = nnx.Embed(model.vocab_size, model.d_model, dtype=model.dtype, rngs=rngs)
+    # Unit-scale embeddings: with the default 1/sqrt(d_model) the token signal
+    # is lost under the blocks' unit-scale outputs in deep stacks, and a
+    # 12-layer model stayed at log(vocab) for hundreds of steps.
+    self.embed = nnx.Embed(model.vocab_size, model.d_model, dtype=model.dtype,
+                           embedding_init=nnx.initializers.normal(stddev=1.0), rngs=rngs)
     if model.scan_layers:
       @nnx.split_rngs(splits=model.num_moe_layers)
       # The layer's partition metadata gains an unnamed leading axis: P(None, "ep", ...).
