@@ -97,11 +97,12 @@ class _Spec:
 # --- the two row paths, shared by the forward and backward rules ------------
 
 
-def _lookup(table: jax.Array, index: jax.Array) -> jax.Array:
-  """``table[index]`` for small int32 index tables; -1 where ``index`` is -1
-  (or the entry itself is -1)."""
+def _lookup(table: jax.Array, index: jax.Array, fill) -> jax.Array:
+  """``table[index]`` for the small int/float tables of the handle side;
+  ``fill`` where ``index`` is out of range (-1)."""
   valid = (index >= 0) & (index < table.shape[0])
-  return jnp.where(valid, table[jnp.where(valid, index, 0)], -1)
+  rows = table[jnp.where(valid, index, 0)]
+  return jnp.where(valid.reshape(valid.shape + (1,) * (table.ndim - 1)), rows, fill)
 
 
 def _wire_rows(handle: RoutingHandle) -> jax.Array:
@@ -113,9 +114,7 @@ def _wire_rows(handle: RoutingHandle) -> jax.Array:
 def _token_member_pos(handle: RoutingHandle) -> jax.Array:
   """One rank only: ``[T, K]`` slab positions of each token's members,
   composed through its single wire slot."""
-  member_pos = handle.recv_pos.reshape(-1, handle.top_k)
-  return jnp.where(handle.send_slot[:, :1] >= 0,
-                   member_pos[jnp.maximum(handle.send_slot[:, 0], 0)], -1)
+  return _lookup(handle.recv_pos.reshape(-1, handle.top_k), handle.send_slot[:, 0], -1)
 
 
 def _rows_to_slabs(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
@@ -125,7 +124,7 @@ def _rows_to_slabs(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.A
   slab_shape = handle.slab_row.shape + (hidden,)
   slab_row = handle.slab_row.reshape(-1)
   if spec.ep_size == 1:
-    token_of_slab_row = _lookup(handle.send_token.reshape(-1), slab_row)
+    token_of_slab_row = _lookup(handle.send_token.reshape(-1), slab_row, -1)
     return ops.expand_rows(rows, _token_member_pos(handle), token_of_slab_row).reshape(slab_shape)
   send_rows = ops.expand_rows(rows, _wire_rows(handle), handle.send_token.reshape(-1))
   recv_rows = _exchange(send_rows.reshape(spec.ep_size, -1, hidden), spec.axis_name,
@@ -151,13 +150,12 @@ def _weights_to_routes(spec: _Spec, slab_values: jax.Array, handle: RoutingHandl
   """``[L, C]`` per-slab-row float32 values -> ``[T, K]`` per route (0 if
   dropped). Small: plain jnp on every backend."""
   top_k = handle.top_k
-  flat = slab_values.reshape(-1)
-  per_member = jnp.where(handle.recv_pos >= 0, flat[jnp.maximum(handle.recv_pos, 0)], 0.0)
+  per_member = _lookup(slab_values.reshape(-1), handle.recv_pos, 0.0)  # [R, S, K]
   if spec.ep_size > 1:
     per_member = _exchange(per_member, spec.axis_name, "exchange_weights")
-  member = handle.route_slot * top_k + jnp.arange(top_k, dtype=jnp.int32)
-  flat_members = per_member.reshape(-1)
-  return jnp.where(handle.route_slot >= 0, flat_members[jnp.maximum(member, 0)], 0.0)
+  member = jnp.where(handle.route_slot >= 0,
+                     handle.route_slot * top_k + jnp.arange(top_k, dtype=jnp.int32), -1)
+  return _lookup(per_member.reshape(-1), member, 0.0)
 
 
 # --- dispatch ----------------------------------------------------------------
