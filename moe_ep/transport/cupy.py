@@ -11,7 +11,8 @@ shapes only, so every callback is ``command_buffer_compatible`` and XLA can
 replay it from a CUDA graph.
 
 Kernels compile with NVRTC once per device, at trace time (never inside a
-step); this is the only module that imports CuPy.
+step); this is the only library module that imports CuPy (the benchmarks also
+use it, to time a raw device memcpy).
 """
 
 from __future__ import annotations
