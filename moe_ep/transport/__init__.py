@@ -37,6 +37,7 @@ from moe_ep.transport import backend as _backend
 from moe_ep.transport.layout import (
     Dispatched,
     RoutingHandle,
+    check_experts,
     expert_capacity_for,
     send_capacity_for,
 )
@@ -260,8 +261,7 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
                      f"{tokens.shape[0]}: both must be [T, ...]")
   num_tokens, top_k = topk_idx.shape
   ep_size = _ep_size(axis_name)
-  # Reuses the capacity helper's checks: positive sizes, K <= E, E % R == 0.
-  expert_capacity_for(max(num_tokens, 1), top_k, num_experts, ep_size)
+  check_experts(num_experts, top_k, ep_size)
   if not isinstance(expert_capacity, int) or expert_capacity < 1:
     raise ValueError(f"expert_capacity={expert_capacity!r} must be an integer >= 1")
   if send_capacity is None:

@@ -36,7 +36,8 @@ def _check_positive(name: str, value: int) -> None:
     raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
-def _check_experts(num_experts: int, top_k: int, ep_size: int) -> None:
+def check_experts(num_experts: int, top_k: int, ep_size: int) -> None:
+  """ValueError naming the argument unless sizes are positive, K <= E and E % R == 0."""
   _check_positive("num_experts", num_experts)
   _check_positive("top_k", top_k)
   _check_positive("ep_size", ep_size)
@@ -66,7 +67,7 @@ def expert_capacity_for(num_tokens: int, top_k: int, num_experts: int,
     dropless bound.
   """
   _check_positive("num_tokens", num_tokens)
-  _check_experts(num_experts, top_k, ep_size)
+  check_experts(num_experts, top_k, ep_size)
   dropless = _round_up(ep_size * num_tokens, _SMALL_SLAB_MULTIPLE)
   if capacity_factor is None:
     rows = ep_size * num_tokens
@@ -88,7 +89,7 @@ def send_capacity_for(num_tokens: int, top_k: int, num_experts: int,
   the wire only what the slabs' balanced budget would also exceed.
   """
   _check_positive("num_tokens", num_tokens)
-  _check_experts(num_experts, top_k, ep_size)
+  check_experts(num_experts, top_k, ep_size)
   if capacity_factor is None:
     return num_tokens
   if not capacity_factor > 0:
