@@ -8,17 +8,22 @@ Validation messages name the field and the rule, e.g.
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 import typing
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moe_ep.transport import CHECKPOINT_FIELDS
 from moe_ep.transport.backend import BACKENDS
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("swiglu", "geglu", "gelu")
+# Floating dtypes the layer computes exactly; float64 is refused (see _check_dtype).
+DTYPES = ("bfloat16", "float16", "float32")
 
 # Checkpoint-name groups of RematConfig.save, each expanding to named values.
 REMAT_GROUPS = {
@@ -35,18 +40,61 @@ def _fail(cls, field: str, value, rule: str):
   raise ValueError(f"{cls.__name__}.{field}={value!r} {rule}")
 
 
+def _is_bool(value) -> bool:
+  return isinstance(value, (bool, np.bool_))
+
+
 def _check_int(obj, field: str, minimum: int) -> None:
+  """Python and NumPy integers (not bools) >= minimum, stored as Python int."""
   value = getattr(obj, field)
-  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+  try:
+    number = None if _is_bool(value) else operator.index(value)
+  except TypeError:
+    number = None
+  if number is None or number < minimum:
     _fail(type(obj), field, value, f"must be an integer >= {minimum}")
+  object.__setattr__(obj, field, number)
 
 
 def _check_number(obj, field: str, minimum: float, strict: bool = False) -> None:
+  """Finite Python or NumPy reals (not bools), stored as Python float."""
   value = getattr(obj, field)
-  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
-      value > minimum if strict else value >= minimum)
+  ok = (isinstance(value, (int, float, np.integer, np.floating)) and not _is_bool(value)
+        and math.isfinite(value) and (value > minimum if strict else value >= minimum))
   if not ok:
-    _fail(type(obj), field, value, f"must be a number {'>' if strict else '>='} {minimum}")
+    _fail(type(obj), field, value,
+          f"must be a finite number {'>' if strict else '>='} {minimum}")
+  object.__setattr__(obj, field, float(value))
+
+
+def _check_bool(obj, field: str) -> None:
+  """A real bool (NumPy's included, stored as bool): strings like "False"
+  would be truthy."""
+  value = getattr(obj, field)
+  if not _is_bool(value):
+    _fail(type(obj), field, value, "must be a bool (True or False)")
+  object.__setattr__(obj, field, bool(value))
+
+
+def _check_dtype(obj, field: str, allow_none: bool) -> None:
+  """A dtype name in :data:`DTYPES`, stored as its canonical name."""
+  value = getattr(obj, field)
+  if value is None:
+    if not allow_none:
+      _fail(type(obj), field, value, f"must be one of {DTYPES}")
+    return
+  try:
+    name = jnp.dtype(value).name
+  except (TypeError, ValueError):
+    _fail(type(obj), field, value, "is not a dtype name")
+  if name == "float64":
+    _fail(type(obj), field, value,
+          "is refused: the transport sums and routing weights are float32, so float64 "
+          "would silently lose precision; use float32")
+  if name not in DTYPES:
+    _fail(type(obj), field, value,
+          f"must be one of the floating dtypes the layer computes exactly, {DTYPES}; got {name}")
+  object.__setattr__(obj, field, name)
 
 
 def _check_choice(obj, field: str, choices) -> None:
@@ -55,11 +103,18 @@ def _check_choice(obj, field: str, choices) -> None:
     _fail(type(obj), field, value, f"must be one of {tuple(choices)}")
 
 
-def _as_tuple(obj, field: str) -> None:
+def _as_tuple_of_str(obj, field: str) -> None:
+  """A string or an iterable of strings, stored as a tuple of strings."""
   value = getattr(obj, field)
   if isinstance(value, str):
     value = (value,)
-  object.__setattr__(obj, field, tuple(value))
+  try:
+    value = tuple(value)
+  except TypeError:
+    _fail(type(obj), field, value, "must be a string or a sequence of strings")
+  if not all(isinstance(entry, str) for entry in value):
+    _fail(type(obj), field, value, "must be a string or a sequence of strings")
+  object.__setattr__(obj, field, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +144,7 @@ class RematConfig:
   apply: bool = False
 
   def __post_init__(self):
-    _as_tuple(self, "save")
+    _as_tuple_of_str(self, "save")
     for entry in self.save:
       if entry not in REMAT_GROUPS and entry not in REMAT_NAMES:
         _fail(type(self), "save", self.save,
@@ -97,8 +152,7 @@ class RematConfig:
               f"and names {REMAT_NAMES}")
     if not isinstance(self.prefix, str) or not self.prefix:
       _fail(type(self), "prefix", self.prefix, "must be a non-empty string")
-    if not isinstance(self.apply, bool):
-      _fail(type(self), "apply", self.apply, "must be a bool")
+    _check_bool(self, "apply")
 
   @property
   def names(self) -> tuple[str, ...]:
@@ -123,6 +177,10 @@ class RematConfig:
 class MoEConfig:
   """Configuration of :class:`~moe_ep.ExpertParallelMoE`.
 
+  Integer fields take Python or NumPy integers (stored as ``int``; bools are
+  refused), float fields finite Python or NumPy reals (stored as ``float``),
+  bool fields only real bools (``"False"`` is refused, not read as truthy).
+
   Attributes:
     hidden_size: ``H``, the model width.
     ffn_size: ``F``, each expert's hidden width.
@@ -146,11 +204,18 @@ class MoEConfig:
     capacity_factor: None = dropless; a float sizes both the expert slabs and
       the per-destination send chunks (see ``expert_capacity_for``).
     expert_capacity: rows per expert slab; overrides the factor's slab size.
+      Values above the dropless bound are clamped to it by ``dispatch``.
     ep_axis: the mesh axis experts are sharded over.
     batch_axes: other mesh axes that shard the batch (absent ones are ignored).
-    dtype: compute dtype; param_dtype: parameter dtype.
+    dtype: compute dtype of the tokens through dispatch, experts and combine:
+      ``"bfloat16"``, ``"float16"`` or ``"float32"``; None (the default) means
+      the input's dtype. float64 is refused: routing weights and the
+      transport's sums are float32.
+    param_dtype: parameter dtype, one of the same three.
     transport: dispatch/combine backend: ``"auto"``, ``"xla"`` or ``"cupy"``.
     remat: the :class:`RematConfig`.
+    return_aux: True: the layer returns ``(y, MoEAux)``; False: it returns
+      ``y`` and sows the ``MoEAux`` as an ``nnx.Intermediate``.
   """
 
   hidden_size: int
@@ -172,10 +237,11 @@ class MoEConfig:
   expert_capacity: int | None = None
   ep_axis: str = "ep"
   batch_axes: tuple[str, ...] = ("dp",)
-  dtype: str = "bfloat16"
+  dtype: str | None = None
   param_dtype: str = "float32"
   transport: str = "auto"
   remat: RematConfig = dataclasses.field(default_factory=RematConfig)
+  return_aux: bool = True
 
   def __post_init__(self):
     cls = type(self)
@@ -183,6 +249,8 @@ class MoEConfig:
       _check_int(self, field, 1)
     if self.top_k > self.num_experts:
       _fail(cls, "top_k", self.top_k, f"must be <= num_experts={self.num_experts}")
+    for field in ("normalize_top_k", "use_expert_bias", "return_aux"):
+      _check_bool(self, field)
     _check_choice(self, "score_function", SCORE_FUNCTIONS)
     _check_choice(self, "activation", ACTIVATIONS)
     _check_choice(self, "transport", BACKENDS)
@@ -195,14 +263,14 @@ class MoEConfig:
     if self.expert_capacity is not None:
       _check_int(self, "expert_capacity", 1)
     self._check_groups()
-    _as_tuple(self, "batch_axes")
+    if not isinstance(self.ep_axis, str) or not self.ep_axis:
+      _fail(cls, "ep_axis", self.ep_axis, "must be a non-empty string")
+    _as_tuple_of_str(self, "batch_axes")
     if self.ep_axis in self.batch_axes:
       _fail(cls, "batch_axes", self.batch_axes, f"must not contain ep_axis={self.ep_axis!r}")
-    for field in ("dtype", "param_dtype"):
-      try:
-        object.__setattr__(self, field, jnp.dtype(getattr(self, field)).name)
-      except TypeError:
-        _fail(cls, field, getattr(self, field), "is not a dtype name")
+    # None must not reach jnp.dtype, which reads it as float64.
+    _check_dtype(self, "dtype", allow_none=True)
+    _check_dtype(self, "param_dtype", allow_none=False)
     if isinstance(self.remat, dict):
       object.__setattr__(self, "remat", from_dict(RematConfig, self.remat, "remat"))
     if not isinstance(self.remat, RematConfig):

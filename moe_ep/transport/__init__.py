@@ -38,7 +38,9 @@ from moe_ep.transport.layout import (
     Dispatched,
     RoutingHandle,
     check_experts,
+    check_num_tokens,
     expert_capacity_for,
+    positive_int,
     send_capacity_for,
 )
 
@@ -65,8 +67,16 @@ NAMED_SCOPES = {
 }
 
 
-def _ep_size(axis_name) -> int:
-  return 1 if axis_name is None else jax.lax.axis_size(axis_name)
+def _ep_size(axis_name, caller: str) -> int:
+  if axis_name is None:
+    return 1
+  try:
+    return jax.lax.axis_size(axis_name)
+  except NameError:
+    raise ValueError(
+        f"{caller}(axis_name={axis_name!r}): no mapped axis of that name here; call {caller} "
+        f"inside jax.shard_map over the {axis_name!r} mesh axis (or pass axis_name=None for "
+        f"one rank)") from None
 
 
 def _exchange(x: jax.Array, axis_name, what: str) -> jax.Array:
@@ -219,6 +229,45 @@ def _check_rank(name: str, value, rank: int, shape_doc: str) -> None:
     raise ValueError(f"{name} must be {shape_doc} (rank {rank}); got shape {value.shape}")
 
 
+def _valid_ids(topk_idx: jax.Array, num_experts: int) -> jax.Array:
+  """``[T, K]`` int32 ids with every id outside ``[0, E)`` set to -1. The range
+  test runs in the input's dtype, before narrowing: an int64 id of 2**32 + 1
+  must not wrap onto expert 1. Narrow types are widened first, where ``E``
+  itself would not fit (int8 ids against 300 experts)."""
+  if jnp.iinfo(topk_idx.dtype).bits < 32:
+    topk_idx = topk_idx.astype(jnp.int32)
+  valid = (topk_idx >= 0) & (topk_idx < num_experts)
+  return jnp.where(valid, topk_idx.astype(jnp.int32), -1)
+
+
+def _merge_duplicate_routes(topk_idx: jax.Array, topk_weights: jax.Array):
+  """Merges repeated ids inside one token's top-k into one route.
+
+  The first occurrence of an id keeps it, with the sum of the weights of all
+  its occurrences; later ones become -1. The dropless bound ``R * T`` counts
+  one row per (token, expert), so a repeat must not take a second row. Plain
+  jnp, outside the custom_vjp, so each repeat's weight gets the gradient of
+  the merged route (the same expert output, as if it were routed on its own).
+
+  Args:
+    topk_idx: ``[T, K]`` int32, -1 where not routed.
+    topk_weights: ``[T, K]`` any float dtype.
+
+  Returns:
+    ``(topk_idx [T, K] int32, topk_weights [T, K] float32)``; equal to the
+    inputs (the weights cast to float32) where a token has no repeats.
+  """
+  top_k = topk_idx.shape[1]
+  same = (topk_idx[:, :, None] == topk_idx[:, None, :]) & (topk_idx[:, :, None] >= 0)
+  earlier = jnp.tril(jnp.ones((top_k, top_k), bool), k=-1)  # [i, j]: j comes before i
+  repeat = (same & earlier).any(axis=2)
+  shared = same.sum(axis=2) > 1
+  weights = topk_weights.astype(jnp.float32)
+  # where, not a product: an inf weight must not turn the others' zeros into NaN.
+  summed = jnp.where(same, weights[:, None, :], 0.0).sum(axis=2)
+  return jnp.where(repeat, -1, topk_idx), jnp.where(shared, summed, weights)
+
+
 def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
              num_experts: int, expert_capacity: int, axis_name=None,
              send_capacity: int | None = None, checkpoint_name: str | None = None,
@@ -228,15 +277,22 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
   Call it per rank inside ``shard_map`` over the EP mesh axis ``axis_name``
   (size ``R``); with ``axis_name=None`` there is one rank and no collective.
 
+  Duplicate ids in one token's top-k are merged into one route with the
+  summed weight; demand/counts count it once (the gradient of each duplicate's
+  weight is that route's, as if it had been routed separately).
+
   Args:
-    tokens: ``[T, H]`` this rank's tokens.
-    topk_idx: ``[T, K]`` int32 global expert ids; ids outside
-      ``[0, num_experts)`` mean "not routed".
-    topk_weights: ``[T, K]`` routing weights (differentiable).
+    tokens: ``[T, H]`` this rank's tokens, ``T >= 1``.
+    topk_idx: ``[T, K]`` integer global expert ids (any integer dtype); ids
+      outside ``[0, num_experts)`` mean "not routed", also int64 ids beyond
+      the int32 range.
+    topk_weights: ``[T, K]`` floating routing weights (differentiable).
     num_experts: ``E``; rank ``r`` owns experts ``[r*L, (r+1)*L)``, ``L = E // R``.
     expert_capacity: ``C`` rows per expert slab; a slab keeps its first ``C``
-      rows in (source rank, source token, k) order and drops the rest.
-    axis_name: the EP mesh axis, or None.
+      rows in (source rank, source token, k) order and drops the rest. Values
+      above the dropless bound (``expert_capacity_for`` with
+      ``capacity_factor=None``, ``R * T`` rounded up) are clamped to it.
+    axis_name: the EP mesh axis (call inside ``jax.shard_map`` over it), or None.
     send_capacity: ``S`` rows per destination chunk (None: ``T``, never drops;
       values above ``T`` are clamped to ``T``).
     checkpoint_name: when set, the outputs and the residual the backward keeps
@@ -256,24 +312,30 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
   if topk_weights.shape != topk_idx.shape:
     raise ValueError(f"topk_weights shape {topk_weights.shape} must equal "
                      f"topk_idx shape {topk_idx.shape}")
+  if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
+    raise ValueError(f"topk_weights must be floating; got dtype {topk_weights.dtype}")
   if topk_idx.shape[0] != tokens.shape[0]:
     raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but tokens has "
                      f"{tokens.shape[0]}: both must be [T, ...]")
+  if tokens.shape[0] == 0:
+    raise ValueError(f"tokens has 0 rows: dispatch needs T >= 1 (got shape {tokens.shape})")
+  if checkpoint_name is not None and not isinstance(checkpoint_name, str):
+    raise ValueError(f"checkpoint_name={checkpoint_name!r} must be a string or None")
   num_tokens, top_k = topk_idx.shape
-  ep_size = _ep_size(axis_name)
-  check_experts(num_experts, top_k, ep_size)
-  if not isinstance(expert_capacity, int) or expert_capacity < 1:
-    raise ValueError(f"expert_capacity={expert_capacity!r} must be an integer >= 1")
-  if send_capacity is None:
-    send_capacity = num_tokens
-  elif not isinstance(send_capacity, int) or send_capacity < 1:
-    raise ValueError(f"send_capacity={send_capacity!r} must be an integer >= 1 or None")
+  ep_size = _ep_size(axis_name, "dispatch")
+  num_experts, top_k, ep_size = check_experts(num_experts, top_k, ep_size)
+  dropless_capacity = expert_capacity_for(num_tokens, top_k, num_experts, ep_size)
+  expert_capacity = min(positive_int("expert_capacity", expert_capacity), dropless_capacity)
+  send_capacity = (num_tokens if send_capacity is None
+                   else min(positive_int("send_capacity", send_capacity), num_tokens))
+  topk_idx, topk_weights = _merge_duplicate_routes(_valid_ids(topk_idx, num_experts),
+                                                   topk_weights)
   spec = _Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=expert_capacity,
-               send_capacity=min(send_capacity, num_tokens), axis_name=axis_name,
+               send_capacity=send_capacity, axis_name=axis_name,
                backend=backend, checkpoint_name=checkpoint_name,
                weight_dtype=jnp.dtype(topk_weights.dtype).name)
   spec.ops  # resolves the backend now: a missing CuPy fails at trace time
-  return _dispatch(spec, tokens, topk_idx.astype(jnp.int32), topk_weights)
+  return _dispatch(spec, tokens, topk_idx, topk_weights)
 
 
 # --- combine -----------------------------------------------------------------
@@ -307,7 +369,7 @@ def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int
     expert_outputs: ``[L, C, H]`` in the slab layout of the dispatch that made
       ``handle``. Unweighted: multiply by ``Dispatched.weights`` first.
     handle: the dispatch's :class:`RoutingHandle`.
-    num_tokens: ``T``, this rank's token count.
+    num_tokens: ``T >= 1``, this rank's token count.
     axis_name: the EP mesh axis the dispatch used, or None.
     backend: ``"auto"``, ``"xla"`` or ``"cupy"``.
 
@@ -323,10 +385,11 @@ def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int
   if expert_outputs.shape[:2] != handle.slab_row.shape:
     raise ValueError(f"expert_outputs shape {expert_outputs.shape} must be [L, C, H] with "
                      f"[L, C] = {handle.slab_row.shape} from the handle")
+  num_tokens = check_num_tokens(num_tokens, "combine")
   if num_tokens != handle.num_tokens:
     raise ValueError(f"num_tokens={num_tokens} does not match the handle's "
                      f"{handle.num_tokens} tokens")
-  ep_size = _ep_size(axis_name)
+  ep_size = _ep_size(axis_name, "combine")
   if ep_size != handle.ep_size:
     raise ValueError(f"axis_name={axis_name!r} has size {ep_size} but the handle was "
                      f"made for {handle.ep_size} ranks")

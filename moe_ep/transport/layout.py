@@ -16,9 +16,11 @@ Notation used throughout the transport (per rank of the EP axis):
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple
 
 import jax
+import numpy as np
 
 # Slabs are the M dimension of the expert GEMMs: large ones are rounded to a
 # whole number of 128-row tiles, small ones (tests, tiny models) to 8 rows.
@@ -31,21 +33,55 @@ def _round_up(value: int, multiple: int) -> int:
   return -(-value // multiple) * multiple
 
 
-def _check_positive(name: str, value: int) -> None:
-  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+def positive_int(name: str, value) -> int:
+  """``value`` as a Python int, or ValueError naming ``name``: a positive
+  integer (NumPy integer scalars included; bools refused)."""
+  if isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name}={value!r} must be a positive integer, not a bool")
+  try:
+    number = operator.index(value)
+  except TypeError:
+    raise ValueError(f"{name}={value!r} must be a positive integer") from None
+  if number < 1:
     raise ValueError(f"{name}={value!r} must be a positive integer")
+  return number
 
 
-def check_experts(num_experts: int, top_k: int, ep_size: int) -> None:
-  """ValueError naming the argument unless sizes are positive, K <= E and E % R == 0."""
-  _check_positive("num_experts", num_experts)
-  _check_positive("top_k", top_k)
-  _check_positive("ep_size", ep_size)
+def check_num_tokens(num_tokens, caller: str) -> int:
+  """``T`` as a Python int; ValueError naming the shape rule for ``T < 1``."""
+  try:
+    empty = not isinstance(num_tokens, (bool, np.bool_)) and operator.index(num_tokens) == 0
+  except TypeError:
+    empty = False
+  if empty:
+    raise ValueError(f"num_tokens=0: {caller} needs T >= 1 tokens per rank")
+  return positive_int("num_tokens", num_tokens)
+
+
+def check_capacity_factor(capacity_factor) -> None:
+  """ValueError unless ``capacity_factor`` is None or a finite number > 0."""
+  if capacity_factor is None:
+    return
+  ok = (isinstance(capacity_factor, (int, float, np.integer, np.floating))
+        and not isinstance(capacity_factor, (bool, np.bool_))
+        and math.isfinite(capacity_factor) and capacity_factor > 0)
+  if not ok:
+    raise ValueError(f"capacity_factor={capacity_factor!r} must be a finite number > 0 or None")
+
+
+def check_experts(num_experts: int, top_k: int, ep_size: int) -> tuple[int, int, int]:
+  """ValueError naming the argument unless sizes are positive, K <= E and E % R == 0.
+
+  Returns ``(num_experts, top_k, ep_size)`` as Python ints."""
+  num_experts = positive_int("num_experts", num_experts)
+  top_k = positive_int("top_k", top_k)
+  ep_size = positive_int("ep_size", ep_size)
   if top_k > num_experts:
     raise ValueError(f"top_k={top_k} must be <= num_experts={num_experts}")
   if num_experts % ep_size:
     raise ValueError(
         f"num_experts={num_experts} is not divisible by the ep axis size {ep_size}")
+  return num_experts, top_k, ep_size
 
 
 def expert_capacity_for(num_tokens: int, top_k: int, num_experts: int,
@@ -66,14 +102,13 @@ def expert_capacity_for(num_tokens: int, top_k: int, num_experts: int,
     ``C``, rounded up to a GEMM-friendly multiple and never above the rounded
     dropless bound.
   """
-  _check_positive("num_tokens", num_tokens)
-  check_experts(num_experts, top_k, ep_size)
+  num_tokens = check_num_tokens(num_tokens, "expert_capacity_for")
+  num_experts, top_k, ep_size = check_experts(num_experts, top_k, ep_size)
+  check_capacity_factor(capacity_factor)
   dropless = _round_up(ep_size * num_tokens, _SMALL_SLAB_MULTIPLE)
   if capacity_factor is None:
     rows = ep_size * num_tokens
   else:
-    if not capacity_factor > 0:
-      raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0 or None")
     rows = math.ceil(capacity_factor * ep_size * num_tokens * top_k / num_experts)
   multiple = _LARGE_SLAB_MULTIPLE if rows >= _LARGE_SLAB_ROWS else _SMALL_SLAB_MULTIPLE
   return max(1, min(_round_up(rows, multiple), dropless))
@@ -88,12 +123,11 @@ def send_capacity_for(num_tokens: int, top_k: int, num_experts: int,
   destination, ``T * K / R``; rows are deduplicated routes, so this drops on
   the wire only what the slabs' balanced budget would also exceed.
   """
-  _check_positive("num_tokens", num_tokens)
-  check_experts(num_experts, top_k, ep_size)
+  num_tokens = check_num_tokens(num_tokens, "send_capacity_for")
+  num_experts, top_k, ep_size = check_experts(num_experts, top_k, ep_size)
+  check_capacity_factor(capacity_factor)
   if capacity_factor is None:
     return num_tokens
-  if not capacity_factor > 0:
-    raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0 or None")
   rows = math.ceil(capacity_factor * num_tokens * top_k / ep_size)
   return max(1, min(_round_up(rows, _SMALL_SLAB_MULTIPLE), num_tokens))
 

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import make_mesh
 from moe_ep.transport import backend as transport_backend
-from moe_ep.transport import combine, dispatch
+from moe_ep.transport import combine, dispatch, expert_capacity_for, send_capacity_for
 from moe_ep.transport import cupy as cupy_backend
 
 TOKENS = jnp.zeros((6, 4), jnp.float32)
@@ -33,9 +33,18 @@ def call(**overrides):
      r"topk_idx has 5 rows but tokens has 6"),
     (dict(num_experts=1), "top_k=2 must be <= num_experts=1"),
     (dict(num_experts=0), "num_experts=0 must be a positive integer"),
-    (dict(expert_capacity=0), "expert_capacity=0 must be an integer >= 1"),
-    (dict(send_capacity=0), "send_capacity=0 must be an integer >= 1"),
+    (dict(expert_capacity=0), "expert_capacity=0 must be a positive integer"),
+    (dict(send_capacity=0), "send_capacity=0 must be a positive integer"),
     (dict(backend="triton"), "backend='triton' is not one of"),
+    (dict(tokens=jnp.zeros((0, 4)), topk_idx=jnp.zeros((0, 2), jnp.int32),
+          topk_weights=jnp.ones((0, 2))),
+     r"tokens has 0 rows: dispatch needs T >= 1 \(got shape \(0, 4\)\)"),
+    (dict(topk_weights=jnp.ones((6, 2), jnp.int32)), "topk_weights must be floating"),
+    (dict(expert_capacity=True), "expert_capacity=True must be a positive integer, not a bool"),
+    (dict(send_capacity=np.bool_(True)), "send_capacity=.*True.* must be a positive integer"),
+    (dict(num_experts=4.0), r"num_experts=4.0 must be a positive integer"),
+    (dict(expert_capacity=8.5), r"expert_capacity=8.5 must be a positive integer"),
+    (dict(checkpoint_name=3), "checkpoint_name=3 must be a string or None"),
 ])
 def test_bad_dispatch_arguments(overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -53,6 +62,48 @@ def test_bad_combine_arguments():
     combine(slabs, d.handle, num_tokens=5, backend="xla")
   with pytest.raises(ValueError, match="handle must be the RoutingHandle"):
     combine(slabs, tuple(d.handle), num_tokens=6, backend="xla")
+
+
+def test_numpy_integer_sizes_are_accepted():
+  idx = jnp.asarray(np.arange(12).reshape(6, 2) % 4, jnp.int32)
+  plain = call(topk_idx=idx, num_experts=4, expert_capacity=8, send_capacity=6)
+  numpy = call(topk_idx=idx, num_experts=np.int64(4), expert_capacity=np.int32(8),
+               send_capacity=np.int64(6))
+  for got, want in zip(jax.tree.leaves(numpy), jax.tree.leaves(plain)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  y = combine(numpy.tokens, numpy.handle, num_tokens=np.int64(6), backend="xla")
+  assert y.shape == (6, 4)
+  assert expert_capacity_for(np.int64(13), np.int32(3), np.int64(16), np.int64(4)) == 56
+
+
+def test_zero_tokens_and_bad_capacity_factors_are_named():
+  with pytest.raises(ValueError, match="num_tokens=0: expert_capacity_for needs T >= 1"):
+    expert_capacity_for(0, 2, 8, 1)
+  with pytest.raises(ValueError, match="num_tokens=0: send_capacity_for needs T >= 1"):
+    send_capacity_for(np.int64(0), 2, 8, 1, 1.0)
+  for factor in (float("inf"), float("nan"), 0.0, True):
+    with pytest.raises(ValueError, match=r"capacity_factor=.* must be a finite number > 0"):
+      expert_capacity_for(8, 2, 8, 1, factor)
+    with pytest.raises(ValueError, match=r"capacity_factor=.* must be a finite number > 0"):
+      send_capacity_for(8, 2, 8, 1, factor)
+  d = call()
+  with pytest.raises(ValueError, match="num_tokens=0: combine needs T >= 1"):
+    combine(d.tokens, d.handle, num_tokens=0, backend="xla")
+  with pytest.raises(ValueError, match="num_tokens=True must be a positive integer, not a bool"):
+    combine(d.tokens, d.handle, num_tokens=True, backend="xla")
+
+
+def test_axis_name_outside_shard_map_is_named():
+  message = (r"dispatch\(axis_name='ep'\): no mapped axis of that name here; call dispatch "
+             r"inside jax.shard_map over the 'ep' mesh axis \(or pass axis_name=None for one "
+             r"rank\)")
+  with pytest.raises(ValueError, match=message):
+    call(axis_name="ep")
+  with pytest.raises(ValueError, match=message):  # under jit, still outside shard_map
+    jax.jit(lambda x: call(tokens=x, axis_name="ep").tokens)(TOKENS)
+  d = call()
+  with pytest.raises(ValueError, match=message.replace("dispatch", "combine")):
+    combine(d.tokens, d.handle, num_tokens=6, axis_name="ep", backend="xla")
 
 
 def test_experts_not_divisible_by_ep_size_is_named():
