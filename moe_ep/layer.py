@@ -1,13 +1,15 @@
 """ExpertParallelMoE: route -> dispatch -> experts -> combine, as one NNX layer.
 
 The whole data flow is :func:`_moe_shard`, the per-shard body that
-``shard_map`` runs on every device of the mesh.
+``shard_map`` runs on every device of the mesh; :meth:`ExpertParallelMoE.__call__`
+only brings any input onto the mesh's batch sharding and back.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -17,7 +19,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from moe_ep import router
-from moe_ep.config import MoEConfig
+from moe_ep import sharding
+from moe_ep.config import DTYPES, MoEConfig
 from moe_ep.experts import expert_mlp
 from moe_ep.transport import combine, dispatch, expert_capacity_for, send_capacity_for
 
@@ -26,8 +29,15 @@ class ExpertBias(nnx.Variable):
   """Per-expert selection bias for auxiliary-loss-free balancing.
 
   Not an ``nnx.Param``: optimizers built on ``nnx.Param`` leave it alone, and
-  it changes only through :meth:`ExpertParallelMoE.update_expert_bias`.
+  it changes only through :meth:`ExpertParallelMoE.update_expert_bias` (or
+  :func:`moe_ep.update_expert_biases`).
   """
+
+
+class SownAux(nnx.Intermediate):
+  """The :class:`MoEAux` of the layer's latest call, kept when
+  ``MoEConfig.return_aux`` is False (read it with :func:`moe_ep.collect_aux`,
+  :func:`moe_ep.total_aux_loss`)."""
 
 
 class MoEAux(NamedTuple):
@@ -46,6 +56,11 @@ class MoEAux(NamedTuple):
   dropped_fraction: jax.Array
 
 
+def _zero_aux(num_experts: int) -> MoEAux:
+  zero = jnp.zeros((), jnp.float32)
+  return MoEAux(zero, zero, jnp.zeros((num_experts,), jnp.int32), zero)
+
+
 class _ShardLayout(NamedTuple):
   """Static facts about how one call is split over the mesh."""
 
@@ -55,20 +70,20 @@ class _ShardLayout(NamedTuple):
   num_shards: int  # product of their sizes
 
 
-def _moe_shard(config: MoEConfig, layout: _ShardLayout, x: jax.Array,
-               params: dict) -> tuple[jax.Array, MoEAux]:
-  """One shard's MoE: ``x [b, s, H]`` -> ``(y [b, s, H], aux)``.
+def _moe_shard(config: MoEConfig, layout: _ShardLayout, dtype, num_valid: int,
+               tokens: jax.Array, params: dict) -> tuple[jax.Array, MoEAux]:
+  """One shard's MoE: ``tokens [t, H]`` -> ``(y [t, H] in dtype, aux)``.
 
   ``params`` holds this shard's slices: ``router [H, E]``, ``w_in [L, H, n*F]``,
   ``w_out [L, F, H]``, optionally ``expert_bias [E]``, ``shared_w_in [H, n*F_s]``,
-  ``shared_w_out [F_s, H]``.
+  ``shared_w_out [F_s, H]``. The global rows from ``num_valid`` on are padding:
+  routed nowhere and counted nowhere.
   """
-  batch, seq, hidden = x.shape
-  num_tokens = batch * seq
-  dtype = jnp.dtype(config.dtype)
+  num_tokens = tokens.shape[0]
   remat = config.remat
   name = lambda value_name, value: checkpoint_name(value, remat.name(value_name))
-  tokens = x.reshape(num_tokens, hidden).astype(dtype)
+  tokens = tokens.astype(dtype)
+  real = _real_rows(layout, num_tokens, num_valid)
 
   # Route (float32 router).
   logits = tokens.astype(jnp.float32) @ params["router"].astype(jnp.float32)
@@ -77,6 +92,10 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, x: jax.Array,
       normalize_top_k=config.normalize_top_k, routed_scaling=config.routed_scaling,
       num_groups=config.num_groups, group_top_k=config.group_top_k,
       expert_bias=params.get("expert_bias"), name=name)
+  if real is not None:
+    routing = routing._replace(
+        topk_idx=jnp.where(real[:, None], routing.topk_idx, -1),
+        topk_weights=jnp.where(real[:, None], routing.topk_weights, 0.0))
 
   # Dispatch.
   capacity_args = (num_tokens, config.top_k, config.num_experts, layout.ep_size)
@@ -99,12 +118,24 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, x: jax.Array,
     y = y + expert_mlp(tokens[None], params["shared_w_in"][None],
                        params["shared_w_out"][None], config.activation)[0]
 
-  aux = _aux(config, layout, routing, logits, kept=dispatched.counts.sum())
-  return y.reshape(batch, seq, hidden).astype(x.dtype), aux
+  aux = _aux(config, layout, routing, logits, kept=dispatched.counts.sum(), real=real,
+             num_valid=num_valid)
+  return y, aux
+
+
+def _real_rows(layout: _ShardLayout, num_tokens: int, num_valid: int) -> jax.Array | None:
+  """``[t]`` bool: which of this shard's rows are real tokens (None: all are).
+  Padding sits at the end of the global row order, which is the order of the
+  batch axes' linear shard index."""
+  if num_valid == num_tokens * layout.num_shards:
+    return None
+  shard = jax.lax.axis_index(layout.batch_axes) if layout.batch_axes else 0
+  return shard * num_tokens + jnp.arange(num_tokens) < num_valid
 
 
 def _aux(config: MoEConfig, layout: _ShardLayout, routing: router.Routing,
-         logits: jax.Array, kept: jax.Array) -> MoEAux:
+         logits: jax.Array, kept: jax.Array, real: jax.Array | None,
+         num_valid: int) -> MoEAux:
   """Batch-global statistics and losses: one int and one float all-reduce."""
   total = lambda value: (jax.lax.psum(value, layout.batch_axes) if layout.batch_axes
                          else value)
@@ -118,13 +149,14 @@ def _aux(config: MoEConfig, layout: _ShardLayout, routing: router.Routing,
   routes_total = tokens_per_expert.sum()
   dropped = 1.0 - kept_total.astype(jnp.float32) / jnp.maximum(routes_total, 1)
 
-  num_global_tokens = routing.scores.shape[0] * layout.num_shards
   zero = jnp.zeros((), jnp.float32)
   aux_loss, z_loss = zero, zero
   if config.aux_loss_coeff > 0 or config.z_loss_coeff > 0:
-    sums = total(jnp.concatenate([
-        router.score_distribution(routing.scores, config.score_function).sum(axis=0),
-        router.z_loss_terms(logits).sum()[None]])) / num_global_tokens
+    weight = 1.0 if real is None else real.astype(jnp.float32)[:, None]
+    distribution = router.score_distribution(routing.scores, config.score_function)
+    z_terms = router.z_loss_terms(logits)[:, None]
+    sums = total(jnp.concatenate([(distribution * weight).sum(axis=0),
+                                  (z_terms * weight).sum()[None]])) / num_valid
     if config.aux_loss_coeff > 0:
       aux_loss = config.aux_loss_coeff * router.load_balancing_loss(
           tokens_per_expert, sums[:num_experts])
@@ -136,6 +168,42 @@ def _aux(config: MoEConfig, layout: _ShardLayout, routing: router.Routing,
 def _scaled_init(fan_in_axis: int):
   return jax.nn.initializers.variance_scaling(
       1.0, "fan_in", "truncated_normal", in_axis=fan_in_axis, out_axis=-1)
+
+
+_warned_meshes: set = set()
+
+
+def _layer_mesh(config: MoEConfig, mesh):
+  """An explicit ``mesh`` wins; otherwise the ambient one (``jax.set_mesh``)
+  if it has ``config.ep_axis``; otherwise None (one device, no EP)."""
+  if mesh is not None:
+    return mesh
+  ambient = sharding.ambient_mesh()
+  if ambient is None:
+    return None
+  if config.ep_axis not in ambient.axis_names:
+    key = (tuple(ambient.axis_names), config.ep_axis)
+    if key not in _warned_meshes:
+      _warned_meshes.add(key)
+      warnings.warn(
+          f"ExpertParallelMoE: the ambient mesh has axes {tuple(ambient.axis_names)} but no "
+          f"MoEConfig.ep_axis={config.ep_axis!r}; the layer runs without expert parallelism "
+          "(experts replicated). Name a mesh axis 'ep' or set MoEConfig.ep_axis.",
+          stacklevel=3)
+    return None
+  return ambient
+
+
+def _compute_dtype(config: MoEConfig, x: jax.Array):
+  if config.dtype is not None:
+    return jnp.dtype(config.dtype)
+  dtype = jnp.dtype(x.dtype)
+  if dtype.name not in DTYPES:
+    raise ValueError(
+        f"x has dtype {dtype.name}; with MoEConfig.dtype=None the layer computes in the input's "
+        f"dtype, which must be one of {DTYPES} (the transport's sums and routing weights are "
+        "float32, so float64 would silently lose precision): cast x or set MoEConfig.dtype")
+  return dtype
 
 
 class ExpertParallelMoE(nnx.Module):
@@ -150,32 +218,46 @@ class ExpertParallelMoE(nnx.Module):
   Args:
     config: the :class:`~moe_ep.MoEConfig`.
     mesh: a ``jax.sharding.Mesh`` containing ``config.ep_axis`` (and any of
-      ``config.batch_axes``), or None for one device without EP.
+      ``config.batch_axes``). None: the ambient mesh of ``jax.set_mesh`` if it
+      has ``config.ep_axis`` (a warning once if it has not), else one device
+      without EP.
     rngs: parameter initialisation keys (``rngs.params()``).
 
-  Calling ``layer(x)`` with ``x [B, S, H]`` (batch sharded over the batch axes
-  and the EP axis) returns ``(y [B, S, H], MoEAux)``; y has x's dtype.
+  Calling ``layer(x)`` with ``x [..., H]`` of any leading shape and sharding
+  returns ``y`` shaped and typed like ``x`` (on Explicit mesh axes also
+  sharded like it): ``(y, MoEAux)`` with ``config.return_aux`` (the default),
+  else ``y`` alone with the :class:`MoEAux` kept as :class:`SownAux` (an
+  ``nnx.Intermediate``, overwritten by every call) for
+  :func:`moe_ep.total_aux_loss` and :func:`moe_ep.update_expert_biases`. The
+  tokens are split over the batch axes and the EP axis; a token count that
+  does not divide is padded inside with rows that are routed nowhere.
   """
 
   def __init__(self, config: MoEConfig, *, mesh: jax.sharding.Mesh | None = None,
                rngs: nnx.Rngs):
     self.config = config
-    self.mesh = mesh
-    self._shard_layout(config, mesh)  # validates the mesh now
+    self.mesh = _layer_mesh(config, mesh)
+    self._shard_layout(config, self.mesh)  # validates the mesh now
     hidden, ffn, experts = config.hidden_size, config.ffn_size, config.num_experts
     n_in = config.num_input_projections
-    ep = config.ep_axis if mesh is not None else None
+    ep = config.ep_axis if self.mesh is not None else None
     self.router = self._param(rngs, _scaled_init(0), (hidden, experts), (None, None))
     self.w_in = self._param(rngs, _scaled_init(-2), (experts, hidden, n_in * ffn),
                             (ep, None, None))
     self.w_out = self._param(rngs, _scaled_init(-2), (experts, ffn, hidden), (ep, None, None))
     if config.use_expert_bias:
-      self.expert_bias = ExpertBias(jnp.zeros((experts,), jnp.float32))
+      self.expert_bias = ExpertBias(
+          sharding.replicated(jnp.zeros((experts,), jnp.float32), self.mesh))
     if config.num_shared_experts:
       shared = config.num_shared_experts * ffn
       self.shared_w_in = self._param(rngs, _scaled_init(0), (hidden, n_in * shared),
                                      (None, None))
       self.shared_w_out = self._param(rngs, _scaled_init(0), (shared, hidden), (None, None))
+    if not config.return_aux:
+      # Created now, with its final shapes and placement, so the first call
+      # changes neither the module's structure nor its shardings (no retrace).
+      self.sown_aux = SownAux(jax.tree.map(lambda value: sharding.replicated(value, self.mesh),
+                                           _zero_aux(experts)))
 
   @staticmethod
   def _shard_layout(config: MoEConfig, mesh) -> _ShardLayout:
@@ -198,8 +280,9 @@ class ExpertParallelMoE(nnx.Module):
       return nnx.Param(value)
     return nnx.Param(value, out_sharding=spec, mesh=self.mesh)
 
-  def update_expert_bias(self, aux: MoEAux) -> None:
-    """Applies one auxiliary-loss-free bias step from ``aux.tokens_per_expert``.
+  def update_expert_bias(self, aux: MoEAux | None = None) -> None:
+    """Applies one auxiliary-loss-free bias step from ``aux.tokens_per_expert``
+    (default: the sown :class:`MoEAux` of the latest call).
 
     Call it in the train step after the gradient, e.g.::
 
@@ -209,6 +292,12 @@ class ExpertParallelMoE(nnx.Module):
     """
     if not self.config.use_expert_bias:
       raise ValueError("update_expert_bias needs MoEConfig.use_expert_bias=True")
+    if aux is None:
+      if self.config.return_aux:
+        raise ValueError("update_expert_bias() without aux needs MoEConfig.return_aux=False "
+                         "(the layer then keeps its latest MoEAux); otherwise pass the aux "
+                         "the layer returned")
+      aux = self.sown_aux.get_value()
     self.expert_bias[...] = router.expert_bias_step(
         self.expert_bias[...], jax.lax.stop_gradient(aux.tokens_per_expert),
         self.config.expert_bias_update_rate)
@@ -222,22 +311,36 @@ class ExpertParallelMoE(nnx.Module):
       params["shared_w_out"] = self.shared_w_out[...]
     return params
 
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
-    config, layout = self.config, self._shard_layout(self.config, self.mesh)
-    if x.ndim != 3 or x.shape[-1] != config.hidden_size:
-      raise ValueError(f"x must be [B, S, hidden_size={config.hidden_size}]; got {x.shape}")
-    body = functools.partial(_moe_shard, config, layout)
+  def __call__(self, x: jax.Array) -> jax.Array | tuple[jax.Array, MoEAux]:
+    config, mesh = self.config, self.mesh
+    layout = self._shard_layout(config, mesh)
+    if x.ndim < 1 or x.shape[-1] != config.hidden_size:
+      raise ValueError(f"x must be [..., hidden_size={config.hidden_size}]; got shape {x.shape}")
+    dtype = _compute_dtype(config, x)
+    num_valid = math.prod(x.shape[:-1])
+    if num_valid == 0:  # nothing routed, nothing to exchange
+      return self._output(jnp.zeros(x.shape, x.dtype), _zero_aux(config.num_experts))
+
+    rows = -(-num_valid // layout.num_shards) * layout.num_shards
+    tokens = sharding.token_rows(x, rows, mesh, layout.batch_axes)
+    body = functools.partial(_moe_shard, config, layout, dtype, num_valid)
     if config.remat.apply:
       body = jax.checkpoint(body, policy=config.remat.policy())
     params = self._params()
-    if self.mesh is None:
-      return body(x, params)
-    if x.shape[0] % layout.num_shards:
-      raise ValueError(f"x batch size {x.shape[0]} must be divisible by the "
-                       f"{layout.num_shards} shards of mesh axes {layout.batch_axes}")
-    expert_spec = P(config.ep_axis)
-    param_specs = {key: expert_spec if key in ("w_in", "w_out") else P() for key in params}
-    x_spec = P(layout.batch_axes)
-    aux_specs = MoEAux(P(), P(), P(), P())
-    return jax.shard_map(body, mesh=self.mesh, in_specs=(x_spec, param_specs),
-                         out_specs=(x_spec, aux_specs))(x, params)
+    if mesh is None:
+      y, aux = body(tokens, params)
+    else:
+      param_specs = {key: P(config.ep_axis) if key in ("w_in", "w_out") else P()
+                     for key in params}
+      params = {key: sharding.place(value, mesh, param_specs[key])
+                for key, value in params.items()}
+      token_spec = P(layout.batch_axes)
+      y, aux = jax.shard_map(body, mesh=mesh, in_specs=(token_spec, param_specs),
+                             out_specs=(token_spec, MoEAux(P(), P(), P(), P())))(tokens, params)
+    return self._output(sharding.like_input(y, x, mesh), aux)
+
+  def _output(self, y: jax.Array, aux: MoEAux):
+    if self.config.return_aux:
+      return y, aux
+    self.sown_aux.set_value(aux)
+    return y

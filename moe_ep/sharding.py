@@ -1,0 +1,107 @@
+"""Where the layer's arrays live: the ambient mesh, and moving tokens onto
+and off the layer's batch sharding whatever the mesh's axis types.
+
+A mesh from ``jax.make_mesh`` has Explicit axes (shardings are part of the
+array types, and ``shard_map`` insists its inputs already match its
+in_specs); one from ``jax.sharding.Mesh`` has Auto axes (XLA propagates
+shardings, constraints are hints). The layer accepts tokens of any leading
+shape and sharding on either, so the reshapes, padding and resharding live
+here, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+try:  # private, but the only way to read the concrete ambient mesh inside jit
+  from jax._src.mesh import get_concrete_mesh as _get_concrete_mesh
+except ImportError:  # pragma: no cover - future JAX
+  _get_concrete_mesh = None
+
+
+def ambient_mesh() -> jax.sharding.Mesh | None:
+  """The concrete mesh set by ``jax.set_mesh``, or None (also inside jit)."""
+  mesh = None
+  if _get_concrete_mesh is not None:
+    mesh = _get_concrete_mesh()
+  else:
+    with contextlib.suppress(ValueError):  # get_mesh refuses inside jit
+      mesh = jax.sharding.get_mesh()
+  if mesh is None or getattr(mesh, "empty", True):
+    return None
+  return mesh
+
+
+def is_explicit(mesh) -> bool:
+  """Whether any axis of ``mesh`` is Explicit (shardings live in the types)."""
+  explicit = jax.sharding.AxisType.Explicit
+  return any(axis_type == explicit for axis_type in getattr(mesh, "axis_types", ()))
+
+
+def replicated(value: jax.Array, mesh) -> jax.Array:
+  """``value`` placed whole on every device of ``mesh`` (None: unchanged)."""
+  if mesh is None:
+    return value
+  return jax.device_put(value, NamedSharding(mesh, P()))
+
+
+def _on_mesh(mesh, fn, out_spec, *args):
+  """``fn(*args)`` with its output sharded ``out_spec`` over ``mesh``: a
+  constraint on Auto axes; computed with the axes made Auto, then placed, on
+  Explicit ones (so reshapes of sharded dimensions are the partitioner's job,
+  not an error)."""
+  if not is_explicit(mesh):
+    return jax.lax.with_sharding_constraint(fn(*args), NamedSharding(mesh, out_spec))
+  context = (contextlib.nullcontext() if jax.sharding.get_abstract_mesh() == mesh.abstract_mesh
+             else jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+  with context:
+    return jax.sharding.auto_axes(fn, out_sharding=out_spec)(*args)
+
+
+def place(value: jax.Array, mesh, spec: P) -> jax.Array:
+  """``value`` sharded ``spec`` over ``mesh`` (what ``shard_map`` in_specs want)."""
+  return _on_mesh(mesh, lambda v: v, spec, value)
+
+
+def token_rows(x: jax.Array, rows: int, mesh, batch_axes: tuple[str, ...]) -> jax.Array:
+  """``x [..., H]`` -> ``[rows, H]``: flattened, zero rows appended, and (with a
+  mesh) split over ``batch_axes`` on the first axis."""
+  hidden = x.shape[-1]
+  count = math.prod(x.shape[:-1])
+
+  def flatten(x):
+    return jnp.pad(x.reshape(count, hidden), ((0, rows - count), (0, 0)))
+
+  if mesh is None:
+    return flatten(x)
+  return _on_mesh(mesh, flatten, P(batch_axes, None), x)
+
+
+def _type_spec(x: jax.Array):
+  """The spec of ``x``'s type-level sharding on Explicit axes, else None."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or getattr(mesh, "empty", True) or not is_explicit(mesh):
+    return None
+  return sharding.spec
+
+
+def like_input(rows: jax.Array, x: jax.Array, mesh) -> jax.Array:
+  """Inverse of :func:`token_rows`: the first ``prod(x.shape[:-1])`` rows in
+  ``x``'s shape and dtype, and on Explicit axes with ``x``'s sharding (on Auto
+  axes XLA propagates it)."""
+  count = math.prod(x.shape[:-1])
+
+  def unflatten(rows):
+    return rows[:count].reshape(x.shape).astype(x.dtype)
+
+  spec = _type_spec(x) if mesh is not None else None
+  if spec is None:
+    return unflatten(rows)
+  return _on_mesh(mesh, unflatten, spec, rows)
