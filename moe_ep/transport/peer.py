@@ -1,0 +1,786 @@
+"""Direct peer exchange: ``all_to_all`` over the EP axis as stores straight
+into the other GPUs' memory (``kernels/peer.cu``).
+
+:func:`exchange` is a drop-in for ``jax.lax.all_to_all(x, axis_name, 0, 0,
+tiled=True)`` inside ``shard_map``, bitwise: chunk ``d`` of ``x [R * k, ...]``
+goes to rank ``d``; the result's chunk ``src`` is what rank ``src`` sent here.
+On CUDA it is one ``buffer_callback`` (command-buffer compatible) launching
+two kernels on XLA's stream; on every other platform it lowers to the
+``all_to_all`` itself. Use it where :func:`supported` says so: every pair of
+GPUs of each EP group reaches the other by peer access, on one host.
+
+How it works, per EP group (the devices along ``axis_name`` with equal other
+mesh coordinates, ranked in axis order):
+
+* **Receive buffers outside XLA.** At trace time each device gets one
+  ``cudaMalloc`` per chunk size in bytes (a "channel", shared by every
+  exchange of that size whatever its dtype): two parities of ``R - 1``
+  receive slots plus flags, acknowledgements and a step counter
+  (:class:`ChannelLayout`). Every later exchange of that size reuses it;
+  :func:`buffer_bytes` is the total, and each allocation is logged.
+* **Addresses.** Devices of one process use raw pointers with peer access
+  enabled; devices of other processes are reached through CUDA IPC handles
+  published once per buffer in the ``jax.distributed`` key-value store.
+* **Signalling on the device.** ``peer_send`` pushes ``x[d]`` into rank
+  ``d``'s slot of parity ``s & 1`` (``s`` = the device's step counter + 1),
+  after ``d`` has acknowledged reading that slot at step ``s - 2``, and raises
+  ``d``'s flag to ``s``; ``peer_recv`` waits for each source's flag, copies
+  its chunk out and acknowledges it, and advances the counter. Every launch
+  has the same arguments, so XLA can replay it from a CUDA graph; the
+  counters agree because every rank runs the same sequence of exchanges.
+* **No hangs.** Every wait ends after :func:`timeout_s` (default 30 s,
+  ``$MOE_EP_PEER_TIMEOUT_S``); the kernel then records which peer and step it
+  waited for in host-mapped memory and later waits on that device return at
+  once. :func:`raise_if_failed` (also run by every callback that executes on
+  the host) raises :class:`PeerTimeoutError` naming them; :func:`reset`
+  rearms after all ranks are idle.
+
+Exchanges on one channel must run in program order on each device. XLA's
+command buffers keep thunk order by default; ``--xla_gpu_command_buffer_
+scheduling_mode=CONCURRENT`` could run two of them at once, so
+:func:`supported` returns False under it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+
+import jax
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import kernel_source
+
+__all__ = [
+    "ChannelLayout",
+    "PeerTimeoutError",
+    "ProcessFacts",
+    "blocks_per_peer",
+    "buffer_bytes",
+    "configure",
+    "ep_groups",
+    "exchange",
+    "raise_if_failed",
+    "reachability_problem",
+    "reset",
+    "supported",
+    "timeout_s",
+    "unsupported_reason",
+]
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_ENV = "MOE_EP_PEER_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 30.0
+_MAX_TIMEOUT_S = 24 * 3600.0
+# How long trace time waits for the other processes' buffer addresses.
+ADDRESS_TIMEOUT_S = 300.0
+_THREADS = 512
+_MAX_LOCAL_DEVICES = 64  # slots of the host-mapped failure records
+_ALIGN = 256
+_VECTOR_BYTES = (16, 8, 4, 2, 1)
+_KERNEL_FILE = "peer.cu"
+_PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+_HOST_ALLOC_PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostAllocPortable | cudaHostAllocMapped
+_CONCURRENT_FLAG = "xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
+_WAIT_KINDS = {1: "acknowledge reading step", 2: "deliver its chunk of step"}
+
+
+class PeerTimeoutError(RuntimeError):
+  """A peer exchange waited past the timeout for another rank.
+
+  Attributes: ``device`` (this process's device), ``rank`` (its EP rank),
+  ``peer_rank``, ``peer_device``, ``step``, ``what`` (the exchange's name).
+  """
+
+  def __init__(self, message: str, *, device: str, rank: int, peer_rank: int, peer_device: str,
+               step: int, what: str):
+    super().__init__(message)
+    self.device, self.rank, self.peer_rank = device, rank, peer_rank
+    self.peer_device, self.step, self.what = peer_device, step, what
+
+
+# --- settings ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+  timeout_s: float | None = None  # None: $MOE_EP_PEER_TIMEOUT_S, else DEFAULT_TIMEOUT_S
+  blocks_per_peer: int | None = None  # None: half the device's SMs / (R - 1)
+
+
+_settings = _Settings()
+
+
+def configure(*, timeout_s: float | None = None, blocks_per_peer: int | None = None) -> None:
+  """Sets the wait bound and the blocks each peer's chunk is split over, for
+  exchanges traced from now on (a compiled program keeps its values).
+  ``None`` restores the default."""
+  global _settings
+  if timeout_s is not None:
+    _check_timeout("timeout_s", timeout_s)
+  if blocks_per_peer is not None and (not isinstance(blocks_per_peer, int)
+                                      or blocks_per_peer < 1):
+    raise ValueError(f"blocks_per_peer={blocks_per_peer!r} must be an integer >= 1 or None")
+  _settings = _Settings(timeout_s=timeout_s, blocks_per_peer=blocks_per_peer)
+
+
+def _check_timeout(name: str, value) -> float:
+  try:
+    seconds = float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"{name}={value!r} must be a number of seconds") from None
+  if not 0 < seconds <= _MAX_TIMEOUT_S:
+    raise ValueError(f"{name}={value!r} must be in (0, {_MAX_TIMEOUT_S:.0f}] seconds")
+  return seconds
+
+
+def timeout_s() -> float:
+  """The wait bound new exchanges get: :func:`configure`'s, else
+  ``$MOE_EP_PEER_TIMEOUT_S``, else 30 s."""
+  if _settings.timeout_s is not None:
+    return float(_settings.timeout_s)
+  env = os.environ.get(TIMEOUT_ENV)
+  if env is None or env.strip() == "":
+    return DEFAULT_TIMEOUT_S
+  return _check_timeout(TIMEOUT_ENV, env)
+
+
+# --- pure layout logic -----------------------------------------------------------------
+
+
+def _round_up(value: int, multiple: int) -> int:
+  return -(-value // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelLayout:
+  """Byte layout of one channel's allocation on one device (as ``kernels/peer.cu``).
+
+  ``flags u64[2][R]`` at 0, ``acks u64[2][R]`` at ``16R``, ``step u64`` at
+  ``32R``, ``counters u32[2R + 2]`` at ``32R + 8``, then ``2 * (R - 1)`` receive
+  slots of ``slot_bytes`` from ``data_offset``.
+  """
+
+  ep_size: int
+  chunk_bytes: int
+
+  def __post_init__(self):
+    if self.ep_size < 2:
+      raise ValueError(f"ChannelLayout.ep_size={self.ep_size} must be >= 2")
+    if self.chunk_bytes < 1:
+      raise ValueError(f"ChannelLayout.chunk_bytes={self.chunk_bytes} must be >= 1")
+
+  @property
+  def control_bytes(self) -> int:
+    return 32 * self.ep_size + 8 + 4 * (2 * self.ep_size + 2)
+
+  @property
+  def data_offset(self) -> int:
+    return _round_up(self.control_bytes, _ALIGN)
+
+  @property
+  def slot_bytes(self) -> int:
+    return _round_up(self.chunk_bytes, _ALIGN)
+
+  @property
+  def total_bytes(self) -> int:
+    return self.data_offset + 2 * (self.ep_size - 1) * self.slot_bytes
+
+  @property
+  def vector_bytes(self) -> int:
+    """The widest copy unit dividing the chunk (16 bytes for any row of a
+    multiple of 16 bytes)."""
+    return next(v for v in _VECTOR_BYTES if self.chunk_bytes % v == 0)
+
+  @staticmethod
+  def slot_of(src: int, dst: int) -> int:
+    """The receive slot that source ``src`` fills on destination ``dst``."""
+    if src == dst:
+      raise ValueError(f"rank {src} has no receive slot for itself")
+    return src if src < dst else src - 1
+
+
+def ep_groups(mesh: jax.sharding.Mesh, axis_name: str) -> list[tuple]:
+  """The EP groups of ``mesh``: for each combination of the other axes'
+  coordinates, the devices along ``axis_name`` in axis order (rank = index)."""
+  _check_axis(mesh, axis_name)
+  axis = mesh.axis_names.index(axis_name)
+  rows = np.moveaxis(np.asarray(mesh.devices), axis, -1).reshape(-1, mesh.shape[axis_name])
+  return [tuple(row) for row in rows]
+
+
+def _check_axis(mesh, axis_name) -> None:
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
+  if not isinstance(axis_name, str):
+    raise ValueError(f"axis_name={axis_name!r} must be one mesh axis name (a str)")
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+
+
+# --- can the group use it? ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessFacts:
+  """What one process knows about its GPUs: its host, the PCI bus id of each
+  of its JAX devices (by global id), every GPU it can see, and which ordered
+  pairs of those have peer access (PCI bus ids)."""
+
+  host: str
+  device_pci: dict[int, str]
+  visible_pci: tuple[str, ...]
+  peer_pairs: frozenset[tuple[str, str]]
+
+  def to_json(self) -> str:
+    return json.dumps({"host": self.host,
+                       "device_pci": {str(k): v for k, v in self.device_pci.items()},
+                       "visible_pci": list(self.visible_pci),
+                       "peer_pairs": sorted(map(list, self.peer_pairs))})
+
+  @classmethod
+  def from_json(cls, text: str) -> "ProcessFacts":
+    data = json.loads(text)
+    return cls(host=data["host"], device_pci={int(k): v for k, v in data["device_pci"].items()},
+               visible_pci=tuple(data["visible_pci"]),
+               peer_pairs=frozenset(tuple(pair) for pair in data["peer_pairs"]))
+
+
+def reachability_problem(groups: list[tuple[int, ...]], facts: list[ProcessFacts],
+                         process_of: dict[int, int]) -> str | None:
+  """Why some pair of one EP group cannot use the peer path, or None.
+
+  A pair qualifies when both devices are on one host and some process of
+  that host sees both GPUs and has peer access between them both ways.
+
+  Args:
+    groups: the EP groups as global device ids.
+    facts: :class:`ProcessFacts` of every process, by process index.
+    process_of: global device id -> process index.
+  """
+  for group in groups:
+    for i, a in enumerate(group):
+      for b in group[i + 1:]:
+        fa, fb = facts[process_of[a]], facts[process_of[b]]
+        if fa.host != fb.host:
+          return f"devices {a} and {b} of one EP group are on different hosts"
+        pa, pb = fa.device_pci[a], fb.device_pci[b]
+        witnesses = [f for f in facts if f.host == fa.host and {pa, pb} <= set(f.visible_pci)]
+        if not witnesses:
+          return (f"no process sees both GPUs {pa} and {pb} (devices {a} and {b}) to check "
+                  f"peer access; keep every GPU visible to every process")
+        if not all((pa, pb) in f.peer_pairs and (pb, pa) in f.peer_pairs for f in witnesses):
+          return f"GPUs {pa} and {pb} (devices {a} and {b}) have no peer access"
+  return None
+
+
+def _host_id() -> str:
+  """Hostname plus boot id: two containers of one name on two machines differ."""
+  try:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+      boot = f.read().strip()
+  except OSError:
+    boot = ""
+  return f"{socket.gethostname()}/{boot}"
+
+
+@functools.cache
+def _local_facts() -> ProcessFacts:
+  import cupy
+  runtime = cupy.cuda.runtime
+  visible = runtime.getDeviceCount()
+  pci = [runtime.deviceGetPCIBusId(o) for o in range(visible)]
+  pairs = frozenset((pci[a], pci[b]) for a in range(visible) for b in range(visible)
+                    if a != b and runtime.deviceCanAccessPeer(a, b))
+  device_pci = {d.id: pci[_ordinal(d)] for d in jax.local_devices(backend="gpu")}
+  return ProcessFacts(host=_host_id(), device_pci=device_pci, visible_pci=tuple(pci),
+                      peer_pairs=pairs)
+
+
+def _kv_client():
+  from jax._src import distributed
+  return distributed.global_state.client
+
+
+def _all_facts() -> list[ProcessFacts]:
+  """Every process's facts, read from the key-value store (published once)."""
+  local = _local_facts()
+  if jax.process_count() == 1:
+    return [local]
+  return [ProcessFacts.from_json(text) for text in _gather_facts(local.to_json())]
+
+
+@functools.cache
+def _gather_facts(local_json: str) -> tuple[str, ...]:
+  client = _kv_client()
+  if client is None:
+    raise RuntimeError("peer exchange across processes needs jax.distributed.initialize()")
+  client.key_value_set_bytes(f"moe_ep/peer/facts/{jax.process_index()}", local_json.encode())
+  return tuple(_kv_get(client, f"moe_ep/peer/facts/{p}", f"process {p}'s GPU facts").decode()
+               for p in range(jax.process_count()))
+
+
+def _kv_get(client, key: str, what: str) -> bytes:
+  try:
+    return client.blocking_key_value_get_bytes(key, int(ADDRESS_TIMEOUT_S * 1000))
+  except Exception as error:  # jaxlib raises its own status errors
+    raise RuntimeError(f"peer exchange: waited {ADDRESS_TIMEOUT_S:.0f} s for {what} (key {key!r}) "
+                       f"in the jax.distributed key-value store; every process must trace the "
+                       f"same exchanges: {error}") from error
+
+
+_support_cache: dict[tuple, str | None] = {}
+
+
+def unsupported_reason(mesh: jax.sharding.Mesh, axis_name: str) -> str | None:
+  """None where :func:`exchange` can take the peer path, else why not."""
+  _check_axis(mesh, axis_name)
+  devices = list(np.asarray(mesh.devices).flat)
+  if any(d.platform != "gpu" for d in devices):
+    return "the mesh has non-GPU devices"
+  if not cupy_backend.cupy_available():
+    return "CuPy is not installed"
+  if _CONCURRENT_FLAG in os.environ.get("XLA_FLAGS", "").replace("--", ""):
+    return (f"XLA_FLAGS has --{_CONCURRENT_FLAG}, which may run two exchanges of one channel "
+            f"at once")
+  key = (tuple(d.id for d in devices), mesh.axis_names, axis_name)
+  if key not in _support_cache:
+    groups = [tuple(d.id for d in group) for group in ep_groups(mesh, axis_name)]
+    process_of = {d.id: d.process_index for d in devices}
+    _support_cache[key] = reachability_problem(groups, _all_facts(), process_of)
+  return _support_cache[key]
+
+
+def supported(mesh: jax.sharding.Mesh, axis_name: str) -> bool:
+  """Whether every pair of GPUs in each EP group of ``mesh`` along
+  ``axis_name`` has peer access on one host (and CuPy is installed). False on
+  CPU, across hosts, or where a process cannot see a pair to check it. Every
+  process computes the same answer from the same published facts."""
+  return unsupported_reason(mesh, axis_name) is None
+
+
+# --- device memory: channels, failure records ---------------------------------------------
+
+
+class _Failure(ctypes.Structure):
+  """One device's timeout record, as ``PeerFailure`` in ``kernels/peer.cu``."""
+
+  _fields_ = [("kind", ctypes.c_uint32), ("peer", ctypes.c_uint32), ("site", ctypes.c_uint32),
+              ("rank", ctypes.c_uint32), ("step", ctypes.c_uint64),
+              ("waited_ns", ctypes.c_uint64)]
+
+
+@dataclasses.dataclass
+class _OnDevice:
+  """A channel's state on one local device."""
+
+  ordinal: int
+  rank: int
+  group: tuple  # the group's jax devices, by rank
+  memory: object  # cupy.cuda.Memory of layout.total_bytes
+  peers: object  # cupy uint64 [R]: each rank's channel base as mapped here
+
+
+@dataclasses.dataclass
+class _Channel:
+  key: str
+  layout: ChannelLayout
+  on_device: dict[int, _OnDevice]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Site:
+  """One traced exchange: what timeouts name."""
+
+  what: str
+  shape: tuple
+  dtype: str
+  channel: str
+
+
+_lock = threading.RLock()
+_channels: dict[str, _Channel] = {}
+_sites: list[_Site] = []
+_failed_words: dict[int, object] = {}  # ordinal -> cupy.cuda.Memory, one u32 "failed"
+_records = None  # ctypes array of _Failure over host-mapped memory
+_records_device_ptr = 0
+_modules: dict[int, object] = {}
+_streams: dict[tuple[int, int], object] = {}
+_opened: dict[tuple[int, str, int], int] = {}  # (ordinal, channel, global id) -> IPC pointer
+
+
+def _ordinal(device) -> int:
+  hardware_id = getattr(device, "local_hardware_id", None)
+  return device.id if hardware_id is None else hardware_id
+
+
+def _ensure_records() -> None:
+  global _records, _records_device_ptr
+  if _records is not None:
+    return
+  import cupy
+  size = ctypes.sizeof(_Failure) * _MAX_LOCAL_DEVICES
+  host_ptr = cupy.cuda.runtime.hostAlloc(size, _HOST_ALLOC_PORTABLE_MAPPED)
+  ctypes.memset(host_ptr, 0, size)
+  _records_device_ptr = cupy.cuda.runtime.pointerGetAttributes(host_ptr).devicePointer
+  _records = (_Failure * _MAX_LOCAL_DEVICES).from_address(host_ptr)
+
+
+def _zero(pointer: int, size: int) -> None:
+  """Zeroes device memory of the current device and waits for it."""
+  import cupy
+  cupy.cuda.runtime.memset(pointer, 0, size)
+  cupy.cuda.runtime.deviceSynchronize()
+
+
+def _failed_word(ordinal: int):
+  import cupy
+  if ordinal not in _failed_words:
+    with cupy.cuda.Device(ordinal):
+      memory = cupy.cuda.Memory(_ALIGN)
+      _zero(memory.ptr, _ALIGN)
+    _failed_words[ordinal] = memory
+  return _failed_words[ordinal]
+
+
+def _kernels(ordinal: int) -> dict:
+  if ordinal not in _modules:
+    import cupy
+    with cupy.cuda.Device(ordinal):
+      module = cupy.RawModule(code=kernel_source.source(_KERNEL_FILE),
+                              options=kernel_source.COMPILE_OPTIONS)
+      try:
+        module.compile()
+      except cupy.cuda.compiler.CompileException as error:
+        raise RuntimeError(f"compiling kernels/{_KERNEL_FILE} failed:\n{error}") from error
+      _modules[ordinal] = {f"{kind}_v{v}": module.get_function(f"peer_{kind}_v{v}")
+                           for kind in ("send", "recv") for v in _VECTOR_BYTES}
+  return _modules[ordinal]
+
+
+def _enable_peer_access(ordinal: int, peer_ordinal: int) -> None:
+  import cupy
+  with cupy.cuda.Device(ordinal):
+    try:
+      cupy.cuda.runtime.deviceEnablePeerAccess(peer_ordinal)
+    except cupy.cuda.runtime.CUDARuntimeError as error:
+      if error.status != _PEER_ACCESS_ALREADY_ENABLED:
+        raise RuntimeError(f"enabling peer access cuda:{ordinal} -> cuda:{peer_ordinal} "
+                           f"failed: {error}") from error
+
+
+def _channel_key(mesh, axis_name: str, layout: ChannelLayout) -> str:
+  ident = repr((tuple(d.id for d in np.asarray(mesh.devices).flat), mesh.axis_names,
+                axis_name, layout.chunk_bytes))
+  return hashlib.sha1(ident.encode()).hexdigest()[:16]
+
+
+def _channel(mesh, axis_name: str, layout: ChannelLayout) -> _Channel:
+  """The channel of this mesh axis and chunk size, allocated and connected
+  on every local device of the mesh the first time (trace time)."""
+  import cupy
+  key = _channel_key(mesh, axis_name, layout)
+  with _lock:
+    if key in _channels:
+      return _channels[key]
+    _ensure_records()
+    me = jax.process_index()
+    local_groups = [g for g in ep_groups(mesh, axis_name)
+                    if any(d.process_index == me for d in g)]
+    memories = {}
+    for group in local_groups:
+      for device in group:
+        if device.process_index != me:
+          continue
+        ordinal = _ordinal(device)
+        if ordinal >= _MAX_LOCAL_DEVICES:
+          raise RuntimeError(f"peer exchange supports CUDA ordinals < {_MAX_LOCAL_DEVICES}; "
+                             f"got cuda:{ordinal}")
+        with cupy.cuda.Device(ordinal):
+          memory = cupy.cuda.Memory(layout.total_bytes)  # its own cudaMalloc: IPC-exportable
+          _zero(memory.ptr, layout.control_bytes)
+        memories[device.id] = memory
+        _failed_word(ordinal)
+        _kernels(ordinal)
+    client = _kv_client() if jax.process_count() > 1 else None
+    crosses = any(d.process_index != me for g in local_groups for d in g)
+    if crosses:
+      if client is None:
+        raise RuntimeError("peer exchange across processes needs jax.distributed.initialize()")
+      for gid, memory in memories.items():
+        client.key_value_set_bytes(f"moe_ep/peer/{key}/{gid}",
+                                   cupy.cuda.runtime.ipcGetMemHandle(memory.ptr))
+    on_device = {}
+    for group in local_groups:
+      for rank, device in enumerate(group):
+        if device.process_index != me:
+          continue
+        ordinal = _ordinal(device)
+        bases = [_base_as_seen_from(ordinal, key, member, memories, client) for member in group]
+        with cupy.cuda.Device(ordinal):
+          peers = cupy.asarray(np.asarray(bases, np.uint64))
+        on_device[ordinal] = _OnDevice(ordinal, rank, group, memories[device.id], peers)
+    channel = _Channel(key, layout, on_device)
+    _channels[key] = channel
+    log.info("peer exchange: %d x %.1f MiB on %s (2 parities x %d slots of %d B) -> "
+             "%.1f MiB held outside XLA in all", len(memories), layout.total_bytes / 2**20,
+             ",".join(f"cuda:{o}" for o in sorted(on_device)), layout.ep_size - 1,
+             layout.slot_bytes, buffer_bytes() / 2**20)
+    return channel
+
+
+def _base_as_seen_from(ordinal: int, key: str, member, memories: dict, client) -> int:
+  """Group member ``member``'s channel base as device ``ordinal`` addresses
+  it: the raw pointer in this process (with peer access), else its IPC
+  mapping (opened once per local device and buffer)."""
+  import cupy
+  if member.id in memories:
+    member_ordinal = _ordinal(member)
+    if member_ordinal != ordinal:
+      _enable_peer_access(ordinal, member_ordinal)
+    return memories[member.id].ptr
+  opened = (ordinal, key, member.id)
+  if opened not in _opened:
+    handle = _kv_get(client, f"moe_ep/peer/{key}/{member.id}",
+                     f"device {member.id}'s receive buffer (process {member.process_index})")
+    with cupy.cuda.Device(ordinal):
+      try:
+        _opened[opened] = cupy.cuda.runtime.ipcOpenMemHandle(handle)
+      except cupy.cuda.runtime.CUDARuntimeError as error:
+        raise RuntimeError(f"cuda:{ordinal} could not map device {member.id}'s receive buffer "
+                           f"(process {member.process_index}) by CUDA IPC: {error}") from error
+  return _opened[opened]
+
+
+def buffer_bytes() -> int:
+  """Device memory this process holds outside XLA for peer exchanges."""
+  with _lock:
+    channels = sum(c.layout.total_bytes * len(c.on_device) for c in _channels.values())
+    return channels + _ALIGN * len(_failed_words)
+
+
+# --- failures ------------------------------------------------------------------------------
+
+
+def _failure_message(record: _Failure, ordinal: int, channel: _Channel | None,
+                     site: _Site | None) -> tuple[str, dict]:
+  """The error text for one device's record (pure: no device access)."""
+  state = channel.on_device.get(ordinal) if channel is not None else None
+  rank = int(record.rank)
+  peer_rank = int(record.peer)
+  peer_device = (str(state.group[peer_rank]) if state is not None
+                 and 0 <= peer_rank < len(state.group) else f"EP rank {peer_rank}")
+  what = site.what if site is not None else f"site {record.site}"
+  shape = f" {site.dtype}{list(site.shape)}" if site is not None else ""
+  waited = _WAIT_KINDS.get(int(record.kind), f"wait kind {record.kind}")
+  message = (f"peer exchange {what!r}{shape}: cuda:{ordinal} (EP rank {rank}) waited "
+             f"{record.waited_ns / 1e9:.2f} s for rank {peer_rank} ({peer_device}) to {waited} "
+             f"{record.step}, past the {TIMEOUT_ENV} bound. Every rank must run the same "
+             f"sequence of exchanges; later exchanges on this device returned without waiting "
+             f"(their results are invalid) until peer.reset().")
+  return message, dict(device=f"cuda:{ordinal}", rank=rank, peer_rank=peer_rank,
+                       peer_device=peer_device, step=int(record.step), what=what)
+
+
+def raise_if_failed() -> None:
+  """Raises :class:`PeerTimeoutError` if a peer wait of this process timed
+  out. Reads host memory only: no device synchronisation."""
+  if _records is None:
+    return
+  for ordinal in range(_MAX_LOCAL_DEVICES):
+    record = _records[ordinal]
+    if record.kind == 0:
+      continue
+    site = _sites[record.site] if record.site < len(_sites) else None
+    channel = _channels.get(site.channel) if site is not None else None
+    message, fields = _failure_message(record, ordinal, channel, site)
+    raise PeerTimeoutError(message, **fields)
+
+
+def reset() -> None:
+  """Clears every failure record and rearms every channel (flags, acks,
+  step counters) of this process. Call it on every process, with no exchange
+  in flight anywhere (it synchronises the local devices first)."""
+  import cupy
+  with _lock:
+    ordinals = {o for c in _channels.values() for o in c.on_device} | set(_failed_words)
+    for ordinal in ordinals:
+      with cupy.cuda.Device(ordinal):
+        cupy.cuda.runtime.deviceSynchronize()
+    for channel in _channels.values():
+      for state in channel.on_device.values():
+        with cupy.cuda.Device(state.ordinal):
+          _zero(state.memory.ptr, channel.layout.control_bytes)
+    for ordinal, memory in _failed_words.items():
+      with cupy.cuda.Device(ordinal):
+        _zero(memory.ptr, _ALIGN)
+    if _records is not None:
+      ctypes.memset(ctypes.addressof(_records), 0, ctypes.sizeof(_records))
+
+
+# --- the exchange ------------------------------------------------------------------------------
+
+
+def _site(what: str, shape, dtype, channel_key: str) -> int:
+  site = _Site(what, tuple(shape), str(dtype), channel_key)
+  with _lock:
+    if site in _sites:
+      return _sites.index(site)
+    _sites.append(site)
+    return len(_sites) - 1
+
+
+def blocks_per_peer(layout: ChannelLayout, multiprocessors: int) -> int:
+  """Blocks each peer's chunk is split over: :func:`configure`'s value, else
+  half the device's SMs shared among the R - 1 peers (on 2 H200s, 64 blocks
+  moved 282 GB/s against 267 with 132: benchmarks/results/ep-exchange-*);
+  never more than the chunk fills (4 vectors per thread)."""
+  wanted = _settings.blocks_per_peer
+  if wanted is None:
+    wanted = max(1, multiprocessors // 2 // (layout.ep_size - 1))
+  vectors = layout.chunk_bytes // layout.vector_bytes
+  return int(max(1, min(wanted, -(-vectors // (_THREADS * 4)))))
+
+
+@functools.cache
+def _multiprocessors(ordinal: int) -> int:
+  import cupy
+  return cupy.cuda.Device(ordinal).attributes["MultiProcessorCount"]
+
+
+def _stream(ordinal: int, handle: int):
+  import cupy
+  key = (ordinal, handle)
+  if key not in _streams:
+    _streams[key] = cupy_backend._external_stream(cupy, handle, ordinal)
+  return _streams[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+  """One device's launch of one exchange site, fixed at trace time."""
+
+  send: object
+  recv: object
+  send_blocks: int
+  recv_blocks: int
+  args: tuple  # the kernels' arguments after x/out, as peer.cu's peer_recv takes them
+  local_blocks: np.int32
+
+
+def _launches(channel: _Channel, site: int, timeout_ns: int) -> dict[int, _Launch]:
+  layout = channel.layout
+  vector = layout.vector_bytes
+  launches = {}
+  for ordinal, state in channel.on_device.items():
+    kernels = _kernels(ordinal)
+    blocks = blocks_per_peer(layout, _multiprocessors(ordinal))
+    remote_blocks = (layout.ep_size - 1) * blocks
+    args = (np.uint64(state.peers.data.ptr), np.int32(state.rank), np.int32(layout.ep_size),
+            np.int64(layout.chunk_bytes // vector), np.int64(layout.slot_bytes),
+            np.int64(layout.data_offset), np.int32(blocks))
+    tail = (np.uint64(_failed_words[ordinal].ptr),
+            np.uint64(_records_device_ptr + ctypes.sizeof(_Failure) * ordinal),
+            np.uint64(timeout_ns), np.int32(site))
+    launches[ordinal] = _Launch(kernels[f"send_v{vector}"], kernels[f"recv_v{vector}"],
+                                remote_blocks + blocks, remote_blocks, args + tail,
+                                np.int32(blocks))
+  return launches
+
+
+def _launcher(channel: _Channel | None, site: int, timeout_ns: int):
+  """The buffer_callback body: checks for an earlier timeout, then launches
+  peer_send and peer_recv with the arguments fixed at trace time."""
+  launches = _launches(channel, site, timeout_ns) if channel is not None else {}
+
+  def callback(ctx, outs, x):
+    import cupy
+    if _records is not None and any(_records[o].kind for o in launches):
+      raise_if_failed()
+    (out,) = outs
+    ordinal = cupy_backend._device_ordinal(x)
+    launch = launches.get(ordinal)
+    if launch is None:
+      raise RuntimeError(f"peer exchange ran on cuda:{ordinal}, which it was not set up for "
+                         f"at trace time (was it traced for another mesh or platform?)")
+    x_ptr, out_ptr = cupy_backend._pointer(x), cupy_backend._pointer(out)
+    args = launch.args
+    with cupy.cuda.Device(ordinal), _stream(ordinal, ctx.stream):
+      launch.send((launch.send_blocks,), (_THREADS,),
+                  (x_ptr, out_ptr, *args[:7], launch.local_blocks, *args[7:]))
+      launch.recv((launch.recv_blocks,), (_THREADS,), (out_ptr, *args))
+
+  return callback
+
+
+def _varying_over(out, x, axis_name: str):
+  """buffer_callback drops shard_map's varying-axes type: restore x's, plus
+  the EP axis (as all_to_all's result has)."""
+  axes = cupy_backend._varying_axes(x) | {axis_name}
+  return jax.lax.pcast(out, tuple(sorted(axes, key=str)), to="varying")
+
+
+def _all_to_all(x, *, axis_name: str):
+  return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
+
+
+def _peer(x, *, axis_name: str, mesh, what: str):
+  ep_size = mesh.shape[axis_name]
+  layout = ChannelLayout(ep_size, x.size // ep_size * x.dtype.itemsize)
+  channel = None
+  gpus = all(d.platform == "gpu" for d in np.asarray(mesh.devices).flat)
+  if gpus:
+    cupy_backend.require_cupy()
+    channel = _channel(mesh, axis_name, layout)
+  site = _site(what, x.shape, x.dtype, channel.key if channel is not None else "")
+  timeout_ns = int(timeout_s() * 1e9)
+  with jax.named_scope("moe_peer_exchange"):
+    (out,) = buffer_callback(_launcher(channel, site, timeout_ns),
+                             [jax.ShapeDtypeStruct(x.shape, x.dtype)],
+                             command_buffer_compatible=True)(x)
+  return _varying_over(out, x, axis_name)
+
+
+def exchange(x: jax.Array, axis_name: str, mesh: jax.sharding.Mesh,
+             what: str = "exchange") -> jax.Array:
+  """``jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)``, bitwise, by
+  direct peer stores on CUDA (call it inside ``shard_map`` over ``mesh``).
+
+  Args:
+    x: ``[R * k, ...]`` this rank's rows; chunk ``d`` (rows ``d*k .. d*k+k``)
+      goes to rank ``d``. Any dtype.
+    axis_name: the EP mesh axis (size ``R``).
+    mesh: the mesh the enclosing ``shard_map`` runs over.
+    what: names the exchange (a named scope, and timeout errors).
+
+  Returns:
+    ``[R * k, ...]``: chunk ``src`` is what rank ``src`` sent to this rank.
+  """
+  _check_axis(mesh, axis_name)
+  ep_size = mesh.shape[axis_name]
+  try:
+    traced_size = jax.lax.axis_size(axis_name)
+  except NameError:
+    raise ValueError(f"exchange(axis_name={axis_name!r}) must be called inside jax.shard_map "
+                     f"over that mesh axis") from None
+  if traced_size != ep_size:
+    raise ValueError(f"axis {axis_name!r} has size {traced_size} here but {ep_size} in mesh")
+  if x.ndim < 1 or x.shape[0] % ep_size != 0:
+    raise ValueError(f"x shape {x.shape} must be [R * k, ...] with R={ep_size} "
+                     f"(the size of axis {axis_name!r}) dividing the leading dimension")
+  with jax.named_scope(what):
+    if ep_size == 1 or x.size == 0:
+      return _all_to_all(x, axis_name=axis_name)
+    return jax.lax.platform_dependent(
+        x, cuda=functools.partial(_peer, axis_name=axis_name, mesh=mesh, what=what),
+        default=functools.partial(_all_to_all, axis_name=axis_name))

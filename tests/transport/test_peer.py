@@ -1,0 +1,420 @@
+"""The direct peer exchange (moe_ep/transport/peer.py, kernels/peer.cu).
+
+On any machine: its pure logic (EP groups, buffer layout, who may use it,
+settings, error text), and that it lowers to all_to_all off CUDA and to one
+command-buffer callback (no all_to_all) for CUDA. On two or more GPUs: bitwise
+equality with all_to_all over many steps, the timeout error, and two
+processes with one GPU each.
+"""
+
+import ctypes
+import json
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from conftest import gpu_devices, make_mesh
+from moe_ep.launch import launch
+from moe_ep.transport import peer
+
+BUFFER_CALLBACK = "xla_buffer_python_gpu_callback_cmd_buffer"
+WORKER = Path(__file__).parents[1] / "multiprocess" / "peer_worker.py"
+
+
+@pytest.fixture(autouse=True)
+def default_settings():
+  peer.configure()
+  yield
+  peer.configure()
+
+
+def reference_all_to_all(host: np.ndarray, ep: int) -> np.ndarray:
+  """The definition, on the host: ``host [..., R * R * k, ...]`` holds rank
+  r's input at rows ``[r * R * k, (r + 1) * R * k)`` of axis ``-2 - extra``;
+  rank r's output chunk src is rank src's input chunk r."""
+  lead = host.shape[:1]
+  rest = host.shape[2:]
+  per_rank = host.shape[1] // ep
+  chunks = host.reshape(*lead, ep, ep, per_rank // ep, *rest)  # [steps, rank, dest, k, ...]
+  return chunks.swapaxes(1, 2).reshape(host.shape)
+
+
+def random_host(rng, shape, dtype):
+  if jnp.issubdtype(dtype, jnp.integer):
+    info = jnp.iinfo(dtype)
+    return rng.integers(info.min, info.max, shape, dtype=np.int64, endpoint=True).astype(dtype)
+  return rng.standard_normal(shape).astype(dtype)
+
+
+# --- pure logic ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, names", [((2, 4), ("dp", "ep")), ((4, 2), ("ep", "dp")),
+                                          ((2, 2, 2), ("a", "ep", "b")), ((8,), ("ep",))])
+def test_ep_groups_are_the_devices_along_the_axis_with_equal_other_coordinates(shape, names):
+  mesh = make_mesh(shape, names)
+  axis = names.index("ep")
+  groups = peer.ep_groups(mesh, "ep")
+  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  want = set()
+  for index in np.ndindex(*shape):
+    if index[axis] == 0:
+      line = [ids[index[:axis] + (r,) + index[axis + 1:]] for r in range(shape[axis])]
+      want.add(tuple(line))
+  got = [tuple(d.id for d in group) for group in groups]
+  assert set(got) == want and len(got) == len(want)
+
+
+def test_ep_groups_reject_unknown_axis():
+  with pytest.raises(ValueError, match="'tp' is not an axis"):
+    peer.ep_groups(make_mesh((2, 4), ("dp", "ep")), "tp")
+  with pytest.raises(ValueError, match="one mesh axis name"):
+    peer.ep_groups(make_mesh((2, 4), ("dp", "ep")), ("dp", "ep"))
+
+
+@pytest.mark.parametrize("ep_size", [2, 3, 8])
+def test_channel_layout_regions_are_disjoint_aligned_and_slots_are_a_bijection(ep_size):
+  layout = peer.ChannelLayout(ep_size, 8192 * 7168 * 2)
+  # flags, acks, step, counters as kernels/peer.cu places them
+  regions = [(0, 16 * ep_size), (16 * ep_size, 32 * ep_size), (32 * ep_size, 32 * ep_size + 8),
+             (32 * ep_size + 8, 32 * ep_size + 8 + 4 * (2 * ep_size + 2))]
+  assert regions[-1][1] == layout.control_bytes <= layout.data_offset
+  assert layout.data_offset % 256 == 0 and layout.slot_bytes % 256 == 0
+  assert layout.total_bytes == layout.data_offset + 2 * (ep_size - 1) * layout.slot_bytes
+  for dst in range(ep_size):
+    slots = sorted(layout.slot_of(src, dst) for src in range(ep_size) if src != dst)
+    assert slots == list(range(ep_size - 1))
+  with pytest.raises(ValueError, match="no receive slot"):
+    layout.slot_of(1, 1)
+
+
+@pytest.mark.parametrize("chunk_bytes, vector", [(7168 * 2, 16), (4200, 8), (60, 4), (6, 2),
+                                                 (7, 1)])
+def test_vector_width_is_the_widest_dividing_the_chunk(chunk_bytes, vector):
+  layout = peer.ChannelLayout(2, chunk_bytes)
+  assert layout.vector_bytes == vector and layout.slot_bytes >= chunk_bytes
+
+
+def test_channel_layout_rejects_degenerate_sizes():
+  with pytest.raises(ValueError, match="ep_size=1 must be >= 2"):
+    peer.ChannelLayout(1, 16)
+  with pytest.raises(ValueError, match="chunk_bytes=0 must be >= 1"):
+    peer.ChannelLayout(2, 0)
+
+
+def test_blocks_per_peer_shares_half_the_sms_and_never_exceeds_the_chunk():
+  big = peer.ChannelLayout(2, 8192 * 7168 * 2)
+  assert peer.blocks_per_peer(big, 132) == 66
+  assert peer.blocks_per_peer(peer.ChannelLayout(4, 8192 * 7168 * 2), 132) == 22
+  # 64 16-byte vectors fill one block of 512 threads x 4 vectors
+  assert peer.blocks_per_peer(peer.ChannelLayout(2, 64 * 16), 132) == 1
+  peer.configure(blocks_per_peer=16)
+  assert peer.blocks_per_peer(big, 132) == 16
+
+
+def facts(host, device_pci, visible, pairs="all"):
+  if pairs == "all":
+    pairs = {(a, b) for a in visible for b in visible if a != b}
+  return peer.ProcessFacts(host=host, device_pci=device_pci, visible_pci=tuple(visible),
+                           peer_pairs=frozenset(pairs))
+
+
+def test_reachability_one_host_all_peers_is_fine_and_survives_json():
+  gpus = ["0000:01:00.0", "0000:02:00.0"]
+  one = facts("h/boot", {0: gpus[0], 1: gpus[1]}, gpus)
+  assert peer.reachability_problem([(0, 1)], [one], {0: 0, 1: 0}) is None
+  two = [facts("h/boot", {0: gpus[0]}, gpus), facts("h/boot", {1: gpus[1]}, gpus)]
+  assert peer.reachability_problem([(0, 1)], two, {0: 0, 1: 1}) is None
+  assert peer.ProcessFacts.from_json(two[1].to_json()) == two[1]
+
+
+def test_reachability_names_the_pair_that_fails():
+  gpus = ["0000:01:00.0", "0000:02:00.0"]
+  other_host = [facts("a/1", {0: gpus[0]}, gpus), facts("b/1", {1: gpus[1]}, gpus)]
+  assert "different hosts" in peer.reachability_problem([(0, 1)], other_host, {0: 0, 1: 1})
+  one_way = facts("h/1", {0: gpus[0], 1: gpus[1]}, gpus, pairs={(gpus[0], gpus[1])})
+  problem = peer.reachability_problem([(0, 1)], [one_way], {0: 0, 1: 0})
+  assert "no peer access" in problem and "devices 0 and 1" in problem
+  hidden = [facts("h/1", {0: gpus[0]}, gpus[:1]), facts("h/1", {1: gpus[1]}, gpus[1:])]
+  assert "no process sees both" in peer.reachability_problem([(0, 1)], hidden, {0: 0, 1: 1})
+
+
+def test_reachability_checks_pairs_inside_groups_only():
+  gpus = [f"0000:0{i}:00.0" for i in range(4)]
+  within = {(gpus[a], gpus[b]) for a, b in [(0, 1), (1, 0), (2, 3), (3, 2)]}
+  box = facts("h/1", dict(enumerate(gpus)), gpus, pairs=within)
+  assert peer.reachability_problem([(0, 1), (2, 3)], [box], dict.fromkeys(range(4), 0)) is None
+  assert peer.reachability_problem([(0, 2), (1, 3)], [box],
+                                   dict.fromkeys(range(4), 0)) is not None
+  assert peer.reachability_problem([(0,), (1,)], [box], dict.fromkeys(range(4), 0)) is None
+
+
+def test_supported_is_false_on_cpu_with_the_reason():
+  mesh = make_mesh((2, 4), ("dp", "ep"))
+  assert not peer.supported(mesh, "ep")
+  assert peer.unsupported_reason(mesh, "ep") == "the mesh has non-GPU devices"
+
+
+def test_timeout_comes_from_configure_then_env_then_default(monkeypatch):
+  monkeypatch.delenv(peer.TIMEOUT_ENV, raising=False)
+  assert peer.timeout_s() == peer.DEFAULT_TIMEOUT_S == 30.0
+  monkeypatch.setenv(peer.TIMEOUT_ENV, "2.5")
+  assert peer.timeout_s() == 2.5
+  peer.configure(timeout_s=0.25)
+  assert peer.timeout_s() == 0.25
+  peer.configure()
+  monkeypatch.setenv(peer.TIMEOUT_ENV, "soon")
+  with pytest.raises(ValueError, match="MOE_EP_PEER_TIMEOUT_S='soon' must be a number"):
+    peer.timeout_s()
+  with pytest.raises(ValueError, match=r"timeout_s=0 must be in \(0, "):
+    peer.configure(timeout_s=0)
+  with pytest.raises(ValueError, match="blocks_per_peer=0 must be an integer >= 1"):
+    peer.configure(blocks_per_peer=0)
+
+
+def fake_record(kind, peer_rank, step, rank=0, site=0, waited_s=0.5):
+  record = peer._Failure()
+  record.kind, record.peer, record.step, record.rank = kind, peer_rank, step, rank
+  record.site, record.waited_ns = site, int(waited_s * 1e9)
+  return record
+
+
+def test_timeout_message_names_device_peer_step_and_exchange():
+  site = peer._Site("exchange_rows", (2, 64, 128), "bfloat16", "key")
+  message, fields = peer._failure_message(fake_record(2, 1, 7), 0, None, site)
+  assert "'exchange_rows' bfloat16[2, 64, 128]" in message
+  assert "cuda:0 (EP rank 0)" in message and "for rank 1" in message
+  assert "deliver its chunk of step 7" in message and "0.50 s" in message
+  assert fields == dict(device="cuda:0", rank=0, peer_rank=1, peer_device="EP rank 1", step=7,
+                        what="exchange_rows")
+  message, _ = peer._failure_message(fake_record(1, 3, 5, rank=2), 2, None, None)
+  assert "acknowledge reading step 5" in message and "cuda:2 (EP rank 2)" in message
+
+
+def test_raise_if_failed_reads_the_host_records_without_the_device(monkeypatch):
+  records = (peer._Failure * peer._MAX_LOCAL_DEVICES)()
+  monkeypatch.setattr(peer, "_records", records)
+  monkeypatch.setattr(peer, "_sites", [peer._Site("exchange_meta", (4, 9), "int32", "k")])
+  peer.raise_if_failed()  # all clear
+  record = fake_record(2, 0, 11, rank=1)
+  ctypes.memmove(ctypes.addressof(records[3]), ctypes.addressof(record),
+                 ctypes.sizeof(peer._Failure))
+  with pytest.raises(peer.PeerTimeoutError, match="'exchange_meta'.*cuda:3.*rank 0.*step 11") as e:
+    peer.raise_if_failed()
+  assert (e.value.peer_rank, e.value.step, e.value.rank) == (0, 11, 1)
+
+
+# --- tracing and lowering (any machine) -------------------------------------------------------
+
+
+def shard_mapped(fn, mesh, spec=P(("dp", "ep"))):
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))
+
+
+@pytest.mark.parametrize("dtype, per_rank_shape", [
+    (jnp.float32, (8, 5)), (jnp.bfloat16, (12, 7)), (jnp.int32, (4,)), (jnp.uint8, (16, 3))])
+def test_exchange_on_cpu_equals_all_to_all_bitwise(dtype, per_rank_shape):
+  mesh = make_mesh((2, 4), ("dp", "ep"))
+  host = random_host(np.random.default_rng(0), (8 * per_rank_shape[0],) + per_rank_shape[1:],
+                     dtype)
+  got = shard_mapped(lambda x: peer.exchange(x, "ep", mesh, "exchange_rows"), mesh)(host)
+  want = shard_mapped(lambda x: jax.lax.all_to_all(x, "ep", 0, 0, tiled=True), mesh)(host)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  per_group = host.reshape(2, 4 * per_rank_shape[0], *per_rank_shape[1:])
+  np.testing.assert_array_equal(np.asarray(got).reshape(per_group.shape),
+                                reference_all_to_all(per_group, 4))
+
+
+def custom_call_scopes(text: str) -> list[tuple[str, str]]:
+  names = dict(re.findall(r'^(#loc\d+) = loc\("([^"]*)"', text, flags=re.M))
+  calls = re.findall(r"custom_call @(\w+)\(.*loc\((#loc\d+)\)\s*$", text, flags=re.M)
+  return [(target, names.get(loc, "")) for target, loc in calls]
+
+
+def test_cuda_lowering_is_one_named_command_buffer_callback_and_no_all_to_all():
+  mesh = make_mesh((2, 4), ("dp", "ep"))
+  fn = shard_mapped(lambda x: peer.exchange(x, "ep", mesh, "exchange_rows"), mesh)
+  traced = fn.trace(jnp.zeros((64, 16), jnp.bfloat16))
+  cuda = traced.lower(lowering_platforms=("cuda",)).as_text(debug_info=True)
+  calls = custom_call_scopes(cuda)
+  assert len(calls) == 1 and calls[0][0] == BUFFER_CALLBACK
+  assert calls[0][1].startswith("exchange_rows/") and "/moe_peer_exchange/" in calls[0][1]
+  assert "all_to_all" not in traced.lower(lowering_platforms=("cuda",)).as_text()
+  cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+  assert "all_to_all" in cpu and "custom_call" not in cpu
+
+
+def test_exchange_rejects_bad_arguments_at_trace_time():
+  mesh = make_mesh((2, 4), ("dp", "ep"))
+  with pytest.raises(ValueError, match=r"shape \(6, 2\) must be \[R \* k, ...\] with R=4"):
+    shard_mapped(lambda x: peer.exchange(x, "ep", mesh), mesh)(jnp.zeros((48, 2)))
+  with pytest.raises(ValueError, match="must be called inside jax.shard_map"):
+    peer.exchange(jnp.zeros((8, 2)), "ep", mesh)
+  with pytest.raises(ValueError, match="'tp' is not an axis"):
+    shard_mapped(lambda x: peer.exchange(x, "tp", mesh), mesh)(jnp.zeros((64, 2)))
+  other = make_mesh((4, 2), ("dp", "ep"))
+  with pytest.raises(ValueError, match="size 4 here but 2 in mesh"):
+    shard_mapped(lambda x: peer.exchange(x, "ep", other), mesh)(jnp.zeros((64, 2)))
+
+
+# --- on GPUs -------------------------------------------------------------------------------
+
+
+def gpu_mesh():
+  gpus = gpu_devices()
+  if len(gpus) < 2:
+    pytest.skip("needs 2 GPUs")
+  return jax.sharding.Mesh(np.array(gpus).reshape(1, -1), ("dp", "ep"))
+
+
+def on_mesh(mesh, host, spec):
+  return jax.device_put(host, NamedSharding(mesh, spec))
+
+
+def bits(a):
+  a = np.asarray(a)
+  return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+STEPS = 50
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, per_rank_shape", [
+    (jnp.float32, (2, 64, 128)),  # 32 KiB chunks, 16-byte vectors
+    (jnp.bfloat16, (2, 300, 7)),  # 4200-byte chunks: 8-byte vectors
+    (jnp.int32, (2, 5, 3)),  # 60 bytes: 4-byte vectors, one block
+    (jnp.bfloat16, (4, 33, 129)),  # two leading rows per chunk; 4-byte vectors
+    (jnp.bfloat16, (2, 33, 129)),  # 8514-byte chunks: 2-byte vectors
+    (jnp.uint8, (2, 7, 3)),  # 21-byte chunks: 1-byte vectors
+    (jnp.bfloat16, (2, 2048, 1024)),  # 4 MiB chunks: many blocks per peer
+])
+def test_peer_exchange_equals_all_to_all_bitwise_over_many_steps(dtype, per_rank_shape):
+  """``per_rank_shape`` is x's shape on each rank (chunks along axis 0); each
+  of the 50 scan steps exchanges fresh random data."""
+  mesh = gpu_mesh()
+  ep = mesh.shape["ep"]
+  spec = P(None, ("dp", "ep"))
+  rng = np.random.default_rng(per_rank_shape[1])
+  host = random_host(rng, (STEPS, ep * per_rank_shape[0]) + per_rank_shape[1:], dtype)
+  xs = on_mesh(mesh, host, spec)
+
+  def steps(exchange):
+    def body(x):
+      return jax.lax.scan(lambda c, x: (c, exchange(x)), None, x)[1]
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+
+  got = steps(lambda x: peer.exchange(x, "ep", mesh, "exchange_rows"))(xs)
+  want = steps(lambda x: jax.lax.all_to_all(x, "ep", 0, 0, tiled=True))(xs)
+  peer.raise_if_failed()
+  np.testing.assert_array_equal(bits(got), bits(want))
+  np.testing.assert_array_equal(bits(got), bits(reference_all_to_all(host, ep)))
+
+
+@pytest.mark.gpu
+def test_chained_exchanges_on_one_channel_and_two_channels_in_one_program():
+  """Each step feeds the next (exchange twice = identity), interleaved with a
+  second buffer size, 50 times in a fori_loop: parity, acknowledgements and
+  both channels' counters stay in step."""
+  mesh = gpu_mesh()
+  spec = P(("dp", "ep"))
+  rows = on_mesh(mesh, np.arange(2 * 2 * 96 * 40, dtype=np.int32).reshape(-1, 40), spec)
+  meta = on_mesh(mesh, np.arange(2 * 2 * 7, dtype=np.int32).reshape(-1, 7) * 3, spec)
+
+  def program(exchange):
+    def body(rows, meta):
+      def step(i, carry):
+        rows, meta = carry
+        rows = exchange(exchange(rows) + i) - i  # (a2a . a2a) = identity
+        return rows + 1, exchange(meta) * 2 + i
+      return jax.lax.fori_loop(0, STEPS, step, (rows, meta))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+
+  got = program(lambda x: peer.exchange(x, "ep", mesh))(rows, meta)
+  want = program(lambda x: jax.lax.all_to_all(x, "ep", 0, 0, tiled=True))(rows, meta)
+  peer.raise_if_failed()
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(rows) + STEPS)
+
+
+@pytest.mark.gpu
+def test_buffers_are_allocated_once_per_size_and_logged(caplog):
+  mesh = gpu_mesh()
+  spec = P(("dp", "ep"))
+  shape = (2 * 2 * 77, 24)  # a chunk size no other test uses
+  x = on_mesh(mesh, np.ones(shape, np.float32), spec)
+  before = peer.buffer_bytes()
+  with caplog.at_level(logging.INFO, logger="moe_ep.transport.peer"):
+    for _ in range(2):  # two traces, one allocation
+      jax.block_until_ready(shard_mapped(lambda x: peer.exchange(x, "ep", mesh), mesh,
+                                         spec)(x))
+  layout = peer.ChannelLayout(2, 77 * 24 * 4)
+  grown = peer.buffer_bytes() - before
+  # one channel on each of the 2 GPUs, plus each GPU's 256-byte failure word
+  # if this is the first exchange of the process
+  assert grown in (2 * layout.total_bytes, 2 * layout.total_bytes + 2 * 256), grown
+  lines = [r.getMessage() for r in caplog.records if "held outside XLA" in r.getMessage()]
+  assert len(lines) == 1, lines
+
+
+@pytest.mark.gpu
+def test_a_rank_that_skips_an_exchange_fails_in_bounded_time_naming_peer_and_step():
+  mesh = gpu_mesh()
+  spec = P(("dp", "ep"))
+  peer.reset()
+  peer.configure(timeout_s=0.5)
+  x = on_mesh(mesh, np.arange(2 * 2 * 13 * 5, dtype=np.int32).reshape(-1, 5), spec)
+
+  def only_rank0(x):
+    return jax.lax.cond(jax.lax.axis_index("ep") == 0,
+                        lambda x: peer.exchange(x, "ep", mesh, "exchange_skipped"),
+                        lambda x: x, x)
+
+  compiled = shard_mapped(only_rank0, mesh, spec).lower(x).compile()
+  start = time.perf_counter()
+  jax.block_until_ready(compiled(x))
+  elapsed = time.perf_counter() - start
+  with pytest.raises(peer.PeerTimeoutError) as error:
+    peer.raise_if_failed()
+  assert (error.value.rank, error.value.peer_rank, error.value.step) == (0, 1, 1)
+  assert error.value.what == "exchange_skipped"
+  assert str(mesh.devices.flat[1]) in str(error.value) and "step 1" in str(error.value)
+  assert 0.4 < elapsed < 10, elapsed
+  # Rearmed: a full exchange works again.
+  peer.reset()
+  peer.configure()
+  peer.raise_if_failed()
+  got = shard_mapped(lambda x: peer.exchange(x, "ep", mesh, "exchange_skipped"), mesh, spec)(x)
+  want = shard_mapped(lambda x: jax.lax.all_to_all(x, "ep", 0, 0, tiled=True), mesh, spec)(x)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  peer.raise_if_failed()
+
+
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+def test_two_processes_one_gpu_each_exchange_through_ipc_and_time_out_cleanly():
+  if len(gpu_devices()) < 2:
+    pytest.skip("needs 2 GPUs")
+  children = launch([sys.executable, str(WORKER)], 2, gpus_per_process=1, timeout_s=300)
+  results = []
+  for child in children:
+    lines = [line for line in child.output.splitlines() if line.startswith("PEER_RESULT ")]
+    assert len(lines) == 1, child.output[-3000:]
+    results.append(json.loads(lines[0].split(" ", 1)[1]))
+  for result in results:
+    assert result["supported"], result["reason"]
+    assert result["scan_equal"]
+  error = results[0]["skip_error"]
+  assert error is not None and (error["rank"], error["peer_rank"], error["step"]) == (0, 1, 1)
+  assert error["what"] == "exchange_meta"
+  assert results[0]["skip_seconds"] < 10
