@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_ep.transport import CHECKPOINT_FIELDS
+from moe_ep.transport import CHECKPOINT_FIELDS, EXCHANGES
 from moe_ep.transport.backend import BACKENDS
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -213,6 +213,10 @@ class MoEConfig:
       transport's sums are float32.
     param_dtype: parameter dtype, one of the same three.
     transport: dispatch/combine backend: ``"auto"``, ``"xla"`` or ``"cupy"``.
+    exchange: how rows cross between GPUs: ``"auto"`` (direct NVLink peer
+      stores where every pair of the EP group has peer access on one host and
+      the kernels run, else XLA's ``all_to_all``), ``"all_to_all"`` or
+      ``"peer"`` (an error where it cannot run).
     remat: the :class:`RematConfig`.
     return_aux: True: the layer returns ``(y, MoEAux)``; False: it returns
       ``y`` and sows the ``MoEAux`` as an ``nnx.Intermediate``.
@@ -240,6 +244,7 @@ class MoEConfig:
   dtype: str | None = None
   param_dtype: str = "float32"
   transport: str = "auto"
+  exchange: str = "auto"
   remat: RematConfig = dataclasses.field(default_factory=RematConfig)
   return_aux: bool = True
 
@@ -254,6 +259,7 @@ class MoEConfig:
     _check_choice(self, "score_function", SCORE_FUNCTIONS)
     _check_choice(self, "activation", ACTIVATIONS)
     _check_choice(self, "transport", BACKENDS)
+    _check_choice(self, "exchange", EXCHANGES)
     _check_number(self, "routed_scaling", 0.0, strict=True)
     for field in ("expert_bias_update_rate", "aux_loss_coeff", "z_loss_coeff"):
       _check_number(self, field, 0.0)

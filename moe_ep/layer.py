@@ -70,14 +70,15 @@ class _ShardLayout(NamedTuple):
   num_shards: int  # product of their sizes
 
 
-def _moe_shard(config: MoEConfig, layout: _ShardLayout, dtype, num_valid: int,
+def _moe_shard(config: MoEConfig, layout: _ShardLayout, mesh, dtype, num_valid: int,
                tokens: jax.Array, params: dict) -> tuple[jax.Array, MoEAux]:
   """One shard's MoE: ``tokens [t, H]`` -> ``(y [t, H] in dtype, aux)``.
 
   ``params`` holds this shard's slices: ``router [H, E]``, ``w_in [L, H, n*F]``,
   ``w_out [L, F, H]``, optionally ``expert_bias [E]``, ``shared_w_in [H, n*F_s]``,
   ``shared_w_out [F_s, H]``. The global rows from ``num_valid`` on are padding:
-  routed nowhere and counted nowhere.
+  routed nowhere and counted nowhere. ``mesh`` is the layer's (for the peer
+  exchange).
   """
   num_tokens = tokens.shape[0]
   remat = config.remat
@@ -105,7 +106,8 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, dtype, num_valid: int,
       tokens, routing.topk_idx, routing.topk_weights, num_experts=config.num_experts,
       expert_capacity=expert_capacity, axis_name=layout.ep_axis,
       send_capacity=send_capacity_for(*capacity_args, config.capacity_factor),
-      checkpoint_name=remat.name("dispatch"), backend=config.transport)
+      checkpoint_name=remat.name("dispatch"), backend=config.transport,
+      exchange=config.exchange, mesh=mesh)
 
   # Experts, weighted in float32 before the unweighted combine.
   out = expert_mlp(dispatched.tokens, params["w_in"], params["w_out"], config.activation, name)
@@ -113,7 +115,8 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, dtype, num_valid: int,
 
   # Combine.
   y = name("combine.output", combine(out, dispatched.handle, num_tokens=num_tokens,
-                                     axis_name=layout.ep_axis, backend=config.transport))
+                                     axis_name=layout.ep_axis, backend=config.transport,
+                                     exchange=config.exchange, mesh=mesh))
   if "shared_w_in" in params:
     y = y + expert_mlp(tokens[None], params["shared_w_in"][None],
                        params["shared_w_out"][None], config.activation)[0]
@@ -323,7 +326,7 @@ class ExpertParallelMoE(nnx.Module):
 
     rows = -(-num_valid // layout.num_shards) * layout.num_shards
     tokens = sharding.token_rows(x, rows, mesh, layout.batch_axes)
-    body = functools.partial(_moe_shard, config, layout, dtype, num_valid)
+    body = functools.partial(_moe_shard, config, layout, mesh, dtype, num_valid)
     if config.remat.apply:
       body = jax.checkpoint(body, policy=config.remat.policy())
     params = self._params()

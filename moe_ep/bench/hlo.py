@@ -1,5 +1,9 @@
 """Reading compiled HLO text: which collectives it issues, under which scope
-(used by the remat benchmark and by the tests)."""
+(used by the remat benchmark and by the tests).
+
+A direct peer exchange (:mod:`moe_ep.transport.peer`) is a custom call, not a
+collective; it is counted as the ``all-to-all`` it replaces, so the same
+counts hold on either exchange path."""
 
 import re
 
@@ -8,6 +12,8 @@ _COLLECTIVE = re.compile(
     r"all-reduce-start|collective-permute|collective-permute-start|reduce-scatter|"
     r"ragged-all-to-all)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CUSTOM_CALL = re.compile(r"\scustom-call\(")
+_PEER_SCOPE = "moe_peer_exchange"
 
 
 def collectives(hlo_text: str) -> list[tuple[str, str, str]]:
@@ -15,11 +21,13 @@ def collectives(hlo_text: str) -> list[tuple[str, str, str]]:
   counted once, by their start)."""
   found = []
   for line in hlo_text.splitlines():
-    match = _COLLECTIVE.search(line)
-    if match is None:
-      continue
     name = _OP_NAME.search(line)
-    found.append((match.group(1).removesuffix("-start"), name.group(1) if name else "", line))
+    op_name = name.group(1) if name else ""
+    match = _COLLECTIVE.search(line)
+    if match is not None:
+      found.append((match.group(1).removesuffix("-start"), op_name, line))
+    elif _CUSTOM_CALL.search(line) and _PEER_SCOPE in op_name:
+      found.append(("all-to-all", op_name, line))
   return found
 
 

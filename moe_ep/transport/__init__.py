@@ -52,6 +52,7 @@ __all__ = [
     "expert_capacity_for",
     "send_capacity_for",
     "CHECKPOINT_FIELDS",
+    "EXCHANGES",
     "NAMED_SCOPES",
 ]
 
@@ -79,12 +80,50 @@ def _ep_size(axis_name, caller: str) -> int:
         f"one rank)") from None
 
 
-def _exchange(x: jax.Array, axis_name, what: str) -> jax.Array:
+EXCHANGES = ("auto", "all_to_all", "peer")
+
+
+def _peer():
+  from moe_ep.transport import peer  # imports CuPy only when a peer exchange runs
+  return peer
+
+
+def _exchange(spec: "_Spec", x: jax.Array, what: str) -> jax.Array:
   """``all_to_all`` over the leading [R] axis: row d goes to rank d, and the
-  result's row src is what rank src sent here. ``what`` names the exchange
-  inside the enclosing pass's scope (``moe_dispatch_fwd/exchange_rows``)."""
+  result's row src is what rank src sent here; by direct stores into the
+  peers' memory when ``spec.exchange == "peer"`` (bitwise the same result).
+  ``what`` names the exchange inside the enclosing pass's scope
+  (``moe_dispatch_fwd/exchange_rows``)."""
+  if spec.exchange == "peer":
+    return _peer().exchange(x, spec.axis_name, spec.mesh, what)
   with jax.named_scope(what):
-    return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
+    return jax.lax.all_to_all(x, spec.axis_name, 0, 0, tiled=True)
+
+
+def _resolve_exchange(exchange: str, backend: str, axis_name, ep_size: int, mesh) -> str:
+  """The exchange one dispatch/combine uses: ``"peer"`` or ``"all_to_all"``.
+
+  ``"auto"`` takes the peer path where it runs: more than one rank, the
+  kernels' backend (not ``"xla"``), a ``mesh`` given, and every pair of GPUs
+  of each EP group reaching the other by peer access on one host
+  (:func:`moe_ep.transport.peer.supported`); ``"peer"`` insists and says why
+  not."""
+  if exchange not in EXCHANGES:
+    raise ValueError(f"exchange={exchange!r} is not one of {EXCHANGES}")
+  if ep_size == 1 or exchange == "all_to_all":
+    return "all_to_all"
+  if exchange == "auto" and (backend == "xla" or mesh is None):
+    return "all_to_all"
+  if mesh is None:
+    raise ValueError(f"exchange='peer' needs mesh=, the mesh of the enclosing shard_map over "
+                     f"axis {axis_name!r}")
+  reason = _peer().unsupported_reason(mesh, axis_name)
+  if reason is None:
+    return "peer"
+  if exchange == "peer":
+    raise ValueError(f"exchange='peer' cannot run on this mesh: {reason}; use "
+                     "exchange='auto' or 'all_to_all'")
+  return "all_to_all"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +138,8 @@ class _Spec:
   backend: str
   checkpoint_name: str | None = None
   weight_dtype: str = "float32"
+  exchange: str = "all_to_all"  # resolved: "all_to_all" or "peer"
+  mesh: object = None
 
   @property
   def ops(self):
@@ -138,8 +179,7 @@ def _rows_to_slabs(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.A
     token_of_slab_row = _lookup(handle.send_token.reshape(-1), slab_row, -1)
     return ops.expand_rows(rows, _token_member_pos(handle), token_of_slab_row).reshape(slab_shape)
   send_rows = ops.expand_rows(rows, _wire_rows(handle), handle.send_token.reshape(-1))
-  recv_rows = _exchange(send_rows.reshape(spec.ep_size, -1, hidden), spec.axis_name,
-                        "exchange_rows")
+  recv_rows = _exchange(spec, send_rows.reshape(spec.ep_size, -1, hidden), "exchange_rows")
   return ops.expand_rows(recv_rows.reshape(-1, hidden),
                          handle.recv_pos.reshape(-1, handle.top_k), slab_row).reshape(slab_shape)
 
@@ -152,8 +192,7 @@ def _slabs_to_rows(spec: _Spec, slabs: jax.Array, handle: RoutingHandle) -> jax.
   if spec.ep_size == 1:
     return ops.gather_sum_rows(flat_slabs, _token_member_pos(handle))
   partial_sums = ops.gather_sum_rows(flat_slabs, handle.recv_pos.reshape(-1, handle.top_k))
-  returned = _exchange(partial_sums.reshape(spec.ep_size, -1, hidden), spec.axis_name,
-                       "exchange_rows")
+  returned = _exchange(spec, partial_sums.reshape(spec.ep_size, -1, hidden), "exchange_rows")
   return ops.gather_sum_rows(returned.reshape(-1, hidden), _wire_rows(handle))
 
 
@@ -163,7 +202,7 @@ def _weights_to_routes(spec: _Spec, slab_values: jax.Array, handle: RoutingHandl
   top_k = handle.top_k
   per_member = _lookup(slab_values.reshape(-1), handle.recv_pos, 0.0)  # [R, S, K]
   if spec.ep_size > 1:
-    per_member = _exchange(per_member, spec.axis_name, "exchange_weights")
+    per_member = _exchange(spec, per_member, "exchange_weights")
   member = jnp.where(handle.route_slot >= 0,
                      handle.route_slot * top_k + jnp.arange(top_k, dtype=jnp.int32), -1)
   return _lookup(per_member.reshape(-1), member, 0.0)
@@ -185,7 +224,7 @@ def _dispatch_forward(spec: _Spec, tokens, topk_idx, topk_weights) -> Dispatched
         topk_idx, topk_weights.astype(jnp.float32), num_experts=spec.num_experts,
         ep_size=spec.ep_size, send_capacity=spec.send_capacity)
     if spec.ep_size > 1:
-      meta = _exchange(meta, spec.axis_name, "exchange_meta")
+      meta = _exchange(spec, meta, "exchange_meta")
     recv_pos, slab_row, slab_weights, counts, demand = ops.slab_layout(
         meta, top_k=topk_idx.shape[1],
         num_local_experts=spec.num_experts // spec.ep_size,
@@ -271,7 +310,7 @@ def _merge_duplicate_routes(topk_idx: jax.Array, topk_weights: jax.Array):
 def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
              num_experts: int, expert_capacity: int, axis_name=None,
              send_capacity: int | None = None, checkpoint_name: str | None = None,
-             backend: str = "auto") -> Dispatched:
+             backend: str = "auto", exchange: str = "auto", mesh=None) -> Dispatched:
   """Sends each token's rows to the experts it is routed to.
 
   Call it per rank inside ``shard_map`` over the EP mesh axis ``axis_name``
@@ -298,7 +337,14 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
     checkpoint_name: when set, the outputs and the residual the backward keeps
       are named ``f"{checkpoint_name}.{field}"`` for ``field`` in
       :data:`CHECKPOINT_FIELDS`, so a remat policy can save them.
-    backend: ``"auto"``, ``"xla"`` or ``"cupy"``.
+    backend: ``"auto"``, ``"xla"`` or ``"cupy"``: the local passes.
+    exchange: how rows cross between ranks: ``"all_to_all"`` (XLA's
+      collective), ``"peer"`` (direct NVLink stores into the other GPUs'
+      memory, :mod:`moe_ep.transport.peer`; needs ``mesh``) or ``"auto"``
+      (peer wherever it runs: see ``_resolve_exchange``). Same results,
+      bitwise, either way.
+    mesh: the ``jax.sharding.Mesh`` of the enclosing ``shard_map`` (only the
+      peer exchange needs it).
 
   Returns:
     :class:`Dispatched`: ``tokens [L, C, H]``, ``weights [L, C]`` float32,
@@ -333,7 +379,9 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
   spec = _Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=expert_capacity,
                send_capacity=send_capacity, axis_name=axis_name,
                backend=backend, checkpoint_name=checkpoint_name,
-               weight_dtype=jnp.dtype(topk_weights.dtype).name)
+               weight_dtype=jnp.dtype(topk_weights.dtype).name,
+               exchange=_resolve_exchange(exchange, backend, axis_name, ep_size, mesh),
+               mesh=mesh)
   spec.ops  # resolves the backend now: a missing CuPy fails at trace time
   return _dispatch(spec, tokens, topk_idx, topk_weights)
 
@@ -362,7 +410,8 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int,
-            axis_name=None, backend: str = "auto") -> jax.Array:
+            axis_name=None, backend: str = "auto", exchange: str = "auto",
+            mesh=None) -> jax.Array:
   """Brings expert outputs back to their tokens and sums them.
 
   Args:
@@ -372,6 +421,7 @@ def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int
     num_tokens: ``T >= 1``, this rank's token count.
     axis_name: the EP mesh axis the dispatch used, or None.
     backend: ``"auto"``, ``"xla"`` or ``"cupy"``.
+    exchange, mesh: as for :func:`dispatch`.
 
   Returns:
     ``[T, H]`` in ``expert_outputs.dtype``: ``y[t]`` is the sum over the kept
@@ -395,6 +445,8 @@ def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int
                      f"made for {handle.ep_size} ranks")
   spec = _Spec(num_experts=handle.num_local_experts * ep_size, ep_size=ep_size,
                expert_capacity=handle.expert_capacity, send_capacity=handle.send_capacity,
-               axis_name=axis_name, backend=backend)
+               axis_name=axis_name, backend=backend,
+               exchange=_resolve_exchange(exchange, backend, axis_name, ep_size, mesh),
+               mesh=mesh)
   spec.ops
   return _combine(spec, expert_outputs, handle)

@@ -58,10 +58,10 @@ def test_each_token_is_sent_to_each_rank_at_most_once(monkeypatch):
   sent = []
   exchange = transport._exchange
 
-  def recording_exchange(x, axis_name, what):
+  def recording_exchange(spec, x, what):
     if what == "exchange_rows":
       jax.debug.callback(lambda rows: sent.append(np.asarray(rows)), x)
-    return exchange(x, axis_name, what)
+    return exchange(spec, x, what)
 
   monkeypatch.setattr(transport, "_exchange", recording_exchange)
 
