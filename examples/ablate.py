@@ -1,15 +1,18 @@
 """Runs a sweep of pretraining variants and tabulates them.
 
     python examples/ablate.py configs/ablations/remat.yaml
-    python examples/ablate.py configs/ablations/capacity.yaml train.steps=20
+    python examples/ablate.py train.steps=20 configs/ablations/capacity.yaml
     python examples/ablate.py configs/ablations/remat.yaml --processes 2  # 2-process jobs
 
 A sweep file names a base config, overrides for every variant, and the
 variants: a mapping ``name: {dotted.key: value}`` and/or a ``grid`` of
 ``dotted.key: [values]`` (the variants are every mapping entry times every
 grid point). Each variant trains for the same steps; the output directory
-gets ``results.md`` (a markdown table), ``results.csv``, ``loss_curves.png``
-and one run directory per variant.
+(``runs/ablations/<sweep name>-<YYYYmmdd-HHMMSS>`` unless ``--out`` names one;
+``runs/ablations/<sweep name>-latest`` links the newest) gets ``results.md``
+(a markdown table), ``results.csv``, ``loss_curves.png`` and one run
+directory per variant. Overrides (``key=value``) go anywhere on the command
+line and apply to every variant.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import yaml  # noqa: E402
 
 from examples import pretrain  # noqa: E402  (sets up the CPU devices before JAX starts)
 from examples import plots  # noqa: E402
-from examples.train_config import Config, load_config  # noqa: E402
+from examples.checkpoints import RUNS_ROOT, held_steps, new_run_dir  # noqa: E402
+from examples.train_config import Config, load_config, split_config_path  # noqa: E402
 from moe_ep import launch  # noqa: E402
 
 PRETRAIN = pathlib.Path(pretrain.__file__).resolve()
@@ -172,17 +176,31 @@ def write_results(results: list[VariantResult], out_dir: pathlib.Path, title: st
 def ablate(sweep_path, extra_overrides=(), *, out_dir=None, subprocess_run: bool = False,
            processes: int = 1, gpus_per_process: int | None = None,
            echo: bool = True) -> list[VariantResult]:
-  """Runs every variant of the sweep file and writes the results; returns them."""
+  """Runs every variant of the sweep file and writes the results; returns them.
+
+  ``out_dir`` None: a new ``runs/ablations/<sweep name>-<YYYYmmdd-HHMMSS>``.
+  An ``out_dir`` that holds an earlier sweep's runs is refused
+  (FileExistsError) before anything trains.
+  """
   sweep = Sweep.load(sweep_path)
-  out_dir = pathlib.Path(out_dir or pathlib.Path("runs") / "ablations" / sweep.name)
   variants = {}
   for name, overrides in sweep.variant_overrides().items():
     overrides = [*overrides, *extra_overrides]
-    run_dir = out_dir / name.replace("/", "_")
     try:  # every variant is checked before any trains
-      config = load_config(sweep.base, [*overrides, f"train.run_dir={json.dumps(str(run_dir))}"])
+      config = load_config(sweep.base, overrides)
     except ValueError as error:
       raise ValueError(f"sweep {sweep_path}, variant {name!r}: {error}") from error
+    variants[name] = (config, overrides)
+  if out_dir is None:
+    out_dir = new_run_dir(sweep.name, root=RUNS_ROOT / "ablations")
+  out_dir = pathlib.Path(out_dir)
+  for name, (config, overrides) in variants.items():
+    run_dir = out_dir / name.replace("/", "_")
+    if held := held_steps(run_dir):
+      raise FileExistsError(f"{run_dir} holds a run (steps {held[0]}-{held[1]}) of an earlier "
+                            "sweep: choose another --out")
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train,
+                                                                   run_dir=str(run_dir)))
     variants[name] = (config, overrides)
   out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -206,13 +224,18 @@ def ablate(sweep_path, extra_overrides=(), *, out_dir=None, subprocess_run: bool
   return results
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("sweep", help="a sweep file, e.g. configs/ablations/remat.yaml")
-  parser.add_argument("overrides", nargs="*", metavar="key=value",
-                      help="applied to every variant, after the sweep's own")
-  parser.add_argument("--out", help="output folder (default runs/ablations/<sweep name>)")
+def parse_args(argv=None) -> argparse.Namespace:
+  """The command line; ``sweep`` and ``overrides`` come from words in any
+  order (a word with ``=`` is an override)."""
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+      usage="%(prog)s [-h] [--out DIR] [--subprocess] [--processes N] [--gpus-per-process N] "
+            "SWEEP.yaml [key=value ...]")
+  parser.add_argument("words", nargs="+", metavar="SWEEP.yaml key=value",
+                      help="a sweep file, e.g. configs/ablations/remat.yaml, and overrides "
+                           "applied to every variant after the sweep's own, in any order")
+  parser.add_argument("--out", help="output folder (default: a new "
+                                    "runs/ablations/<sweep name>-<YYYYmmdd-HHMMSS>)")
   parser.add_argument("--subprocess", action="store_true",
                       help="train each variant in a fresh process (default: in this one)")
   parser.add_argument("--processes", type=int, default=1,
@@ -220,11 +243,30 @@ def main(argv=None) -> int:
                            "(moe_ep.launch; on CPU the 8 devices are split between them)")
   parser.add_argument("--gpus-per-process", type=int,
                       help="with --processes on GPUs: GPUs each process uses")
-  args = parser.parse_args(argv)
+  args = parser.parse_intermixed_args(argv)
   if args.processes < 1:
     parser.error(f"--processes={args.processes} must be >= 1")
-  ablate(args.sweep, args.overrides, out_dir=args.out, subprocess_run=args.subprocess,
-         processes=args.processes, gpus_per_process=args.gpus_per_process)
+  try:
+    args.sweep, args.overrides = split_config_path(args.words, what="sweep file")
+  except ValueError as error:
+    parser.error(str(error))
+  if args.sweep is None:
+    parser.error("give a sweep file, e.g. configs/ablations/remat.yaml")
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  try:
+    ablate(args.sweep, args.overrides, out_dir=args.out, subprocess_run=args.subprocess,
+           processes=args.processes, gpus_per_process=args.gpus_per_process)
+  except FileExistsError as error:
+    print(f"ablate.py: error: {error}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("interrupted: the sweep stopped; the finished variants' runs are in its folder",
+          flush=True)
+    return 130
   return 0
 
 

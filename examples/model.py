@@ -2,21 +2,28 @@
 :class:`moe_ep.ExpertParallelMoE` layers (all of them, or every
 ``moe_every``-th with dense MLPs between).
 
+The MoE layers are used as drop-ins: built under ``jax.set_mesh`` without a
+``mesh=`` argument, called as ``y = moe(x)``, their aux losses and loads read
+back with :func:`moe_ep.total_aux_loss` / :func:`moe_ep.collect_aux` and their
+biases stepped with :func:`moe_ep.update_expert_biases` (see
+``examples/pretrain.py``).
+
 The depth is a repeat of one :class:`BlockGroup` (``moe_every - 1`` dense
 blocks, then one MoE block). With ``scan_layers`` the groups are created
 stacked by ``nnx.vmap`` and run by ``nnx.scan``; otherwise they are a list
-run by a Python loop. Either way the MoE statistics come back with a leading
-``[num_moe_layers]`` axis.
+run by a Python loop.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from examples.train_config import Config, ModelConfig
-from moe_ep import ExpertParallelMoE, MoEAux, MoEConfig
+from moe_ep import ExpertParallelMoE, MoEConfig
 
 
 def rotary(x: jax.Array, base: float) -> jax.Array:
@@ -67,52 +74,46 @@ class DenseBlock(nnx.Module):
 
 
 class MoEBlock(nnx.Module):
-  """Attention, then a pre-norm expert-parallel MoE:
-  ``[B, S, D]`` -> ``([B, S, D], MoEAux)``."""
+  """Attention, then a pre-norm expert-parallel MoE: ``[B, S, D]`` -> ``[B, S, D]``."""
 
-  def __init__(self, config: ModelConfig, moe: MoEConfig, mesh, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, moe: MoEConfig, *, rngs: nnx.Rngs):
     self.attention = CausalSelfAttention(config, rngs=rngs)
     self.norm = nnx.RMSNorm(config.d_model, dtype=config.dtype, rngs=rngs)
-    self.moe = ExpertParallelMoE(moe, mesh=mesh, rngs=rngs)
+    # The layer keeps its aux (return_aux=False) for the model-wide helpers.
+    self.moe = ExpertParallelMoE(dataclasses.replace(moe, return_aux=False), rngs=rngs)
 
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
+  def __call__(self, x: jax.Array) -> jax.Array:
     x = self.attention(x)
-    y, aux = self.moe(self.norm(x))
-    return x + y, aux
+    return x + self.moe(self.norm(x))
 
 
 class BlockGroup(nnx.Module):
   """``moe_every - 1`` dense blocks and one MoE block: the unit the depth repeats."""
 
-  def __init__(self, config: Config, mesh, *, rngs: nnx.Rngs):
+  def __init__(self, config: Config, *, rngs: nnx.Rngs):
     self.dense_blocks = nnx.List([DenseBlock(config.model, rngs=rngs)
                                   for _ in range(config.model.moe_every - 1)])
-    self.moe_block = MoEBlock(config.model, config.moe, mesh, rngs=rngs)
+    self.moe_block = MoEBlock(config.model, config.moe, rngs=rngs)
 
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
+  def __call__(self, x: jax.Array) -> jax.Array:
     for block in self.dense_blocks:
       x = block(x)
     return self.moe_block(x)
 
 
-def _update_group_bias(group: BlockGroup, aux: MoEAux) -> None:
-  group.moe_block.moe.update_expert_bias(aux)
-
-
 class TransformerLM(nnx.Module):
-  """Token embedding, ``num_layers`` blocks, final RMSNorm, unembedding.
+  """Token embedding, ``num_layers`` blocks, final RMSNorm, unembedding:
+  ``model(tokens [B, S] int32)`` -> ``logits [B, S, vocab] float32``.
 
-  ``model(tokens [B, S] int32)`` -> ``(logits [B, S, vocab] float32, aux)``
-  where each field of ``aux`` (:class:`moe_ep.MoEAux`) has a leading
-  ``[num_moe_layers]`` axis, e.g. ``aux.tokens_per_expert [num_moe_layers, E]``.
+  Build it under ``jax.set_mesh(mesh)`` with a ``("dp", "ep")`` mesh: the MoE
+  layers shard their experts over ``"ep"``.
 
   Args:
     config: the run's :class:`~examples.train_config.Config` (``model`` and ``moe``).
-    mesh: the ``("dp", "ep")`` mesh the MoE layers shard their experts over.
     rngs: parameter initialisation keys.
   """
 
-  def __init__(self, config: Config, mesh, *, rngs: nnx.Rngs):
+  def __init__(self, config: Config, *, rngs: nnx.Rngs):
     model = config.model
     self.scan_layers = model.scan_layers
     self.remat_policy = config.moe.remat.policy() if model.remat_blocks else None
@@ -126,16 +127,16 @@ class TransformerLM(nnx.Module):
       # The layer's partition metadata gains an unnamed leading axis: P(None, "ep", ...).
       @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
       def create_stack(rngs):
-        return BlockGroup(config, mesh, rngs=rngs)
+        return BlockGroup(config, rngs=rngs)
       self.groups = create_stack(rngs)
     else:
-      self.groups = nnx.List([BlockGroup(config, mesh, rngs=rngs)
+      self.groups = nnx.List([BlockGroup(config, rngs=rngs)
                               for _ in range(model.num_moe_layers)])
     self.norm = nnx.RMSNorm(model.d_model, dtype=model.dtype, rngs=rngs)
     self.unembed = nnx.Linear(model.d_model, model.vocab_size, use_bias=False,
                               dtype=model.dtype, rngs=rngs)
 
-  def __call__(self, tokens: jax.Array) -> tuple[jax.Array, MoEAux]:
+  def __call__(self, tokens: jax.Array) -> jax.Array:
     def run_group(group: BlockGroup, x):
       return group(x)
     if self.remat_policy is not None:
@@ -143,22 +144,8 @@ class TransformerLM(nnx.Module):
 
     x = self.embed(tokens)
     if self.scan_layers:
-      x, aux = nnx.scan(run_group, in_axes=(0, nnx.Carry),
-                        out_axes=(nnx.Carry, 0))(self.groups, x)
+      x = nnx.scan(run_group, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.groups, x)
     else:
-      auxes = []
       for group in self.groups:
-        x, group_aux = run_group(group, x)
-        auxes.append(group_aux)
-      aux = jax.tree.map(lambda *values: jnp.stack(values), *auxes)
-    return self.unembed(self.norm(x)).astype(jnp.float32), aux
-
-  def update_expert_bias(self, aux: MoEAux) -> None:
-    """One auxiliary-loss-free bias step per MoE layer, from its own row of
-    ``aux`` (call after the optimizer update, outside the gradient)."""
-    if self.scan_layers:
-      nnx.vmap(_update_group_bias, in_axes=(0, 0),
-               transform_metadata={nnx.PARTITION_NAME: None})(self.groups, aux)
-    else:
-      for index, group in enumerate(self.groups):
-        _update_group_bias(group, jax.tree.map(lambda value: value[index], aux))
+        x = run_group(group, x)
+    return self.unembed(self.norm(x)).astype(jnp.float32)

@@ -3,13 +3,17 @@
     python examples/pretrain.py                          # configs/tiny.yaml, 8 virtual CPU devices
     python examples/pretrain.py configs/small_gpu.yaml train.steps=2000 moe.top_k=4
     python examples/pretrain.py --data some.txt          # byte-level on a text file
-    python examples/pretrain.py --resume                 # continue from run_dir's latest checkpoint
+    python examples/pretrain.py --resume                 # continue the latest run of tiny.yaml
     python -m moe_ep.launch --num-processes 2 --cpu-devices-per-process 4 -- \\
         python examples/pretrain.py
 
-Writes into ``train.run_dir``: ``config.yaml``, Orbax ``checkpoints/``,
-``metrics.jsonl`` (one line per step), ``metrics.png`` (loss curve and
-per-expert load) and ``summary.json``.
+Each run gets its own directory, ``runs/<config name>-<YYYYmmdd-HHMMSS>``
+(``runs/<config name>-latest`` links the newest), or ``train.run_dir=...``;
+it holds ``config.yaml``, Orbax ``checkpoints/``, ``metrics.jsonl`` (one line
+per step), ``metrics.png`` (loss curve and per-expert load) and
+``summary.json``. The mesh fits the devices present (``mesh.dp``/``mesh.ep``
+null). Ctrl-C finishes the step in progress, saves it and exits with code 130;
+``--resume`` continues from there.
 """
 
 from __future__ import annotations
@@ -38,7 +42,10 @@ import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
+import shlex  # noqa: E402
+import signal  # noqa: E402
 import statistics  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from typing import Callable  # noqa: E402
 
@@ -51,13 +58,15 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from examples import plots  # noqa: E402
-from examples.checkpoints import RunCheckpoints, abstract_like  # noqa: E402
+from examples.checkpoints import (RunCheckpoints, abstract_like, held_steps,  # noqa: E402
+                                  latest_link, latest_run_dir, new_run_dir)
 from examples.data import make_corpus  # noqa: E402
 from examples.model import TransformerLM  # noqa: E402
 from examples.progress import ProgressReporter  # noqa: E402
-from examples.train_config import (MESH_AXES, Config, DataConfig, TrainConfig,  # noqa: E402
-                                   config_to_yaml, load_config)
-from moe_ep import distributed  # noqa: E402
+from examples.train_config import (DEFAULT_CONFIG, MESH_AXES, Config, DataConfig,  # noqa: E402
+                                   TrainConfig, config_to_yaml, load_config, split_config_path)
+import moe_ep  # noqa: E402
+from moe_ep import MoEAux, distributed  # noqa: E402
 
 # The batch is split over every device: data parallel over dp and ep alike.
 BATCH_SPEC = P(MESH_AXES)
@@ -73,23 +82,35 @@ class RunResult:
     records: one metrics dict per step run by this call.
     summary: the run summary also written to ``summary.json``.
     state: final ``{"model": nnx.State, "optimizer": nnx.State}``.
+    run_dir: where the outputs went.
   """
 
   records: list[dict]
   summary: dict
   state: dict
+  run_dir: pathlib.Path
+
+
+class Interrupted(KeyboardInterrupt):
+  """Ctrl-C (or another KeyboardInterrupt) stopped :func:`train`.
+
+  Attributes:
+    step: the steps completed when it stopped.
+    checkpoint_step: the newest checkpoint in ``run_dir`` (``step`` when the
+      stop was saved), or None (checkpoints off).
+    run_dir: the run's directory, holding its metrics and summary so far.
+  """
+
+  def __init__(self, step: int, checkpoint_step: int | None, run_dir: pathlib.Path):
+    super().__init__(f"interrupted at step {step}")
+    self.step, self.checkpoint_step, self.run_dir = step, checkpoint_step, run_dir
 
 
 def make_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
-  """The ``("dp", "ep")`` mesh over all (global) devices."""
+  """The ``("dp", "ep")`` mesh over all (global) devices, shaped by
+  :meth:`Config.mesh_shape` (errors say how to fit another device count)."""
   devices = jax.devices() if devices is None else devices
-  dp, ep = config.mesh.shape(len(devices))
-  if config.train.batch_size % (dp * ep):
-    raise ValueError(f"TrainConfig.batch_size={config.train.batch_size} must be divisible "
-                     f"by the {dp * ep} devices of the mesh dp={dp} x ep={ep}")
-  if config.moe.num_experts % ep:
-    raise ValueError(f"MoEConfig.num_experts={config.moe.num_experts} must be divisible "
-                     f"by the mesh's ep={ep}")
+  dp, ep = config.mesh_shape(len(devices))
   # Not jax.make_mesh: its Explicit axis types change how shard_map takes in_specs.
   return jax.sharding.Mesh(np.array(devices).reshape(dp, ep), MESH_AXES)
 
@@ -97,7 +118,7 @@ def make_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
 def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
   """AdamW with linear warm-up and cosine decay, decaying matrices only."""
   schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=train.learning_rate, warmup_steps=train.warmup_steps,
+      init_value=0.0, peak_value=train.learning_rate, warmup_steps=train.warmup_steps_used,
       decay_steps=train.steps, end_value=train.learning_rate * train.final_lr_fraction)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=train.weight_decay,
@@ -126,45 +147,53 @@ def make_setup(config: Config, mesh: jax.sharding.Mesh) -> Setup:
   tx = make_optimizer(config.train)
 
   def create_modules():
-    model = TransformerLM(config, mesh, rngs=nnx.Rngs(config.train.seed))
+    # The MoE layers take the ambient mesh (jax.set_mesh) for their experts.
+    model = TransformerLM(config, rngs=nnx.Rngs(config.train.seed))
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)  # ExpertBias is not a Param
+
+  graph_defs = {}
 
   def create_state():
     model, optimizer = create_modules()
-    return {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+    graph_defs["model"], model_state = nnx.split(model)
+    graph_defs["optimizer"], optimizer_state = nnx.split(optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
 
-  model, optimizer = nnx.eval_shape(create_modules)
-  model_def, model_state = nnx.split(model)
-  optimizer_def, optimizer_state = nnx.split(optimizer)
-  state = {"model": model_state, "optimizer": optimizer_state}
+  # jax.eval_shape, not nnx.eval_shape: flax 0.12's nnx.eval_shape fails under
+  # jax.set_mesh for variables without a sharding annotation.
+  with jax.set_mesh(mesh):
+    state = jax.eval_shape(create_state)
+  model_def, optimizer_def = graph_defs["model"], graph_defs["optimizer"]
   # Partition specs come from the parameters' metadata (experts over "ep");
   # everything else is replicated.
   shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
                            nnx.get_partition_spec(state),
                            is_leaf=lambda x: isinstance(x, P))
+  create = jax.jit(create_state, out_shardings=shardings)
+
+  def create_on_mesh():
+    with jax.set_mesh(mesh):
+      return create()
+
   return Setup(mesh, model_def, optimizer_def, abstract_like(state, shardings), shardings,
-               NamedSharding(mesh, BATCH_SPEC),
-               jax.jit(create_state, out_shardings=shardings))
+               NamedSharding(mesh, BATCH_SPEC), create_on_mesh)
 
 
 def make_train_step(config: Config, setup: Setup):
   """``step(state, tokens [B, S + 1]) -> (state, metrics)``, not yet jitted."""
-  use_expert_bias = config.moe.use_expert_bias
 
   def loss_fn(model, tokens):
-    logits, aux = model(tokens[:, :-1])
+    logits = model(tokens[:, :-1])
     ce_loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-    loss = ce_loss + aux.aux_loss.sum() + aux.z_loss.sum()
-    return loss, (ce_loss, aux)
+    return ce_loss + moe_ep.total_aux_loss(model), ce_loss
 
   def step(state, tokens):
     model = nnx.merge(setup.model_def, state["model"])
     optimizer = nnx.merge(setup.optimizer_def, state["optimizer"])
-    grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
-    (loss, (ce_loss, aux)), grads = grad_fn(model, tokens)
+    (loss, ce_loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, tokens)
     optimizer.update(model, grads)
-    if use_expert_bias:
-      model.update_expert_bias(aux)
+    moe_ep.update_expert_biases(model)
+    aux = _stacked_aux(moe_ep.collect_aux(model))
     routes = jnp.maximum(aux.tokens_per_expert.sum(axis=-1, keepdims=True), 1)
     metrics = {
         "loss": loss, "ce_loss": ce_loss,
@@ -176,6 +205,14 @@ def make_train_step(config: Config, setup: Setup):
     return {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}, metrics
 
   return step
+
+
+def _stacked_aux(per_layer: dict) -> MoEAux:
+  """Every MoE layer's aux with a leading ``[num_moe_layers]`` axis (a scanned
+  stack already has it; a list of layers is stacked in model order)."""
+  fields = [aux if aux.dropped_fraction.ndim else jax.tree.map(lambda v: v[None], aux)
+            for aux in per_layer.values()]
+  return jax.tree.map(lambda *values: jnp.concatenate(values), *fields)
 
 
 def compile_train_step(config: Config, setup: Setup):
@@ -241,7 +278,7 @@ def _read_records(path: pathlib.Path, up_to_step: int) -> list[dict]:
 
 
 def summarize(records: list[dict], *, config: Config, mesh, compile_s: float, wall_s: float,
-              peak_memory: int) -> dict:
+              peak_memory: int, interrupted: bool = False) -> dict:
   """The run's headline numbers (step times exclude compilation)."""
   step_times = [r["step_time_s"] for r in records[1:]] or [r["step_time_s"] for r in records]
   median_step = statistics.median(step_times)
@@ -249,6 +286,7 @@ def summarize(records: list[dict], *, config: Config, mesh, compile_s: float, wa
   return {
       "steps": records[-1]["step"],
       "steps_this_run": len(records),
+      "interrupted": interrupted,
       "final_loss": statistics.fmean(r["ce_loss"] for r in last),
       "final_total_loss": statistics.fmean(r["loss"] for r in last),
       "dropped_fraction": statistics.fmean(r["dropped_fraction"] for r in records),
@@ -263,45 +301,147 @@ def summarize(records: list[dict], *, config: Config, mesh, compile_s: float, wa
   }
 
 
+def _from_process_0(text: str, size: int = 1024) -> str:
+  """Process 0's ``text`` on every process; every process calls this."""
+  if jax.process_count() == 1:
+    return text
+  from jax.experimental import multihost_utils  # noqa: PLC0415 (multi-process only)
+  encoded = np.zeros(size, np.int32)
+  encoded[:len(text.encode())] = np.frombuffer(text.encode(), np.uint8)
+  received = np.asarray(multihost_utils.broadcast_one_to_all(encoded))
+  return bytes(received[received > 0].astype(np.uint8)).decode()
+
+
+def choose_run_dir(run_dir: str | None, name: str, *, resume: bool) -> tuple[pathlib.Path, bool]:
+  """``(directory, whether this call created it)`` of a run.
+
+  An explicit ``run_dir`` is used as it is, but a fresh run (not ``resume``)
+  refuses one that holds another run's outputs. Without one, a fresh run gets
+  a new ``runs/<name>-<YYYYmmdd-HHMMSS>`` (made by process 0, its name shared
+  with the others) and ``resume`` continues the one ``runs/<name>-latest``
+  links.
+  """
+  if run_dir is not None:
+    run_dir = pathlib.Path(run_dir)
+    held = held_steps(run_dir)
+    if held and not resume:
+      raise FileExistsError(f"{run_dir} holds a run (steps {held[0]}-{held[1]}); use --resume "
+                            "to continue it or choose another train.run_dir")
+    return run_dir, False
+  if resume:
+    latest = latest_run_dir(name)
+    if latest is None:
+      raise FileNotFoundError(f"--resume: no earlier run of {name} to continue "
+                              f"({latest_link(name)} does not exist); name its directory "
+                              "with train.run_dir=...")
+    return latest, False
+  created = str(new_run_dir(name)) if jax.process_index() == 0 else ""
+  return pathlib.Path(_from_process_0(created)), True
+
+
+class StopOnCtrlC:
+  """Within ``with``, a first Ctrl-C (SIGINT) only sets :attr:`requested`,
+  so the training loop can finish the step in progress and save it; a
+  second one raises KeyboardInterrupt as usual.
+
+  Only in the main thread of a single-process run: the processes of a job
+  could see the signal at different steps, and their checkpoint is collective.
+  """
+
+  def __init__(self):
+    self.enabled = (jax.process_count() == 1
+                    and threading.current_thread() is threading.main_thread())
+    self.requested = False
+    self.previous = None
+
+  def _handle(self, signum, frame):
+    if self.requested:
+      raise KeyboardInterrupt
+    self.requested = True
+
+  def __enter__(self):
+    if self.enabled:
+      self.previous = signal.signal(signal.SIGINT, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    if self.enabled:
+      signal.signal(signal.SIGINT, self.previous)
+    return False
+
+
+def _is_intact(state) -> bool:
+  """Whether no buffer of ``state`` was donated away (by a step interrupted
+  between taking the state and returning the next one)."""
+  return not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
 def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
-          progress: bool = True) -> RunResult:
+          progress: bool = True, name: str = "run") -> RunResult:
   """Runs (or resumes) training as ``config`` says.
 
   Args:
     config: the run.
-    resume: continue from the latest checkpoint in ``run_dir/checkpoints``;
-      without it, the run starts over and deletes any checkpoints there.
+    resume: continue from the latest checkpoint in ``train.run_dir`` (with
+      ``train.run_dir`` null: of the latest run named ``name``).
     stop_at: leave after this step count (and checkpoint there), as a run
       cut short by a job time limit would; ``--resume`` continues it.
-    progress: show the progress bar (process 0 only).
+    progress: print the start-up lines and the progress bar (process 0 only).
+    name: names a new run directory, ``runs/<name>-<YYYYmmdd-HHMMSS>``,
+      when ``train.run_dir`` is null (the command line passes the config
+      file's stem).
+
+  Raises:
+    FileExistsError: a fresh run's explicit ``train.run_dir`` holds another run.
+    FileNotFoundError: ``resume`` finds no checkpoint.
+    ValueError: the mesh does not fit the devices (the message says how to fix it).
+    Interrupted: Ctrl-C stopped the loop; the last completed step was
+      checkpointed (when checkpoints are on) and this run's ``summary.json``
+      and ``metrics.png`` written first.
   """
   wall_start = time.perf_counter()
-  train_config = config.train
-  run_dir = pathlib.Path(train_config.run_dir)
   is_main = jax.process_index() == 0
-  corpus = make_corpus(config)
-  compile_start = time.perf_counter()
-  setup, train_step = build_program(program_config(config), tuple(jax.devices()))
-  compile_s = time.perf_counter() - compile_start
-  mesh = setup.mesh
-
+  say = functools.partial(print, flush=True) if progress and is_main else lambda *_: None
+  devices = jax.devices()
+  mesh_shape = config.mesh_shape(len(devices))  # device-count errors before anything is written
+  run_dir, created = choose_run_dir(config.train.run_dir, name, resume=resume)
+  config = dataclasses.replace(config, train=dataclasses.replace(config.train,
+                                                                 run_dir=str(run_dir)))
+  train_config = config.train
   every = train_config.checkpoint_every
   checkpoints = RunCheckpoints(run_dir / "checkpoints") if every else None
   start = 0
   if resume:
-    latest = checkpoints.latest_step() if checkpoints else None
-    if latest is None:
+    start = checkpoints.latest_step() if checkpoints else None
+    if start is None:
       raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
-    state, start = checkpoints.restore(latest, setup.abstract_state)
-  else:
-    if checkpoints and (deleted := checkpoints.delete_all()) and is_main:
-      print(f"starting over: deleted the checkpoints of steps {deleted} in "
-            f"{checkpoints.directory} (use --resume to continue them)", flush=True)
-    state = setup.create()
   end = train_config.steps if stop_at is None else min(stop_at, train_config.steps)
   if start >= end:
     raise ValueError(f"the checkpoint is at step {start}, the run ends at {end}: "
                      "raise train.steps to train further")
+
+  say(f"run dir: {run_dir}" + (f" ({latest_link(name)} links to it)" if created else ""))
+  processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+  chosen = f" ({config.mesh.chosen})" if config.mesh.chosen else ""
+  say(f"mesh: dp={mesh_shape[0]} x ep={mesh_shape[1]} over {len(devices)} "
+      f"{devices[0].platform} device{'s' * (len(devices) != 1)}{processes}{chosen}")
+  if train_config.warmup_steps_used != train_config.warmup_steps:
+    used = train_config.warmup_steps_used
+    say(f"note: train.warmup_steps={train_config.warmup_steps} is not below "
+        f"train.steps={train_config.steps}: warming up over {used} step{'s' * (used != 1)} "
+        "(steps // 10) instead")
+  if resume:
+    say(f"resuming {run_dir} from step {start}")
+  corpus = make_corpus(config)
+  say(f"{corpus.describe()}; compiling the train step...")
+  compile_start = time.perf_counter()
+  setup, train_step = build_program(program_config(config), tuple(devices))
+  compile_s = time.perf_counter() - compile_start
+  mesh = setup.mesh
+  if resume:
+    state, start = checkpoints.restore(start, setup.abstract_state)
+  else:
+    state = setup.create()
 
   metrics_path = run_dir / "metrics.jsonl"
   previous = _read_records(metrics_path, start) if resume else []
@@ -313,77 +453,142 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
   tokens_per_step = train_config.batch_size * train_config.seq_len
 
   records = []
+  state_step, checkpoint_step = start, (start if resume else None)
+  interrupted = False
   reporter = ProgressReporter(total=end, start=start, enabled=progress and is_main,
-                              log_every=train_config.log_every,
-                              header=f"{corpus.describe()}; mesh {dict(mesh.shape)} on "
-                                     f"{len(mesh.devices.flat)} {jax.default_backend()} devices")
-  with reporter, contextlib.ExitStack() as files:
+                              log_every=train_config.log_every)
+  with reporter, contextlib.ExitStack() as files, StopOnCtrlC() as ctrl_c:
     metrics_file = files.enter_context(metrics_path.open("a")) if is_main else None
     tick = time.perf_counter()
-    for step in range(start, end):
-      state, metrics = train_step(state, global_batch(corpus, step, setup.batch_sharding,
-                                                      batch_shape))
-      record = {"step": step + 1, **_host(metrics)}
-      now = time.perf_counter()
-      record["step_time_s"], tick = now - tick, now
-      record["tokens_per_s"] = tokens_per_step / record["step_time_s"]
-      records.append(record)
-      if metrics_file:
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
-      if checkpoints and ((step + 1) % every == 0 or step + 1 == end):
-        checkpoints.save(step + 1, state, data_step=step + 1)
-      reporter.update(record)
+    try:
+      for step in range(start, end):
+        state, metrics = train_step(state, global_batch(corpus, step, setup.batch_sharding,
+                                                        batch_shape))
+        state_step = step + 1
+        record = {"step": step + 1, **_host(metrics)}
+        now = time.perf_counter()
+        record["step_time_s"], tick = now - tick, now
+        record["tokens_per_s"] = tokens_per_step / record["step_time_s"]
+        records.append(record)
+        if metrics_file:
+          metrics_file.write(json.dumps(record) + "\n")
+          metrics_file.flush()
+        if checkpoints and ((step + 1) % every == 0 or step + 1 == end):
+          checkpoints.save(step + 1, state, data_step=step + 1)
+          checkpoint_step = step + 1
+        reporter.update(record)
+        if ctrl_c.requested:
+          interrupted = True
+          break
+    except KeyboardInterrupt:
+      if jax.process_count() > 1:
+        raise  # the processes may be at different steps: no collective save
+      interrupted = True
+  if interrupted and checkpoints and state_step != checkpoint_step and _is_intact(state):
+    checkpoints.save(state_step, state, data_step=state_step)
+    checkpoint_step = state_step
   if checkpoints:
     checkpoints.close()
 
-  summary = summarize(records, config=config, mesh=mesh, compile_s=compile_s,
-                      wall_s=time.perf_counter() - wall_start,
-                      peak_memory=peak_memory_bytes(train_step))
-  if is_main:
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plots.plot_run(previous + records, run_dir / "metrics.png",
-                   loss_floor=getattr(corpus, "entropy_floor", None))
-  return RunResult(records, summary, state)
+  summary = None
+  if records:
+    summary = summarize(records, config=config, mesh=mesh, compile_s=compile_s,
+                        wall_s=time.perf_counter() - wall_start,
+                        peak_memory=peak_memory_bytes(train_step), interrupted=interrupted)
+    if is_main:
+      (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+      plots.plot_run(previous + records, run_dir / "metrics.png",
+                     loss_floor=getattr(corpus, "entropy_floor", None))
+  if interrupted:
+    raise Interrupted(state_step, checkpoint_step, run_dir)
+  return RunResult(records, summary, state, run_dir)
 
 
-def parse_args(argv=None):
+def parse_args(argv=None) -> tuple[Config, bool, str]:
+  """``(config, resume, name)`` from the command line; ``name`` (the config
+  file's stem) names new run directories."""
   parser = argparse.ArgumentParser(
       description=__doc__.splitlines()[0],
       usage="%(prog)s [-h] [--data PATH] [--resume] [CONFIG.yaml] [key=value ...]",
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog="Overrides use dotted keys of the YAML sections: model., moe., train., data., "
-             "mesh. (e.g. moe.top_k=4 train.steps=50 moe.capacity_factor=null).")
+             "mesh. (e.g. moe.top_k=4 train.steps=50 moe.capacity_factor=null), in any "
+             "order with the config file and the flags.")
   parser.add_argument("args", nargs="*", metavar="CONFIG.yaml key=value",
-                      help="a config file (default configs/tiny.yaml), then overrides")
+                      help="a config file (default configs/tiny.yaml) and overrides")
   parser.add_argument("--data", metavar="PATH", help="train byte-level on this text file "
                       "(same as data.path=PATH)")
   parser.add_argument("--resume", action="store_true",
-                      help="continue from the latest checkpoint in train.run_dir")
-  args = parser.parse_args(argv)
-  config_path = None
-  if args.args and "=" not in args.args[0]:
-    config_path, *overrides = args.args
-  else:
-    overrides = list(args.args)
-  if args.data:
-    overrides.append(f"data.path={json.dumps(args.data)}")
+                      help="continue from the latest checkpoint in train.run_dir (default: "
+                           "of the latest run of this config)")
+  args = parser.parse_intermixed_args(argv)
   try:
-    return load_config(config_path, overrides), args.resume
+    config_path, overrides = split_config_path(args.args)
+    if args.data:
+      overrides.append(f"data.path={json.dumps(args.data)}")
+    config = load_config(config_path, overrides)
   except (ValueError, FileNotFoundError) as error:
     parser.error(str(error))
+  name = pathlib.Path(config_path or DEFAULT_CONFIG).stem
+  return config, args.resume, name
+
+
+def resume_command(argv: list[str], run_dir: pathlib.Path) -> str:
+  """The command line, run from this working directory, that continues the
+  run of ``argv`` (this script's arguments) in ``run_dir``."""
+  script = pathlib.Path(__file__).resolve()
+  if script.is_relative_to(pathlib.Path.cwd()):
+    script = script.relative_to(pathlib.Path.cwd())
+  words = [arg for arg in argv if arg != "--resume"]
+  if not any(arg.startswith("train.run_dir=") for arg in words):
+    words.append(f"train.run_dir={run_dir}")
+  return shlex.join(["python", str(script), *words, "--resume"])
+
+
+def interrupted_line(stop: Interrupted, argv: list[str]) -> str:
+  """The one line printed when Ctrl-C stops a run."""
+  if stop.checkpoint_step is None:
+    return (f"interrupted at step {stop.step}: no checkpoint (train.checkpoint_every=0); "
+            f"metrics and summary in {stop.run_dir}/")
+  saved = ("saved a checkpoint" if stop.checkpoint_step == stop.step
+           else f"the latest checkpoint is step {stop.checkpoint_step}")
+  return (f"interrupted at step {stop.step}: {saved}; "
+          f"resume with: {resume_command(argv, stop.run_dir)}")
 
 
 def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
   distributed.initialize_from_env()  # before any JAX computation
-  config, resume = parse_args(argv)
-  result = train(config, resume=resume)
-  if jax.process_index() == 0:
+  config, resume, name = parse_args(argv)
+  is_main = jax.process_index() == 0
+
+  def fail(error: Exception) -> int:
+    if is_main:
+      print(f"pretrain.py: error: {error}", file=sys.stderr, flush=True)
+    return 2
+
+  try:
+    config.mesh_shape(jax.device_count())
+  except ValueError as error:  # the mesh does not fit the devices present
+    return fail(error)
+  try:
+    result = train(config, resume=resume, name=name)
+  except Interrupted as stop:
+    if is_main:
+      print(interrupted_line(stop, argv), flush=True)
+    return 130
+  except KeyboardInterrupt:
+    if is_main:
+      print("interrupted outside the training steps: nothing more saved", flush=True)
+    return 130
+  except (FileExistsError, FileNotFoundError) as error:  # the run dir, --resume, --data
+    return fail(error)
+  if is_main:
     summary = result.summary
     print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.3f} "
-          f"(mean of the last {min(FINAL_LOSS_WINDOW, summary['steps_this_run'])}), {summary['tokens_per_s']:,.0f} tokens/s, "
-          f"wall {summary['wall_s']:.0f} s (compile {summary['compile_s']:.0f} s); "
-          f"outputs in {config.train.run_dir}/")
+          f"(mean of the last {min(FINAL_LOSS_WINDOW, summary['steps_this_run'])}), "
+          f"{summary['tokens_per_s']:,.0f} tokens/s, wall {summary['wall_s']:.0f} s "
+          f"(compile {summary['compile_s']:.0f} s); outputs in {result.run_dir}/")
   return 0
 
 

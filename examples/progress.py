@@ -24,10 +24,11 @@ class ProgressReporter:
     start: the step count it starts from (a resumed run starts mid-way).
     enabled: False for silence (tests, processes other than 0).
     log_every: plain-line period when the console is not a terminal.
-    header: printed once when the run starts.
+    header: printed once when the run starts (None: nothing).
   """
 
-  def __init__(self, *, total: int, start: int, enabled: bool, log_every: int, header: str):
+  def __init__(self, *, total: int, start: int, enabled: bool, log_every: int,
+               header: str | None = None):
     self.total, self.start, self.enabled = total, start, enabled
     self.log_every, self.header = log_every, header
     self.console = Console()
@@ -37,7 +38,8 @@ class ProgressReporter:
   def __enter__(self):
     if not self.enabled:
       return self
-    print(self.header, flush=True)
+    if self.header is not None:
+      print(self.header, flush=True)
     self.started = time.perf_counter()
     if self.console.is_terminal:
       self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),

@@ -106,13 +106,19 @@ class TrainConfig:
     seq_len: tokens per sequence (the model sees ``seq_len``, predicts the next).
     learning_rate: AdamW peak rate, reached after ``warmup_steps`` of linear
       warm-up, then cosine decay to ``learning_rate * final_lr_fraction``.
+    warmup_steps: linear warm-up steps; a run of ``steps <= warmup_steps``
+      (a short trial run) warms up over ``steps // 10`` instead, see
+      :attr:`warmup_steps_used`.
     weight_decay: AdamW decoupled decay of matrices (not norm scales).
     grad_clip_norm: clip the global gradient norm to this (None: no clipping).
     checkpoint_every: save an Orbax checkpoint every this many steps and at
       the end (0: never).
     log_every: print a plain progress line every this many steps when the
       output is not a terminal (logs of multi-process jobs, CI).
-    run_dir: checkpoints, metrics.jsonl, metrics.png and summary.json go here.
+    run_dir: config.yaml, checkpoints, metrics.jsonl, metrics.png and
+      summary.json go here. None: a new folder per run,
+      ``runs/<config name>-<YYYYmmdd-HHMMSS>``, with ``runs/<config name>-latest``
+      linking the newest (``examples/pretrain.py`` chooses it).
   """
 
   seed: int = 0
@@ -126,7 +132,7 @@ class TrainConfig:
   grad_clip_norm: float | None = 1.0
   checkpoint_every: int = 100
   log_every: int = 25
-  run_dir: str = "runs/tiny"
+  run_dir: str | None = None
 
   def __post_init__(self):
     _check_int(self, "seed", 0)
@@ -134,15 +140,19 @@ class TrainConfig:
       _check_int(self, field, 1)
     for field in ("warmup_steps", "checkpoint_every"):
       _check_int(self, field, 0)
-    if self.warmup_steps >= self.steps:
-      _fail(self, "warmup_steps", f"must be < steps={self.steps}")
     _check_number(self, "learning_rate", 0.0)
     _check_number(self, "weight_decay", 0.0)
     _check_number(self, "grad_clip_norm", 0.0, optional=True)
     if not 0.0 <= self.final_lr_fraction <= 1.0:
       _fail(self, "final_lr_fraction", "must be in [0, 1]")
-    if not isinstance(self.run_dir, str) or not self.run_dir:
-      _fail(self, "run_dir", "must be a non-empty path")
+    if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
+      _fail(self, "run_dir", "must be a non-empty path or null")
+
+  @property
+  def warmup_steps_used(self) -> int:
+    """``warmup_steps``, or ``steps // 10`` where the run is not longer than
+    the warm-up (``train.steps=30`` on a config made for 1000 steps)."""
+    return self.warmup_steps if self.warmup_steps < self.steps else self.steps // 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,14 +178,20 @@ class DataConfig:
     _check_int(self, "successors", 1)
 
 
+# How to get another device count, for the errors of MeshConfig.shape.
+_CPU_DEVICES_HINT = "on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N sets the devices"
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """The ``("dp", "ep")`` device mesh; ``dp * ep`` must be the device count.
+  """The ``("dp", "ep")`` device mesh; ``dp * ep`` is the device count.
 
   Attributes:
     dp: data-parallel size (None: the devices left after ``ep``).
-    ep: expert-parallel size (None: the devices left after ``dp``; with both
-      None, all devices go to ``ep``).
+    ep: expert-parallel size (None: the devices left after ``dp``). With
+      both None the mesh adapts to the devices present: ``ep`` is the largest
+      divisor of the device count that also divides ``moe.num_experts``, and
+      ``dp`` the rest.
   """
 
   dp: int | None = None
@@ -185,19 +201,46 @@ class MeshConfig:
     _check_int(self, "dp", 1, optional=True)
     _check_int(self, "ep", 1, optional=True)
 
-  def shape(self, num_devices: int) -> tuple[int, int]:
-    """``(dp, ep)`` for ``num_devices`` devices."""
+  def shape(self, num_devices: int, *, num_experts: int, batch_size: int) -> tuple[int, int]:
+    """``(dp, ep)`` over ``num_devices`` devices for ``num_experts`` experts
+    and a global batch of ``batch_size`` sequences (split over all devices).
+
+    >>> MeshConfig().shape(8, num_experts=8, batch_size=32)
+    (1, 8)
+    >>> MeshConfig().shape(6, num_experts=8, batch_size=48)
+    (3, 2)
+    """
+    if batch_size % num_devices:
+      raise ValueError(
+          f"TrainConfig.batch_size={batch_size} must be divisible by the {num_devices} "
+          f"devices (every device takes an equal share of the batch): set train.batch_size "
+          f"to a multiple of {num_devices}, or use another device count ({_CPU_DEVICES_HINT})")
     dp, ep = self.dp, self.ep
     if dp is None and ep is None:
-      dp = 1
+      ep = max(d for d in range(1, num_devices + 1)
+               if num_devices % d == 0 and num_experts % d == 0)
     if ep is None:
       ep = num_devices // dp
     elif dp is None:
       dp = num_devices // ep
     if dp * ep != num_devices:
-      raise ValueError(f"MeshConfig dp={self.dp} ep={self.ep} does not tile the "
-                       f"{num_devices} devices (dp * ep must equal the device count)")
+      raise ValueError(
+          f"MeshConfig dp={self.dp} ep={self.ep} does not tile the {num_devices} devices "
+          f"(dp * ep must equal the device count): set mesh.dp=... mesh.ep=... to sizes "
+          f"whose product is {num_devices}, or mesh.dp=null mesh.ep=null to fit any device "
+          f"count ({_CPU_DEVICES_HINT})")
+    if num_experts % ep:
+      raise ValueError(
+          f"MoEConfig.num_experts={num_experts} must be divisible by the mesh's ep={ep}: "
+          f"set mesh.ep to a divisor of {num_experts} that divides {num_devices}, or "
+          "mesh.dp=null mesh.ep=null to choose one")
     return dp, ep
+
+  @property
+  def chosen(self) -> str:
+    """Which sizes :meth:`shape` chooses: ``"auto"``, ``"ep auto"``, ``"dp auto"`` or ``""``."""
+    axes = [axis for axis in MESH_AXES if getattr(self, axis) is None]
+    return "auto" if len(axes) == 2 else f"{axes[0]} auto" if axes else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +267,11 @@ class Config:
     if self.data.path is not None and self.model.vocab_size < 256:
       raise ValueError(f"ModelConfig.vocab_size={self.model.vocab_size} must be >= 256 "
                        "for byte-level data")
+
+  def mesh_shape(self, num_devices: int) -> tuple[int, int]:
+    """``(dp, ep)`` of this run on ``num_devices`` devices (:meth:`MeshConfig.shape`)."""
+    return self.mesh.shape(num_devices, num_experts=self.moe.num_experts,
+                           batch_size=self.train.batch_size)
 
 
 # --- YAML and overrides --------------------------------------------------------
@@ -274,6 +322,20 @@ def apply_overrides(data: dict, overrides) -> dict:
 def config_from_dict(data: dict | None) -> Config:
   """Builds a :class:`Config`; unknown keys raise naming ``config.section.key``."""
   return from_dict(Config, data, "config")
+
+
+def split_config_path(args, what: str = "config file") -> tuple[str | None, list[str]]:
+  """Command-line words -> ``(file or None, overrides)``: a word with ``=``
+  is an override, any other the file (``what`` names it in errors); in any order.
+
+  >>> split_config_path(["train.steps=20", "configs/tiny.yaml", "moe.top_k=4"])
+  ('configs/tiny.yaml', ['train.steps=20', 'moe.top_k=4'])
+  """
+  paths = [arg for arg in args if "=" not in arg]
+  if len(paths) > 1:
+    raise ValueError(f"give one {what}, got {len(paths)}: {' '.join(paths)} "
+                     "(overrides look like section.key=value)")
+  return (paths[0] if paths else None), [arg for arg in args if "=" in arg]
 
 
 def load_config(path=None, overrides=()) -> Config:

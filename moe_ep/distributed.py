@@ -29,7 +29,9 @@ def initialize_from_env(timeout_s: int = 300) -> bool:
   several processes; returns whether it did.
 
   CPU collectives across processes go through gloo (set here, harmless on
-  GPU, where NCCL carries them).
+  GPU, where NCCL carries them). Gloo prints ``[Gloo] Rank N is connected
+  to ...`` on stdout at its first collective, unconditionally (no setting
+  turns it off); :mod:`moe_ep.launch` leaves that line out of what it forwards.
   """
   num_processes = int(os.environ.get(ENV_NUM_PROCESSES, "1"))
   if num_processes <= 1:

@@ -5,9 +5,10 @@
     python -m moe_ep.launch --num-processes 2 --gpus-per-process 1 -- python ...
 
 Each child gets the environment :mod:`moe_ep.distributed` reads (a free
-loopback port for the coordinator). Every wait is bounded: if a child fails,
-the others are killed and its output tail (the traceback) is reported; if the
-whole job outlives ``timeout_s``, all are killed.
+loopback port for the coordinator); its output comes back (with a ``[pN]``
+prefix when echoed) less Gloo's connection notice. Every wait is bounded: if
+a child fails, the others are killed and its output tail (the traceback) is
+reported; if the whole job outlives ``timeout_s``, all are killed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import collections
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,6 +28,19 @@ import time
 from moe_ep import distributed
 
 _TAIL_LINES = 60
+# Gloo (the CPU collectives of jaxlib 0.10 and 0.11) writes this line to stdout
+# with std::cout when a process connects to its peers; no environment variable
+# or logging setting silences it. The launcher drops it where every peer
+# connected, and keeps it where some did not (a hint when a job hangs).
+_GLOO_CONNECTED = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+    r"Expected number of connected peer ranks is : (\d+)\n?")
+
+
+def is_noise(line: str) -> bool:
+  """Whether ``line`` of a child's output is Gloo's all-connected notice."""
+  match = _GLOO_CONNECTED.fullmatch(line)
+  return match is not None and match[1] == match[2]
 
 
 class LaunchError(RuntimeError):
@@ -72,6 +87,8 @@ def child_env(process_id: int, num_processes: int, port: int, *,
 
 def _pump(stream, sink: list, tail: collections.deque, prefix: str, echo: bool):
   for line in iter(stream.readline, ""):
+    if is_noise(line):
+      continue
     sink.append(line)
     tail.append(line)
     if echo:

@@ -35,8 +35,8 @@ class ExpertBias(nnx.Variable):
 
 
 class SownAux(nnx.Intermediate):
-  """The :class:`MoEAux` of the layer's latest call, kept when
-  ``MoEConfig.return_aux`` is False (read it with :func:`moe_ep.collect_aux`,
+  """One field of the :class:`MoEAux` of the layer's latest call, kept when
+  ``MoEConfig.return_aux`` is False (read them with :func:`moe_ep.collect_aux`,
   :func:`moe_ep.total_aux_loss`)."""
 
 
@@ -59,6 +59,24 @@ class MoEAux(NamedTuple):
 def _zero_aux(num_experts: int) -> MoEAux:
   zero = jnp.zeros((), jnp.float32)
   return MoEAux(zero, zero, jnp.zeros((num_experts,), jnp.int32), zero)
+
+
+class LatestAux(nnx.Module):
+  """The :class:`MoEAux` of a layer's latest call, one array-valued
+  :class:`SownAux` per field (so ``nnx.state`` tools and checkpoints see plain
+  arrays). Created with its final shapes and placement, so the first call
+  changes neither the module's structure nor its shardings (no retrace)."""
+
+  def __init__(self, num_experts: int, mesh):
+    for field, value in zip(MoEAux._fields, _zero_aux(num_experts)):
+      setattr(self, field, SownAux(sharding.replicated(value, mesh)))
+
+  def get(self) -> MoEAux:
+    return MoEAux(*(getattr(self, field).get_value() for field in MoEAux._fields))
+
+  def set(self, aux: MoEAux) -> None:
+    for field, value in zip(MoEAux._fields, aux):
+      getattr(self, field).set_value(value)
 
 
 class _ShardLayout(NamedTuple):
@@ -229,8 +247,8 @@ class ExpertParallelMoE(nnx.Module):
   Calling ``layer(x)`` with ``x [..., H]`` of any leading shape and sharding
   returns ``y`` shaped and typed like ``x`` (on Explicit mesh axes also
   sharded like it): ``(y, MoEAux)`` with ``config.return_aux`` (the default),
-  else ``y`` alone with the :class:`MoEAux` kept as :class:`SownAux` (an
-  ``nnx.Intermediate``, overwritten by every call) for
+  else ``y`` alone with the :class:`MoEAux` kept in ``layer.latest_aux``
+  (``nnx.Intermediate`` values, overwritten by every call) for
   :func:`moe_ep.total_aux_loss` and :func:`moe_ep.update_expert_biases`. The
   tokens are split over the batch axes and the EP axis; a token count that
   does not divide is padded inside with rows that are routed nowhere.
@@ -257,10 +275,7 @@ class ExpertParallelMoE(nnx.Module):
                                      (None, None))
       self.shared_w_out = self._param(rngs, _scaled_init(0), (shared, hidden), (None, None))
     if not config.return_aux:
-      # Created now, with its final shapes and placement, so the first call
-      # changes neither the module's structure nor its shardings (no retrace).
-      self.sown_aux = SownAux(jax.tree.map(lambda value: sharding.replicated(value, self.mesh),
-                                           _zero_aux(experts)))
+      self.latest_aux = LatestAux(experts, self.mesh)
 
   @staticmethod
   def _shard_layout(config: MoEConfig, mesh) -> _ShardLayout:
@@ -300,7 +315,7 @@ class ExpertParallelMoE(nnx.Module):
         raise ValueError("update_expert_bias() without aux needs MoEConfig.return_aux=False "
                          "(the layer then keeps its latest MoEAux); otherwise pass the aux "
                          "the layer returned")
-      aux = self.sown_aux.get_value()
+      aux = self.latest_aux.get()
     self.expert_bias[...] = router.expert_bias_step(
         self.expert_bias[...], jax.lax.stop_gradient(aux.tokens_per_expert),
         self.config.expert_bias_update_rate)
@@ -345,5 +360,5 @@ class ExpertParallelMoE(nnx.Module):
   def _output(self, y: jax.Array, aux: MoEAux):
     if self.config.return_aux:
       return y, aux
-    self.sown_aux.set_value(aux)
+    self.latest_aux.set(aux)
     return y

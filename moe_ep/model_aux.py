@@ -35,7 +35,7 @@ def _sown(path: str, layer: ExpertParallelMoE) -> MoEAux:
     raise ValueError(f"the MoE layer at {path!r} has MoEConfig.return_aux=True: it returns its "
                      "MoEAux instead of keeping it; set return_aux=False to use the model-wide "
                      "helpers, or sum the returned aux yourself")
-  return layer.sown_aux.get_value()
+  return layer.latest_aux.get()
 
 
 def collect_aux(model: nnx.Module) -> dict[str, MoEAux]:

@@ -8,6 +8,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8").strip()
+# The example tests compare resumed runs with uninterrupted ones bit for bit;
+# on GPUs the embedding gradient's scatter-add must then add in a fixed order.
+if "xla_gpu_deterministic_ops" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_gpu_deterministic_ops=true"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

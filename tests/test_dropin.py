@@ -246,7 +246,7 @@ def test_state_is_on_the_mesh_from_construction():
   mesh = cpu_mesh("Mesh")
   with on(mesh):
     layer = ExpertParallelMoE(moe_config(), rngs=nnx.Rngs(0))
-  for value in [layer.expert_bias[...], *layer.sown_aux.get_value()]:
+  for value in [layer.expert_bias[...], *layer.latest_aux.get()]:
     assert value.sharding.mesh == mesh and value.sharding.is_fully_replicated
 
 

@@ -7,8 +7,9 @@ import json
 import pytest
 import yaml
 
-from tiny_run import FAST_OVERRIDES, TINY_YAML
-from examples.ablate import COLUMNS, Sweep, ablate
+from tiny_run import FAST_OVERRIDES, TINY_YAML, skip_unless_devices_fit
+from examples.ablate import COLUMNS, Sweep, ablate, parse_args
+from examples.train_config import load_config
 
 
 def write_sweep(path, **sections):
@@ -43,6 +44,7 @@ def test_two_variant_sweep_writes_table_csv_and_png(tmp_path):
                       overrides={**overrides, "train.steps": 6, "train.checkpoint_every": 0},
                       variants={"scan": {"model.scan_layers": True},
                                 "loop": {"model.scan_layers": False}})
+  skip_unless_devices_fit(load_config(TINY_YAML, FAST_OVERRIDES))
   out = tmp_path / "out"
   results = ablate(sweep, out_dir=out, echo=False)
   assert [r.name for r in results] == ["scan", "loop"]
@@ -61,3 +63,26 @@ def test_two_variant_sweep_writes_table_csv_and_png(tmp_path):
   assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   for name in ("scan", "loop"):
     assert json.loads((out / name / "summary.json").read_text())["steps"] == 6
+
+
+def test_command_line_takes_overrides_before_and_after_the_sweep_file_and_flags():
+  args = parse_args(["train.steps=20", "configs/ablations/remat.yaml", "--processes", "2",
+                     "moe.top_k=1"])
+  assert (args.sweep, args.overrides, args.processes) == (
+      "configs/ablations/remat.yaml", ["train.steps=20", "moe.top_k=1"], 2)
+  with pytest.raises(SystemExit):
+    parse_args(["train.steps=20"])  # no sweep file
+  with pytest.raises(SystemExit):
+    parse_args(["a.yaml", "b.yaml"])
+
+
+def test_an_out_dir_holding_an_earlier_sweep_is_refused_before_anything_trains(tmp_path):
+  sweep = write_sweep(tmp_path / "sweep.yaml", overrides={"train.steps": 5},
+                      variants={"a": {}, "b": {"moe.top_k": 1}})
+  out = tmp_path / "out"
+  (out / "b").mkdir(parents=True)
+  (out / "b" / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n"
+                                           + json.dumps({"step": 5}) + "\n")
+  with pytest.raises(FileExistsError, match=r"b holds a run \(steps 1-5\) of an earlier sweep"):
+    ablate(sweep, out_dir=out, echo=False)
+  assert sorted(p.name for p in out.iterdir()) == ["b"]  # variant a did not train

@@ -1,23 +1,38 @@
 """examples/pretrain.py: the loss falls, resuming reproduces an uninterrupted
-run, outputs are written, the data stream is a pure function of (seed, step, row)."""
+run, outputs are written, every run gets its own directory, Ctrl-C saves the
+last step, the data stream is a pure function of (seed, step, row)."""
 
 import json
+import pathlib
+import re
+import shlex
+import signal
 
 import jax
 import numpy as np
 import pytest
 
-from tiny_run import TINY_YAML, fast_overrides
+from tiny_run import TINY_YAML, fast_overrides, skip_unless_devices_fit
 from examples import pretrain
-from examples.data import ByteCorpus, SyntheticCorpus
+from examples.checkpoints import held_steps
+from examples.data import ByteCorpus, SyntheticCorpus, make_corpus
 from examples.train_config import load_config
 
 STEPS = 6
 
 
+def argv(run_dir, *extra) -> list[str]:
+  """The command line of the tests' run (steps 1-6, a checkpoint every 3)."""
+  return [str(TINY_YAML), *fast_overrides(run_dir, f"train.steps={STEPS}",
+                                          "train.checkpoint_every=3", *extra)]
+
+
 def config(run_dir, *extra):
-  return load_config(TINY_YAML, fast_overrides(run_dir, f"train.steps={STEPS}",
-                                               "train.checkpoint_every=3", *extra))
+  return skip_unless_devices_fit(load_config(TINY_YAML, argv(run_dir, *extra)[1:]))
+
+
+def losses(run_dir) -> list[float]:
+  return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +50,7 @@ def test_loss_falls_below_the_first_step(uninterrupted):
 
 def test_run_writes_metrics_per_step_plot_summary_and_checkpoints(uninterrupted):
   run_dir, result = uninterrupted
+  assert result.run_dir == run_dir
   records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == list(range(1, STEPS + 1))
   num_moe_layers, num_experts = 2, 8
@@ -47,6 +63,9 @@ def test_run_writes_metrics_per_step_plot_summary_and_checkpoints(uninterrupted)
   assert (run_dir / "metrics.png").stat().st_size > 0
   summary = json.loads((run_dir / "summary.json").read_text())
   assert summary["steps"] == STEPS and summary["peak_memory_bytes"] > 0
+  assert summary["interrupted"] is False
+  dp, ep = summary["mesh"]["dp"], summary["mesh"]["ep"]
+  assert dp * ep == jax.device_count() and num_experts % ep == 0
   assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["3", "6"]
 
 
@@ -79,6 +98,99 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path):
     pretrain.train(config(tmp_path), resume=True, progress=False)
 
 
+def test_a_fresh_run_in_a_used_run_dir_is_refused_and_deletes_nothing(uninterrupted, capsys):
+  run_dir, _ = uninterrupted
+  before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+  message = (rf"{re.escape(str(run_dir))} holds a run \(steps 1-{STEPS}\); use --resume to "
+             r"continue it or choose another train\.run_dir")
+  with pytest.raises(FileExistsError, match=message):
+    pretrain.train(config(run_dir), progress=False)
+  assert pretrain.main(argv(run_dir)) == 2  # the command line: the message, no traceback
+  assert re.search(message, capsys.readouterr().err)
+  assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+
+
+def test_runs_without_a_run_dir_get_their_own_and_resume_takes_the_latest(
+    tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  first = pretrain.train(config(None), stop_at=1, progress=False, name="tiny")
+  second = pretrain.train(config(None), stop_at=2, progress=False, name="tiny")
+  assert first.run_dir != second.run_dir
+  for result in (first, second):
+    assert result.run_dir.parent == pathlib.Path("runs")
+    assert re.fullmatch(r"tiny-\d{8}-\d{6}(-\d+)?", result.run_dir.name), result.run_dir
+  assert (tmp_path / "runs" / "tiny-latest").resolve() == (tmp_path / second.run_dir).resolve()
+  assert held_steps(first.run_dir) == (1, 1)  # the first run is left as it was
+
+  resumed = pretrain.train(config(None), resume=True, name="tiny")
+  assert f"resuming {second.run_dir} from step 2" in capsys.readouterr().out
+  assert resumed.run_dir == second.run_dir
+  assert [r["step"] for r in resumed.records] == [3, 4, 5, 6]
+
+
+class InterruptingCorpus:
+  """The run's corpus, except that asking for batch ``at`` (0-based, so
+  after ``at`` steps) interrupts: ``"raise"`` raises KeyboardInterrupt, as
+  Ctrl-C inside the data pipeline would; ``"signal"`` sends this process
+  SIGINT, as Ctrl-C in a terminal does."""
+
+  def __init__(self, corpus, at: int, how: str):
+    self.corpus, self.at, self.how = corpus, at, how
+
+  def rows(self, step, start, stop):
+    if step == self.at:
+      if self.how == "raise":
+        raise KeyboardInterrupt
+      signal.raise_signal(signal.SIGINT)
+    return self.corpus.rows(step, start, stop)
+
+  def __getattr__(self, name):
+    return getattr(self.corpus, name)
+
+
+def interrupt_at(monkeypatch, at: int, how: str):
+  monkeypatch.setattr(pretrain, "make_corpus",
+                      lambda config: InterruptingCorpus(make_corpus(config), at, how))
+
+
+def interrupted_line(output: str) -> str:
+  (line,) = [line for line in output.splitlines() if line.startswith("interrupted")]
+  return line
+
+
+def test_ctrl_c_saves_the_last_step_and_resume_continues_as_if_uninterrupted(
+    uninterrupted, tmp_path, monkeypatch, capsys):
+  _, expected = uninterrupted
+  interrupt_at(monkeypatch, 4, "raise")  # steps 1-4 done, a checkpoint at 3
+  assert pretrain.main(argv(tmp_path)) == 130
+  output = capsys.readouterr()
+  line = interrupted_line(output.out)
+  assert line.startswith("interrupted at step 4: saved a checkpoint; resume with: python ")
+  assert "Traceback" not in output.out + output.err
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "4"]
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert (summary["steps"], summary["interrupted"]) == (4, True)
+  assert (tmp_path / "metrics.png").stat().st_size > 0
+  assert held_steps(tmp_path) == (1, 4)
+
+  monkeypatch.setattr(pretrain, "make_corpus", make_corpus)
+  resume_argv = shlex.split(line.split("resume with: ", 1)[1])[2:]  # less "python <script>"
+  assert pretrain.main(resume_argv) == 0
+  assert losses(tmp_path) == [r["loss"] for r in expected.records]
+
+
+def test_sigint_lets_the_step_in_progress_finish_then_saves_it(tmp_path, monkeypatch, capsys):
+  config(tmp_path)  # skips where the devices cannot split the batch
+  handler = signal.getsignal(signal.SIGINT)
+  interrupt_at(monkeypatch, 1, "signal")  # arrives during step 2
+  assert pretrain.main(argv(tmp_path)) == 130
+  assert interrupted_line(capsys.readouterr().out).startswith(
+      "interrupted at step 2: saved a checkpoint; resume with:")
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+  assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
+  assert signal.getsignal(signal.SIGINT) is handler  # restored after the run
+
+
 @pytest.mark.parametrize("corpus", ["synthetic", "bytes"])
 def test_rows_are_a_pure_function_of_seed_step_and_row(corpus, tmp_path):
   if corpus == "synthetic":
@@ -95,19 +207,26 @@ def test_rows_are_a_pure_function_of_seed_step_and_row(corpus, tmp_path):
   assert not np.array_equal(make(1).rows(step=5, start=0, stop=8), batch)
 
 
-def test_command_line_takes_a_config_overrides_and_a_data_file(capsys):
-  config, resume = pretrain.parse_args([str(TINY_YAML), "moe.top_k=4", "train.steps=80",
-                                        "--data", "some file.txt", "--resume"])
-  assert (config.moe.top_k, config.train.steps, config.data.path, resume) == (
-      4, 80, "some file.txt", True)
+def test_command_line_takes_the_config_overrides_and_flags_in_any_order(capsys):
+  config, resume, name = pretrain.parse_args(["moe.top_k=4", "--resume", str(TINY_YAML),
+                                              "train.steps=80", "--data", "some file.txt"])
+  assert (config.moe.top_k, config.train.steps, config.data.path, resume, name) == (
+      4, 80, "some file.txt", True, "tiny")
+  assert pretrain.parse_args([])[2] == "tiny"
   with pytest.raises(SystemExit):
     pretrain.parse_args(["moe.top_kk=4"])
   assert "unknown key 'moe.top_kk'" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    pretrain.parse_args([str(TINY_YAML), "other.yaml"])
+  assert "give one config file, got 2" in capsys.readouterr().err
 
 
-def test_a_fresh_run_in_a_used_run_dir_starts_over(tmp_path):
-  pretrain.train(config(tmp_path), stop_at=3, progress=False)
-  again = pretrain.train(config(tmp_path), stop_at=3, progress=False)
-  assert [r["step"] for r in again.records] == [1, 2, 3]
-  assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
-  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3"]
+def test_a_mesh_that_does_not_fit_the_devices_says_how_to_change_it(tmp_path, capsys):
+  count = jax.device_count()
+  assert pretrain.main(argv(tmp_path, f"mesh.dp={count + 1}", "mesh.ep=1",
+                            f"train.batch_size={8 * count}")) == 2
+  error = capsys.readouterr().err
+  assert f"does not tile the {count} devices" in error
+  assert "mesh.dp=null mesh.ep=null" in error
+  assert "XLA_FLAGS=--xla_force_host_platform_device_count=N" in error
+  assert not any(tmp_path.iterdir())  # refused before anything was written

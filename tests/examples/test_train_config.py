@@ -6,8 +6,9 @@ import pytest
 import yaml
 
 from tiny_run import REPO, TINY_YAML
-from examples.train_config import (Config, MeshConfig, apply_overrides, config_from_dict,
-                                   config_to_yaml, load_config)
+from examples.train_config import (Config, MeshConfig, TrainConfig, apply_overrides,
+                                   config_from_dict, config_to_yaml, load_config,
+                                   split_config_path)
 from moe_ep import RematConfig
 from moe_ep.config import to_dict
 
@@ -61,7 +62,6 @@ def test_unknown_yaml_key_is_an_error_naming_it(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.d_model=128"], r"MoEConfig.hidden_size=64 must equal ModelConfig.d_model=128"),
-    (["train.steps=20", "train.warmup_steps=20"], r"TrainConfig.warmup_steps=20 must be < steps=20"),
     (["model.num_layers=3", "model.moe_every=2"],
      r"ModelConfig.num_layers=3 must be a multiple of moe_every=2"),
     (["moe.top_k=9"], r"MoEConfig.top_k=9 must be <= num_experts=8"),
@@ -72,12 +72,72 @@ def test_invalid_values_name_the_field_and_the_rule(overrides, message):
     load_config(TINY_YAML, overrides)
 
 
-def test_mesh_fills_the_devices_and_rejects_a_shape_that_does_not_tile():
-  assert MeshConfig().shape(8) == (1, 8)
-  assert MeshConfig(dp=2).shape(8) == (2, 4)
-  assert MeshConfig(ep=4).shape(8) == (2, 4)
-  with pytest.raises(ValueError, match="dp=3 ep=None does not tile the 8 devices"):
-    MeshConfig(dp=3).shape(8)
+# (config, devices) -> the automatic (dp, ep): ep is the largest divisor of the
+# device count that divides num_experts (tiny: 8 experts, batch 32;
+# small_gpu: 32 experts, batch 64).
+AUTO_MESHES = [
+    ("tiny.yaml", 1, (1, 1)), ("tiny.yaml", 2, (1, 2)), ("tiny.yaml", 4, (1, 4)),
+    ("tiny.yaml", 8, (1, 8)), ("tiny.yaml", 16, (2, 8)),
+    ("small_gpu.yaml", 1, (1, 1)), ("small_gpu.yaml", 2, (1, 2)),
+    ("small_gpu.yaml", 4, (1, 4)), ("small_gpu.yaml", 8, (1, 8)),
+]
+
+
+@pytest.mark.parametrize("name, devices, shape", AUTO_MESHES)
+def test_config_files_mesh_fits_any_device_count_that_splits_the_batch(name, devices, shape):
+  config = load_config(REPO / "configs" / name)
+  assert config.mesh.chosen == "auto"
+  assert config.mesh_shape(devices) == shape
+
+
+def test_auto_mesh_puts_the_experts_largest_common_divisor_on_ep():
+  assert MeshConfig().shape(6, num_experts=8, batch_size=48) == (3, 2)
+  assert MeshConfig().shape(12, num_experts=32, batch_size=48) == (3, 4)
+  assert MeshConfig().shape(3, num_experts=8, batch_size=48) == (3, 1)
+
+
+def test_mesh_fills_the_devices_left_by_the_given_axis():
+  sizes = dict(num_experts=8, batch_size=32)
+  assert MeshConfig(dp=2).shape(8, **sizes) == (2, 4)
+  assert MeshConfig(ep=4).shape(8, **sizes) == (2, 4)
+  assert MeshConfig(dp=2, ep=4).shape(8, **sizes) == (2, 4)
+  assert (MeshConfig(dp=2).chosen, MeshConfig(ep=4).chosen, MeshConfig(dp=2, ep=4).chosen) == (
+      "ep auto", "dp auto", "")
+
+
+XLA_HINT = "XLA_FLAGS=--xla_force_host_platform_device_count=N"
+AUTO_HINT = "mesh.dp=null mesh.ep=null"
+
+
+@pytest.mark.parametrize("mesh, devices, experts, batch, message, hints", [
+    (MeshConfig(dp=2, ep=4), 2, 8, 32, r"MeshConfig dp=2 ep=4 does not tile the 2 devices",
+     [AUTO_HINT, XLA_HINT]),
+    (MeshConfig(dp=3), 8, 8, 32, r"MeshConfig dp=3 ep=None does not tile the 8 devices",
+     [AUTO_HINT, XLA_HINT]),
+    (MeshConfig(), 3, 8, 32, r"TrainConfig.batch_size=32 must be divisible by the 3 devices",
+     ["set train.batch_size to a multiple of 3", XLA_HINT]),
+    (MeshConfig(ep=16), 16, 8, 32,
+     r"MoEConfig.num_experts=8 must be divisible by the mesh's ep=16", [AUTO_HINT]),
+])
+def test_mesh_that_does_not_fit_names_the_rule_and_the_way_out(mesh, devices, experts, batch,
+                                                                message, hints):
+  with pytest.raises(ValueError, match=message) as error:
+    mesh.shape(devices, num_experts=experts, batch_size=batch)
+  for hint in hints:
+    assert hint in str(error.value)
+
+
+@pytest.mark.parametrize("steps, warmup, used", [
+    (1000, 50, 50), (51, 50, 50), (50, 50, 5), (30, 50, 3), (5, 50, 0), (1, 0, 0)])
+def test_warmup_not_shorter_than_the_run_becomes_a_tenth_of_it(steps, warmup, used):
+  assert TrainConfig(steps=steps, warmup_steps=warmup).warmup_steps_used == used
+
+
+def test_config_file_and_overrides_come_in_any_order():
+  assert split_config_path(["a=1", "x.yaml", "b=2"]) == ("x.yaml", ["a=1", "b=2"])
+  assert split_config_path(["a=1"]) == (None, ["a=1"])
+  with pytest.raises(ValueError, match="give one sweep file, got 2: x.yaml y.yaml"):
+    split_config_path(["x.yaml", "y.yaml"], what="sweep file")
 
 
 def test_overrides_leave_the_input_dict_unchanged():

@@ -1,6 +1,7 @@
-"""moe_ep.launch: a failing child's traceback is reported, and the job's
-processes do not outlive a failed or timed-out job. The children are plain
-Python one-liners, so these tests take a few seconds."""
+"""moe_ep.launch: a failing child's traceback is reported, the job's
+processes do not outlive a failed or timed-out job, and the children's output
+comes back without Gloo's connection notices. The children are plain Python
+one-liners (one starts JAX), so these tests take a few seconds."""
 
 import os
 import signal
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_ep.launch import LaunchError, launch
+from moe_ep.launch import LaunchError, is_noise, launch
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -106,3 +107,33 @@ def test_hanging_job_is_killed_at_the_timeout(failed_job):
     assert pair, f"process {process_id} never started within the timeout"
     for pid in pair:
       assert is_gone(pid), f"pid {pid} of process {process_id} outlived the timeout"
+
+
+# Gathers each process's index + 1 over gloo: the first cross-process
+# collective connects the processes, where Gloo prints its notice.
+GLOO_CHILD = """
+import jax, numpy as np
+from jax.experimental import multihost_utils
+from moe_ep import distributed
+distributed.initialize_from_env()
+print("total", int(multihost_utils.process_allgather(np.array([jax.process_index() + 1])).sum()))
+"""
+# Verbatim from jaxlib 0.10.2 (std::cout in its gloo; 0.11.2 has the same text).
+GLOO_NOTICE = ("[Gloo] Rank 1 is connected to 1 peer ranks. "
+               "Expected number of connected peer ranks is : 1\n")
+
+
+def test_gloo_notice_is_noise_only_when_every_peer_connected():
+  assert is_noise(GLOO_NOTICE)
+  assert is_noise(GLOO_NOTICE.rstrip("\n"))
+  assert not is_noise(GLOO_NOTICE.replace("connected to 1", "connected to 0"))
+  assert not is_noise("step 10/100 | [Gloo] Rank 1 is connected to 1 peer ranks.\n")
+  assert not is_noise("total 3\n")
+
+
+def test_two_process_cpu_job_output_has_no_gloo_lines():
+  results = launch([sys.executable, "-c", GLOO_CHILD], 2, timeout_s=120,
+                   cpu_devices_per_process=1)
+  for result in results:
+    assert "total 3" in result.output, result.output  # the gloo collective ran
+    assert "Gloo" not in result.output, result.output
