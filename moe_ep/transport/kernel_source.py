@@ -12,7 +12,7 @@ import importlib.resources
 import pathlib
 
 COMMON_HEADER = "common.cuh"
-KERNEL_FILES = ("rows.cu", "layout.cu", "peer.cu")
+KERNEL_FILES = ("rows.cu", "layout.cu", "peer.cu", "fp8.cu")
 # NVRTC options; nvcc understands the same ones.
 COMPILE_OPTIONS = ("-std=c++17",)
 

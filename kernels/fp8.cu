@@ -1,0 +1,309 @@
+// FP8 dispatch rows: quantize token rows into wire rows (float8_e4m3fn codes
+// plus one float32 scale per 128 channels) and dequantize wire rows into slab
+// rows, each fused with the row expansion of rows.cu's expand_rows so the
+// quantization costs no extra pass over the rows. The format and its rules
+// (power-of-two scales, scale floor, NaN/inf blocks) are documented in
+// moe_ep/transport/fp8.py, whose pure-JAX functions give the same bytes and
+// values: with power-of-two scales every step but the e4m3 and output
+// roundings is exact, so no division or reciprocal can differ.
+//
+// Wire row of H channels, W bytes (W and Hc multiples of 16, B = ceil(H/128)):
+//   [0, H) codes | [H, Hc) zero | [Hc, Hc + 4B) float32 scales | [.., W) zero
+// with Hc = round_up(H, 16), W = round_up(Hc + 4B, 16).
+//
+// The e4m3 conversions use the sm_89+ PTX cvt instructions (the ones
+// <cuda_fp8.h>'s __nv_cvt_float2_to_fp8x2 emits there), so the file needs no
+// headers, like common.cuh.
+
+#define FP8_BLOCK 128
+#define FP8_MAX 448.0f
+#define FP8_MIN_SCALE_EXPONENT (-116)  // as MIN_SCALE_EXPONENT in fp8.py
+#define FP8_NAN_CODE 0x7fu
+#define FP8_CANONICAL_NAN 0x7fc00000u
+#define FP8_ZERO_ROWS_PER_BLOCK 8
+#define FP8_CODES_PER_THREAD 16
+
+typedef unsigned char u8;
+
+// max(ceil(log2(amax / 448)), -116) of a finite amax >= 0, from its bits: with
+// amax = m * 2^E, m in [1, 2), it is E - 8, plus one where m > 1.75.
+__device__ __forceinline__ int fp8_scale_exponent(float amax) {
+  const u32 bits = __float_as_uint(amax);
+  const int exponent = (int)(bits >> 23) - 127 - 8 + ((bits & 0x7fffffu) > 0x600000u ? 1 : 0);
+  return max(exponent, FP8_MIN_SCALE_EXPONENT);
+}
+
+__device__ __forceinline__ float fp8_pow2(int exponent) {  // exponent in [-126, 127]
+  return __uint_as_float((u32)(exponent + 127) << 23);
+}
+
+__device__ __forceinline__ bool fp8_is_finite(float value) {
+  return (__float_as_uint(value) & 0x7f800000u) != 0x7f800000u;
+}
+
+// Two float32 -> two e4m3fn codes, round to nearest even, saturating; `lo`
+// goes to the low byte.
+__device__ __forceinline__ u32 f32x2_to_e4m3x2(float lo, float hi) {
+  unsigned short codes;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(codes) : "f"(hi), "f"(lo));
+  return codes;
+}
+
+// Two e4m3fn codes (low byte first) -> two float32, exactly (through f16x2).
+__device__ __forceinline__ void e4m3x2_to_f32x2(u32 codes, float* lo, float* hi) {
+  u32 halves;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)codes));
+  *lo = f16_to_f32((u16)(halves & 0xffffu));
+  *hi = f16_to_f32((u16)(halves >> 16));
+}
+
+struct Fp8F32 {
+  typedef float Elem;
+  static __device__ __forceinline__ float load(float v) { return v; }
+  static __device__ __forceinline__ float store(float v) { return v; }
+};
+struct Fp8BF16 {
+  typedef u16 Elem;
+  static __device__ __forceinline__ float load(u16 v) { return bf16_to_f32(v); }
+  static __device__ __forceinline__ u16 store(float v) { return f32_to_bf16(v); }
+};
+struct Fp8F16 {
+  typedef u16 Elem;
+  static __device__ __forceinline__ float load(u16 v) { return f16_to_f32(v); }
+  static __device__ __forceinline__ u16 store(float v) { return f32_to_f16(v); }
+};
+
+__device__ __forceinline__ int fp8_code_bytes(int hidden) { return (hidden + 15) & ~15; }
+
+// Zero-fills the output rows n of zero-fill group `group` whose source is
+// outside [0, num_in_rows); rows of row_elems elements, in 16-byte stores when
+// the row size allows.
+template <typename Elem>
+__device__ __forceinline__ void fp8_zero_rows(const int* __restrict__ sources,
+                                              Elem* __restrict__ out, i64 group, int num_in_rows,
+                                              int num_out_rows, int row_elems) {
+  const i64 first = group * FP8_ZERO_ROWS_PER_BLOCK;
+  const bool vectors = (row_elems * sizeof(Elem)) % 16 == 0;
+  for (int r = 0; r < FP8_ZERO_ROWS_PER_BLOCK; ++r) {
+    const i64 n = first + r;
+    if (n >= num_out_rows) return;
+    const int m = __ldg(sources + n);
+    if (m >= 0 && m < num_in_rows) continue;
+    Elem* dst = out + n * row_elems;
+    if (vectors) {
+      const uint4 zero{0u, 0u, 0u, 0u};
+      const int row_vecs = row_elems * (int)sizeof(Elem) / 16;
+      for (int v = threadIdx.x; v < row_vecs; v += blockDim.x)
+        reinterpret_cast<uint4*>(dst)[v] = zero;
+    } else {
+      for (int e = threadIdx.x; e < row_elems; e += blockDim.x) dst[e] = Elem(0);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// quantize_pack_{f32,bf16,f16}: wire[n] = quantize(x[m]) for every (m, j)
+// with targets[m * fanout + j] == n; wire rows n whose sources[n] is outside
+// [0, num_rows) are all zero. With targets == sources == NULL the map is the
+// identity (wire row m = quantize(x[m]), num_out_rows == num_rows).
+//   grid:   num_rows blocks, plus ceil(num_out_rows / 8) zero-fill blocks when
+//           the maps are given; block b < num_rows quantizes x row b once.
+//   block:  a multiple of 32 threads; warp w handles scale blocks w, w +
+//           warps, ...; lane l channels 128 * block + 4 * l + [0, 4), the amax
+//           and the all-finite test reduced over the warp by shuffles.
+//   inputs: x [num_rows, hidden], targets [num_rows, fanout] int32, sources
+//           [num_out_rows] int32.
+//   output: wire [num_out_rows, wire_bytes] uint8 (layout at the top).
+//   bounds: channels >= hidden read as 0 and write code 0; a target outside
+//           [0, num_out_rows) is skipped; a source outside [0, num_rows)
+//           means "zero row". Every byte of every written row is written.
+//           Vector loads only when hidden % 4 == 0.
+// ---------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ void load_quad(const typename T::Elem* __restrict__ row, int c,
+                                          int hidden, float v[4]) {
+  if ((hidden & 3) == 0 && c < hidden) {  // c + 3 < hidden, 4-element aligned
+    if (sizeof(typename T::Elem) == 4) {
+      const float4 q = *reinterpret_cast<const float4*>(row + c);
+      v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+    } else {
+      const uint2 q = *reinterpret_cast<const uint2*>(row + c);
+      const typename T::Elem* e = reinterpret_cast<const typename T::Elem*>(&q);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = T::load(e[i]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = c + i < hidden ? T::load(row[c + i]) : 0.0f;
+}
+
+template <typename T>
+__device__ __forceinline__ void quantize_pack(const typename T::Elem* __restrict__ x,
+                                              const int* __restrict__ targets,
+                                              const int* __restrict__ sources,
+                                              u8* __restrict__ wire, int num_rows, int fanout,
+                                              int num_out_rows, int hidden, int wire_bytes) {
+  const i64 block = blockIdx.x;
+  if (block >= num_rows) {
+    if (sources != nullptr)
+      fp8_zero_rows(sources, wire, block - num_rows, num_rows, num_out_rows, wire_bytes);
+    return;
+  }
+  const int blocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK;
+  const int code_bytes = fp8_code_bytes(hidden);
+  const int copies = targets != nullptr ? fanout : 1;
+  const typename T::Elem* row = x + block * hidden;
+  const int lane = threadIdx.x & 31;
+  const int warps = blockDim.x >> 5;
+  for (int b = threadIdx.x >> 5; b < blocks; b += warps) {
+    const int c = b * FP8_BLOCK + 4 * lane;
+    float v[4];
+    load_quad<T>(row, c, hidden, v);
+    bool finite = true;
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      finite = finite && fp8_is_finite(v[i]);
+      amax = fmaxf(amax, fabsf(v[i]));  // a non-finite block's amax is unused
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+      amax = fmaxf(amax, __shfl_xor_sync(MOE_EP_FULL_MASK, amax, offset));
+    finite = __all_sync(MOE_EP_FULL_MASK, finite);
+    float scale;
+    u32 codes;
+    if (finite) {
+      const int exponent = fp8_scale_exponent(amax);
+      scale = fp8_pow2(exponent);
+      const float inverse = fp8_pow2(-exponent);
+      float y[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)  // exact: a power-of-two factor
+        y[i] = fminf(fmaxf(v[i] * inverse, -FP8_MAX), FP8_MAX);
+      codes = f32x2_to_e4m3x2(y[0], y[1]) | (f32x2_to_e4m3x2(y[2], y[3]) << 16);
+    } else {
+      scale = __uint_as_float(FP8_CANONICAL_NAN);
+      codes = 0u;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (c + i < hidden) codes |= FP8_NAN_CODE << (8 * i);
+    }
+    for (int j = 0; j < copies; ++j) {
+      const i64 n = targets != nullptr ? __ldg(targets + block * fanout + j) : block;
+      if (n < 0 || n >= num_out_rows) continue;
+      u8* dst = wire + n * wire_bytes;
+      if (c < code_bytes) *reinterpret_cast<u32*>(dst + c) = codes;  // c + 3 < code_bytes
+      if (lane == 0) *reinterpret_cast<float*>(dst + code_bytes + 4 * b) = scale;
+    }
+  }
+  const int tail = code_bytes + 4 * blocks;  // zero padding [tail, wire_bytes)
+  for (int w = threadIdx.x; w < (wire_bytes - tail) / 4; w += blockDim.x) {
+    for (int j = 0; j < copies; ++j) {
+      const i64 n = targets != nullptr ? __ldg(targets + block * fanout + j) : block;
+      if (n < 0 || n >= num_out_rows) continue;
+      *reinterpret_cast<u32*>(wire + n * wire_bytes + tail + 4 * w) = 0u;
+    }
+  }
+}
+
+#define DEFINE_QUANTIZE_PACK(NAME, TYPE)                                                       \
+  extern "C" __global__ void NAME(const TYPE::Elem* x, const int* targets, const int* sources, \
+                                  u8* wire, int num_rows, int fanout, int num_out_rows,        \
+                                  int hidden, int wire_bytes) {                                \
+    quantize_pack<TYPE>(x, targets, sources, wire, num_rows, fanout, num_out_rows, hidden,     \
+                        wire_bytes);                                                           \
+  }
+
+DEFINE_QUANTIZE_PACK(quantize_pack_f32, Fp8F32)
+DEFINE_QUANTIZE_PACK(quantize_pack_bf16, Fp8BF16)
+DEFINE_QUANTIZE_PACK(quantize_pack_f16, Fp8F16)
+
+// ---------------------------------------------------------------------------
+// unpack_dequantize_expand_{f32,bf16,f16}: out[n] = dequantize(wire[m]) for
+// every (m, j) with targets[m * fanout + j] == n, i.e. float32(code) * scale
+// rounded once to the output type; out rows n whose sources[n] is outside
+// [0, num_wire_rows) are zero. With targets == sources == NULL the map is the
+// identity (a plain dequantize, num_out_rows == num_wire_rows).
+//   grid:   num_wire_rows blocks, plus ceil(num_out_rows / 8) zero-fill
+//           blocks when the maps are given; block b < num_wire_rows reads wire
+//           row b once.
+//   block:  a multiple of 32 threads; each thread takes 16 channels at a time
+//           (one 16-byte load of codes, all inside one scale block).
+//   inputs: wire [num_wire_rows, wire_bytes] uint8, targets [num_wire_rows,
+//           fanout] int32, sources [num_out_rows] int32.
+//   output: out [num_out_rows, hidden].
+//   bounds: channels >= hidden are neither read as codes nor written; a target
+//           outside [0, num_out_rows) is skipped; a source outside
+//           [0, num_wire_rows) means "zero row". 16-byte stores only when
+//           hidden % 8 == 0 and all 16 channels are in range.
+// ---------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ void store_sixteen(typename T::Elem* __restrict__ row, int c,
+                                              int hidden, const float v[16]) {
+  typedef typename T::Elem Elem;
+  if ((hidden & 7) == 0 && c + 16 <= hidden) {
+    constexpr int kPerVec = 16 / sizeof(Elem);
+    union {
+      uint4 raw[16 / kPerVec];
+      Elem elems[16];
+    } pack;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) pack.elems[i] = T::store(v[i]);
+    uint4* dst = reinterpret_cast<uint4*>(row + c);
+#pragma unroll
+    for (int k = 0; k < 16 / kPerVec; ++k) dst[k] = pack.raw[k];
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+    if (c + i < hidden) row[c + i] = T::store(v[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack_dequantize_expand(
+    const u8* __restrict__ wire, const int* __restrict__ targets, const int* __restrict__ sources,
+    typename T::Elem* __restrict__ out, int num_wire_rows, int fanout, int num_out_rows,
+    int hidden, int wire_bytes) {
+  typedef typename T::Elem Elem;
+  const i64 block = blockIdx.x;
+  if (block >= num_wire_rows) {
+    if (sources != nullptr)
+      fp8_zero_rows(sources, out, block - num_wire_rows, num_wire_rows, num_out_rows, hidden);
+    return;
+  }
+  const u8* src = wire + block * wire_bytes;
+  const float* scales = reinterpret_cast<const float*>(src + fp8_code_bytes(hidden));
+  const int copies = targets != nullptr ? fanout : 1;
+  for (int c = FP8_CODES_PER_THREAD * threadIdx.x; c < hidden;
+       c += FP8_CODES_PER_THREAD * blockDim.x) {
+    const uint4 codes = *reinterpret_cast<const uint4*>(src + c);  // c + 16 <= code_bytes
+    const float scale = __ldg(scales + c / FP8_BLOCK);
+    const u32 words[4] = {codes.x, codes.y, codes.z, codes.w};
+    float v[16];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      e4m3x2_to_f32x2(words[k], &v[4 * k], &v[4 * k + 1]);
+      e4m3x2_to_f32x2(words[k] >> 16, &v[4 * k + 2], &v[4 * k + 3]);
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] *= scale;
+    for (int j = 0; j < copies; ++j) {
+      const i64 n = targets != nullptr ? __ldg(targets + block * fanout + j) : block;
+      if (n < 0 || n >= num_out_rows) continue;
+      store_sixteen<T>(out + n * hidden, c, hidden, v);
+    }
+  }
+}
+
+#define DEFINE_UNPACK_DEQUANTIZE_EXPAND(NAME, TYPE)                                             \
+  extern "C" __global__ void NAME(const u8* wire, const int* targets, const int* sources,       \
+                                  TYPE::Elem* out, int num_wire_rows, int fanout,               \
+                                  int num_out_rows, int hidden, int wire_bytes) {               \
+    unpack_dequantize_expand<TYPE>(wire, targets, sources, out, num_wire_rows, fanout,          \
+                                   num_out_rows, hidden, wire_bytes);                           \
+  }
+
+DEFINE_UNPACK_DEQUANTIZE_EXPAND(unpack_dequantize_expand_f32, Fp8F32)
+DEFINE_UNPACK_DEQUANTIZE_EXPAND(unpack_dequantize_expand_bf16, Fp8BF16)
+DEFINE_UNPACK_DEQUANTIZE_EXPAND(unpack_dequantize_expand_f16, Fp8F16)

@@ -1,0 +1,392 @@
+"""FP8 rows for the dispatch: float8_e4m3fn codes with per-128-channel scales.
+
+The format (DeepSeek-V3 / DeepEP blocks, with TransformerEngine's blockwise
+``power_2_scale`` / DeepGEMM's UE8M0 rule for the scale):
+
+* Each row of ``H`` channels is cut into ``B = ceil(H / 128)`` blocks of 128
+  channels (the last one shorter when ``H % 128 != 0``).
+* ``scale = 2**ceil(log2(amax / 448))``, the smallest power of two with
+  ``amax / scale <= 448`` (``amax`` = max |x| of the block, 448 = the largest
+  e4m3fn value), floored at ``2**-116``, stored as float32. The block's amax
+  lands in (224, 448]: the relative precision of e4m3 is unchanged, only the
+  subnormal zone is up to 2x wider. Why a power of two: ``x / scale`` and
+  ``code * scale`` are then exact, so every platform gives the same bits. A
+  plain float32 scale cannot: XLA rewrites ``x / broadcast(s)`` into
+  ``x * broadcast(1 / s)`` and lowers float32 division on GPUs to the
+  approximate ``div.full.f32``. The floor keeps every scale and every
+  ``code * scale`` a normal float32, so all-zero blocks (scale 2**-116) and
+  float32 subnormal inputs (always code ±0) also agree where XLA on CPU
+  flushes subnormals and GPUs do not.
+* ``code = e4m3fn(clip(x / scale, -448, 448))``, rounded to nearest even (the
+  clip never binds with this scale; it keeps a cast from ever making NaN).
+  Exact zeros (and their signs) round-trip.
+* A block holding a NaN or ±inf is poisoned: scale NaN, every code 0x7f (NaN),
+  so it dequantizes to NaN ("non-finite in, NaN out"; e4m3fn has no inf, and
+  saturating an inf would pass a wrong finite value on silently). The row's
+  other blocks and other rows are untouched.
+* ``dequantize = float32(code) * scale`` (exact) then one rounding to the
+  output dtype. Error bound: ``|x - deq| <= 2**-4 |x| + 2**-10 scale`` before
+  that rounding (3 mantissa bits: half an ulp is at most 2**-4 of the value in
+  e4m3's normal range, and ``2**-10 * scale`` in its subnormal one). Finite
+  values of magnitude ``>= 1.9375 * 2**127`` (~3.3e38, float32/bfloat16 only)
+  round to a code whose product overflows: they dequantize to ±inf.
+
+Wire row (one ``[W]`` uint8 row per token, so one exchange carries both)::
+
+  [0, H)            e4m3fn codes, channel order
+  [H, Hc)           zeros, Hc = round_up(H, 16)
+  [Hc, Hc + 4B)     float32 scales, little-endian, block order
+  [Hc + 4B, W)      zeros, W = round_up(Hc + 4B, 16)
+
+An all-zero wire row dequantizes to an all-zero row (codes 0, scales 0), so
+``expand_rows`` zero fill on the wire is a zero row after unpacking.
+
+The pure-JAX functions run on every platform and are the reference. The
+``cuda_*`` functions run ``kernels/fp8.cu`` through ``buffer_callback`` (as
+:mod:`moe_ep.transport.cupy` does) and give the same bytes and values; they
+need compute capability 8.9+ (the e4m3 conversion instructions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import kernel_source
+from moe_ep.transport import xla
+
+BLOCK = 128
+E4M3_MAX = 448.0
+MIN_SCALE_EXPONENT = -116  # scale floor 2**-116
+NAN_CODE = 0x7F
+INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_WIRE_ALIGN = 16
+_MANTISSA_BITS = 3
+_MIN_NORMAL_EXPONENT = -6  # e4m3fn: smallest normal 2**-6, subnormal step 2**-9
+
+
+def _round_up(value: int, multiple: int) -> int:
+  return -(-value // multiple) * multiple
+
+
+def num_blocks(hidden: int) -> int:
+  """``B = ceil(H / 128)`` scale blocks per row."""
+  return -(-hidden // BLOCK)
+
+
+def code_bytes(hidden: int) -> int:
+  """``Hc``: bytes of a wire row's code region (``H`` rounded up to 16)."""
+  return _round_up(hidden, _WIRE_ALIGN)
+
+
+def wire_bytes(hidden: int) -> int:
+  """``W``: bytes of one wire row (codes, scales, padding to 16)."""
+  return _round_up(code_bytes(hidden) + 4 * num_blocks(hidden), _WIRE_ALIGN)
+
+
+def _check_rows(name: str, x: jax.Array) -> None:
+  if x.ndim != 2:
+    raise ValueError(f"{name} must be [N, H] (rank 2); got shape {x.shape}")
+  if jnp.dtype(x.dtype) not in INPUT_DTYPES:
+    raise ValueError(f"{name} dtype {x.dtype} must be one of "
+                     f"{[d.name for d in INPUT_DTYPES]}")
+  if x.shape[1] < 1:
+    raise ValueError(f"{name} must have H >= 1 channels; got shape {x.shape}")
+
+
+def _check_dtype(dtype) -> jnp.dtype:
+  dtype = jnp.dtype(dtype)
+  if dtype not in INPUT_DTYPES:
+    raise ValueError(f"dtype={dtype} must be one of {[d.name for d in INPUT_DTYPES]}")
+  return dtype
+
+
+def _check_wire(wire: jax.Array, hidden: int) -> None:
+  if hidden < 1:
+    raise ValueError(f"hidden={hidden} must be >= 1")
+  if wire.ndim != 2 or wire.dtype != jnp.uint8 or wire.shape[1] != wire_bytes(hidden):
+    raise ValueError(f"wire must be [N, {wire_bytes(hidden)}] uint8 for hidden={hidden} "
+                     f"(wire_bytes); got {wire.dtype} {wire.shape}")
+
+
+def _f32_bits(value: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(value, jnp.int32)
+
+
+def _pow2(exponent: jax.Array) -> jax.Array:
+  """``2.0 ** exponent`` in float32 for int32 exponents in [-126, 127], exactly."""
+  return jax.lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)
+
+
+def _scale_exponent(amax: jax.Array) -> jax.Array:
+  """int32 ``max(ceil(log2(amax / 448)), -116)`` of finite ``amax >= 0``, from
+  its bits: with ``amax = m * 2**E``, ``m`` in [1, 2), it is ``E - 8``, plus one
+  where ``m > 1.75`` (448 = 1.75 * 2**8)."""
+  bits = _f32_bits(amax)
+  exponent = (bits >> 23) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
+  return jnp.maximum(exponent, MIN_SCALE_EXPONENT)
+
+
+def _round_to_e4m3_grid(y: jax.Array) -> jax.Array:
+  """Rounds finite float32 ``|y| <= 448`` to the nearest e4m3fn value, ties to
+  even, in float32 arithmetic; the cast to float8 afterwards is exact, so the
+  bits do not depend on how a platform implements that conversion."""
+  exponent = ((_f32_bits(y) >> 23) & 0xFF) - 127
+  ulp_exponent = jnp.maximum(exponent, _MIN_NORMAL_EXPONENT) - _MANTISSA_BITS
+  return jnp.round(y * _pow2(-ulp_exponent)) * _pow2(ulp_exponent)
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per-row, per-128-channel FP8 quantization (see the module docstring).
+
+  Args:
+    x: ``[N, H]`` float32, bfloat16 or float16.
+
+  Returns:
+    ``(codes [N, H] float8_e4m3fn, scales [N, B] float32)``.
+  """
+  _check_rows("x", x)
+  rows, hidden = x.shape
+  blocks = num_blocks(hidden)
+  padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, blocks * BLOCK - hidden)))
+  padded = padded.reshape(rows, blocks, BLOCK)
+  finite = jnp.isfinite(padded).all(axis=2)
+  amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(padded), padded, 0.0)), axis=2)
+  exponent = _scale_exponent(amax)
+  scales = jnp.where(finite, _pow2(exponent), np.float32(np.nan))
+  y = jnp.clip(padded * _pow2(-exponent)[:, :, None], -E4M3_MAX, E4M3_MAX)  # exact
+  grid = jnp.where(finite[:, :, None], _round_to_e4m3_grid(y), np.float32(np.nan))
+  codes = grid.astype(jnp.float8_e4m3fn).reshape(rows, blocks * BLOCK)[:, :hidden]
+  return codes, scales
+
+
+def dequantize_rows(codes: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+  """``[N, H]`` rows ``float32(code) * scale`` rounded once to ``dtype``.
+
+  Args:
+    codes: ``[N, H]`` float8_e4m3fn.
+    scales: ``[N, ceil(H / 128)]`` float32.
+    dtype: float32, bfloat16 or float16.
+  """
+  dtype = _check_dtype(dtype)
+  if codes.ndim != 2 or codes.dtype != jnp.float8_e4m3fn:
+    raise ValueError(f"codes must be [N, H] float8_e4m3fn; got {codes.dtype} {codes.shape}")
+  rows, hidden = codes.shape
+  blocks = num_blocks(hidden)
+  if scales.shape != (rows, blocks) or scales.dtype != jnp.float32:
+    raise ValueError(f"scales must be [{rows}, {blocks}] float32 for codes {codes.shape}; "
+                     f"got {scales.dtype} {scales.shape}")
+  per_channel = jnp.repeat(scales, BLOCK, axis=1, total_repeat_length=blocks * BLOCK)
+  return (codes.astype(jnp.float32) * per_channel[:, :hidden]).astype(dtype)
+
+
+def pack_wire(codes: jax.Array, scales: jax.Array) -> jax.Array:
+  """``[N, W]`` uint8 wire rows holding each row's codes and scales."""
+  rows, hidden = codes.shape
+  code_region = jnp.pad(jax.lax.bitcast_convert_type(codes, jnp.uint8),
+                        ((0, 0), (0, code_bytes(hidden) - hidden)))
+  scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(rows, -1)
+  wire = jnp.concatenate([code_region, scale_bytes], axis=1)
+  return jnp.pad(wire, ((0, 0), (0, wire_bytes(hidden) - wire.shape[1])))
+
+
+def unpack_wire(wire: jax.Array, hidden: int) -> tuple[jax.Array, jax.Array]:
+  """``(codes [N, H] float8_e4m3fn, scales [N, B] float32)`` of wire rows."""
+  _check_wire(wire, hidden)
+  rows = wire.shape[0]
+  blocks = num_blocks(hidden)
+  codes = jax.lax.bitcast_convert_type(wire[:, :hidden], jnp.float8_e4m3fn)
+  start = code_bytes(hidden)
+  scale_bytes = wire[:, start:start + 4 * blocks].reshape(rows, blocks, 4)
+  return codes, jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
+
+
+def quantize_pack(x: jax.Array) -> jax.Array:
+  """``x [N, H]`` -> ``[N, W]`` uint8 wire rows."""
+  return pack_wire(*quantize_rows(x))
+
+
+def quantize_pack_expand(x: jax.Array, targets: jax.Array, sources: jax.Array) -> jax.Array:
+  """The sender's fused op: each row quantized once, its wire row copied to
+  every output row it feeds (``xla.expand_rows`` convention); other output
+  rows are all-zero wire rows.
+
+  Args:
+    x: ``[M, H]`` float32, bfloat16 or float16.
+    targets: ``[M, J]`` int32 output row of copy ``j`` of row ``m``, or -1.
+    sources: ``[N]`` int32 row of ``x`` feeding output row ``n``, or -1.
+
+  Returns:
+    ``[N, W]`` uint8.
+  """
+  return xla.expand_rows(quantize_pack(x), targets, sources)
+
+
+def unpack_dequantize_expand(wire: jax.Array, targets: jax.Array, sources: jax.Array, *,
+                             hidden: int, dtype=jnp.bfloat16) -> jax.Array:
+  """The receiver's fused op: wire rows dequantized into their output rows.
+
+  Args:
+    wire: ``[M, W]`` uint8 wire rows of ``hidden`` channels.
+    targets: ``[M, J]`` int32 output row of copy ``j`` of wire row ``m``, or -1.
+    sources: ``[N]`` int32 wire row feeding output row ``n``, or -1 (zero row).
+    hidden: ``H``.
+    dtype: output dtype (float32, bfloat16 or float16).
+
+  Returns:
+    ``[N, H]`` in ``dtype``; equal to ``xla.expand_rows(dequantize_rows(
+    *unpack_wire(wire, hidden), dtype), targets, sources)``.
+  """
+  dtype = _check_dtype(dtype)
+  _check_wire(wire, hidden)
+  return dequantize_rows(*unpack_wire(xla.expand_rows(wire, targets, sources), hidden), dtype)
+
+
+# --- CUDA kernels (kernels/fp8.cu) ----------------------------------------------
+
+_KERNEL_FILE = "fp8.cu"
+_SUFFIX = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16",
+           jnp.dtype(jnp.float16): "f16"}
+_KERNEL_NAMES = tuple(f"{op}_{suffix}" for op in ("quantize_pack", "unpack_dequantize_expand")
+                      for suffix in _SUFFIX.values())
+_MIN_COMPUTE_CAPABILITY = 89
+_QUANTIZE_WARPS = 8
+_CHANNELS_PER_THREAD = 16  # unpack: one 16-byte load of codes per thread
+_ZERO_ROWS_PER_BLOCK = 8  # as FP8_ZERO_ROWS_PER_BLOCK in kernels/fp8.cu
+
+_compiled: dict[int, dict[str, object]] = {}  # device ordinal -> kernel name -> RawKernel
+_compile_lock = threading.Lock()
+
+
+def compile_kernels(device_ordinal: int) -> dict[str, object]:
+  """Compiles ``kernels/fp8.cu`` for one CUDA device (cached); RuntimeError
+  on devices without the e4m3 conversion instructions (before sm_89)."""
+  with _compile_lock:
+    if device_ordinal in _compiled:
+      return _compiled[device_ordinal]
+    import cupy
+    with cupy.cuda.Device(device_ordinal) as device:
+      capability = int(device.compute_capability)
+      if capability < _MIN_COMPUTE_CAPABILITY:
+        raise RuntimeError(
+            f"float8_e4m3fn dispatch needs a GPU of compute capability >= 8.9; cuda:"
+            f"{device_ordinal} has {capability // 10}.{capability % 10}")
+      module = cupy.RawModule(code=kernel_source.source(_KERNEL_FILE),
+                              options=kernel_source.COMPILE_OPTIONS)
+      try:
+        module.compile()
+      except cupy.cuda.compiler.CompileException as error:
+        raise RuntimeError(f"compiling kernels/{_KERNEL_FILE} failed:\n{error}") from error
+      _compiled[device_ordinal] = {name: module.get_function(name) for name in _KERNEL_NAMES}
+    return _compiled[device_ordinal]
+
+
+def _compile_at_trace_time() -> None:
+  if not cupy_backend.cupy_available():
+    return
+  for ordinal in cupy_backend._gpu_ordinals():
+    compile_kernels(ordinal)
+
+
+@contextlib.contextmanager
+def _on_xla_stream(ctx, buffer):
+  """As ``cupy._on_xla_stream``, with this file's kernels."""
+  import cupy
+  ordinal = cupy_backend._device_ordinal(buffer)
+  functions = _compiled.get(ordinal) or compile_kernels(ordinal)
+  key = (ordinal, ctx.stream)
+  streams = cupy_backend._streams  # shared: one CuPy stream per XLA stream
+  stream = streams.get(key)
+  if stream is None:
+    stream = streams.setdefault(key, cupy_backend._external_stream(cupy, ctx.stream, ordinal))
+
+  def launch(name, grid, block, *args):
+    functions[name]((int(grid),), (int(block),), args)
+
+  with cupy.cuda.Device(ordinal), stream:
+    yield launch
+
+
+def _call(scope: str, callback, result_shape, *inputs):
+  _compile_at_trace_time()
+  return cupy_backend._call(scope, callback, [result_shape], *inputs)[0]
+
+
+_NULL = np.uint64(0)
+_pointer = cupy_backend._pointer
+_i32 = cupy_backend._i32
+
+
+def _maps(targets, sources):
+  """int32 maps as kernel inputs, or () for the identity map."""
+  if targets is None and sources is None:
+    return ()
+  if targets is None or sources is None:
+    raise ValueError("targets and sources must be given together (or neither)")
+  if targets.ndim != 2 or sources.ndim != 1:
+    raise ValueError(f"targets must be [M, J] and sources [N]; got {targets.shape}, "
+                     f"{sources.shape}")
+  return targets.astype(jnp.int32), sources.astype(jnp.int32)
+
+
+def cuda_quantize_pack(x: jax.Array, targets: jax.Array | None = None,
+                       sources: jax.Array | None = None) -> jax.Array:
+  """Kernel ``quantize_pack_{f32,bf16,f16}``: :func:`quantize_pack` (no maps)
+  or :func:`quantize_pack_expand` (``targets``, ``sources``), same bytes."""
+  _check_rows("x", x)
+  num_rows, hidden = x.shape
+  maps = _maps(targets, sources)
+  if maps and maps[0].shape[0] != num_rows:
+    raise ValueError(f"targets has {maps[0].shape[0]} rows but x has {num_rows}")
+  num_out_rows = maps[1].shape[0] if maps else num_rows
+  fanout = maps[0].shape[1] if maps else 1
+  threads = 32 * min(_QUANTIZE_WARPS, num_blocks(hidden))
+  zero_blocks = -(-num_out_rows // _ZERO_ROWS_PER_BLOCK) if maps else 0
+  kernel = f"quantize_pack_{_SUFFIX[jnp.dtype(x.dtype)]}"
+
+  def callback(ctx, outs, rows, *index):
+    (out,) = outs
+    target_index, source_index = (_pointer(b) for b in index) if index else (_NULL, _NULL)
+    with _on_xla_stream(ctx, rows) as launch:
+      launch(kernel, num_rows + zero_blocks, threads, _pointer(rows), target_index,
+             source_index, _pointer(out),
+             *_i32(num_rows, fanout, num_out_rows, hidden, wire_bytes(hidden)))
+
+  shape = jax.ShapeDtypeStruct((num_out_rows, wire_bytes(hidden)), jnp.uint8)
+  return _call("moe_cupy_fp8_quantize_pack", callback, shape, x, *maps)
+
+
+def cuda_unpack_dequantize_expand(wire: jax.Array, targets: jax.Array | None = None,
+                                  sources: jax.Array | None = None, *, hidden: int,
+                                  dtype=jnp.bfloat16) -> jax.Array:
+  """Kernel ``unpack_dequantize_expand_{f32,bf16,f16}``: each wire row read
+  once, dequantized and written to all its targets; without maps, output row
+  ``n`` is wire row ``n`` (a plain dequantize). Same values as
+  :func:`unpack_dequantize_expand`."""
+  dtype = _check_dtype(dtype)
+  _check_wire(wire, hidden)
+  num_wire_rows = wire.shape[0]
+  maps = _maps(targets, sources)
+  if maps and maps[0].shape[0] != num_wire_rows:
+    raise ValueError(f"targets has {maps[0].shape[0]} rows but wire has {num_wire_rows}")
+  num_out_rows = maps[1].shape[0] if maps else num_wire_rows
+  fanout = maps[0].shape[1] if maps else 1
+  threads = cupy_backend._threads_for(-(-hidden // _CHANNELS_PER_THREAD))
+  zero_blocks = -(-num_out_rows // _ZERO_ROWS_PER_BLOCK) if maps else 0
+  kernel = f"unpack_dequantize_expand_{_SUFFIX[dtype]}"
+
+  def callback(ctx, outs, rows, *index):
+    (out,) = outs
+    target_index, source_index = (_pointer(b) for b in index) if index else (_NULL, _NULL)
+    with _on_xla_stream(ctx, rows) as launch:
+      launch(kernel, num_wire_rows + zero_blocks, threads, _pointer(rows), target_index,
+             source_index, _pointer(out),
+             *_i32(num_wire_rows, fanout, num_out_rows, hidden, wire_bytes(hidden)))
+
+  shape = jax.ShapeDtypeStruct((num_out_rows, hidden), dtype)
+  return _call("moe_cupy_fp8_unpack_dequantize_expand", callback, shape, wire, *maps)
