@@ -49,6 +49,11 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip)
 
 
+def pytest_collection_finish(session):
+  import background
+  background.start_for(session.items)
+
+
 def devices_for(backend: str, count: int) -> list:
   """``count`` devices that run ``backend``: GPUs for CuPy, CPUs otherwise."""
   devices = gpu_devices() if backend == "cupy" else jax.devices("cpu")

@@ -92,6 +92,7 @@ def token_batch(seed: int, batch: int, seq: int = 9) -> jax.Array:
   return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, (batch, seq)), jnp.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_kind, stacked", [("make_mesh", False), ("Mesh", True)])
 def test_user_training_loop_runs_unchanged(mesh_kind, stacked):
   """The issue's code, verbatim in spirit: no mesh=, y = moe(x), the helpers

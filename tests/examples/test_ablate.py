@@ -11,6 +11,8 @@ from tiny_run import FAST_OVERRIDES, TINY_YAML, skip_unless_devices_fit
 from examples.ablate import COLUMNS, Sweep, ablate, parse_args
 from examples.train_config import load_config
 
+pytestmark = pytest.mark.slow
+
 
 def write_sweep(path, **sections):
   path.write_text(yaml.safe_dump({"base": str(TINY_YAML), **sections}, sort_keys=False))

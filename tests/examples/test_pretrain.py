@@ -18,6 +18,8 @@ from examples.checkpoints import held_steps
 from examples.data import ByteCorpus, SyntheticCorpus, make_corpus
 from examples.train_config import load_config
 
+pytestmark = pytest.mark.slow
+
 STEPS = 6
 
 

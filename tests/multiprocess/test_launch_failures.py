@@ -15,6 +15,7 @@ from moe_ep.launch import LaunchError, is_noise, launch
 
 pytestmark = [
     pytest.mark.multiprocess,
+    pytest.mark.slow,
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
 ]
 

@@ -8,18 +8,20 @@ compiles, not the tiny arithmetic, set the time.
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
+import background
 from conftest import gpu_devices
 from moe_ep.launch import launch
 from multiprocess_cases import (CASES, EXPERTS, OVERFLOW_CAPACITY, TRANSPORT_CAPACITY,
                                  run_cases)
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 WORKER = Path(__file__).with_name("worker.py")
 SEED = 0
@@ -82,13 +84,30 @@ def assert_results_match(got: dict, want: dict, tol: dict, grad_tol: dict, prefi
 EP4_MESHES = [(2, 2), (1, 4)]
 
 
+def launch_ep4():
+  return launch_worker(Path(tempfile.mkdtemp(prefix="moe_ep_ep4_")), 2,
+                       cpu_devices_per_process=2, cases=CASES, meshes=EP4_MESHES)
+
+
+def launch_ep8():
+  return launch_worker(Path(tempfile.mkdtemp(prefix="moe_ep_ep8_")), 2,
+                       cpu_devices_per_process=4, cases=("layer",), meshes=EP8_MESHES)
+
+
+def background_jobs(item) -> dict:
+  """The launched jobs this module's selected tests need (see tests/background.py)."""
+  if "gpu" in item.keywords:
+    return {}
+  if item.name.startswith("test_layer_at_ep8"):
+    return {"ep8": launch_ep8}
+  return {"ep4": launch_ep4}
+
+
 @pytest.fixture(scope="module")
-def ep4_results(tmp_path_factory):
+def ep4_results():
   """``(launched, single)``: the results of 2 processes x 2 CPU devices and
   of this process's first 4 devices."""
-  launched = launch_worker(tmp_path_factory.mktemp("ep4"), 2, cpu_devices_per_process=2,
-                           cases=CASES, meshes=EP4_MESHES)
-  return launched, single_process(4, CASES, EP4_MESHES)
+  return background.result("ep4", launch_ep4), single_process(4, CASES, EP4_MESHES)
 
 
 def test_transport_forward_and_gradients_match_one_process(ep4_results):
@@ -143,9 +162,8 @@ def test_overflow_demand_above_capacity_is_visible_after_allgather(ep4_results, 
 EP8_MESHES = [(1, 8)]
 
 
-def test_layer_at_ep8_across_processes_matches_one_process(tmp_path):
-  launched = launch_worker(tmp_path, 2, cpu_devices_per_process=4, cases=("layer",),
-                           meshes=EP8_MESHES)
+def test_layer_at_ep8_across_processes_matches_one_process():
+  launched = background.result("ep8", launch_ep8)
   single = single_process(8, ("layer",), EP8_MESHES)
   assert_results_match(launched, single, CPU_TOL, CPU_GRAD_TOL)
 

@@ -64,6 +64,29 @@ def random_problem(rng, ep_size, top_k, routing="balanced", dtype=np.float32):
   return tokens, idx, weights, maps
 
 
+@functools.lru_cache(maxsize=None)
+def compiled_transport(ep_size, expert_capacity, send_capacity, backend):
+  """``(run, grads)`` jitted once per static configuration: the routing is
+  data, so every routing of a shape reuses the same executables."""
+  run = jax.jit(functools.partial(run_transport, ep_size=ep_size,
+                                  expert_capacity=expert_capacity,
+                                  send_capacity=send_capacity, backend=backend))
+
+  def loss(x, w, m, idx, cotangent):
+    return jnp.vdot(run(x, idx, w, m)[0], cotangent)
+
+  return run, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+@jax.jit
+def reference_and_grads(tokens, idx, weights, keep, maps, cotangent):
+  """The dense reference's output and its gradients for ``(tokens, weights, maps)``."""
+  def ref_loss(x, w, m):
+    return jnp.vdot(dense_moe(x, idx, w, keep, expert_fn(m)), cotangent)
+  ref = dense_moe(tokens, idx, weights, keep, expert_fn(maps))
+  return ref, jax.grad(ref_loss, argnums=(0, 1, 2))(tokens, weights, maps)
+
+
 def check_against_reference(rng, *, ep_size, top_k, routing="balanced", capacity=None,
                             send_capacity=None, backend="xla", idx_override=None):
   tokens, idx, weights, maps = random_problem(rng, ep_size, top_k, routing)
@@ -77,22 +100,15 @@ def check_against_reference(rng, *, ep_size, top_k, routing="balanced", capacity
   idx_flat, keep_flat = flat(idx), flat(keep)
   cotangent = rng.normal(size=tokens.shape).astype(np.float32)
 
-  run = jax.jit(functools.partial(run_transport, ep_size=ep_size, expert_capacity=capacity,
-                                  send_capacity=send_capacity, backend=backend))
+  run, grad_fn = compiled_transport(ep_size, capacity, send_capacity, backend)
   y, got_counts, got_demand = run(tokens, idx_flat, flat(weights), maps)
-  ref = dense_moe(tokens, idx_flat, flat(weights), keep_flat, expert_fn(maps))
+  ref, ref_grads = reference_and_grads(tokens, idx_flat, flat(weights), keep_flat, maps,
+                                       cotangent)
   np.testing.assert_allclose(np.asarray(y), np.asarray(ref), **F32_TOL)
   np.testing.assert_array_equal(np.asarray(got_demand), demand)
   np.testing.assert_array_equal(np.asarray(got_counts), counts)
 
-  def loss(x, w, m):
-    return jnp.vdot(run(x, idx_flat, w, m)[0], cotangent)
-
-  def ref_loss(x, w, m):
-    return jnp.vdot(dense_moe(x, idx_flat, w, keep_flat, expert_fn(m)), cotangent)
-
-  grads = jax.grad(loss, argnums=(0, 1, 2))(tokens, flat(weights), maps)
-  ref_grads = jax.grad(ref_loss, argnums=(0, 1, 2))(tokens, flat(weights), maps)
+  grads = grad_fn(tokens, flat(weights), maps, idx_flat, cotangent)
   for got, want in zip(grads, ref_grads):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32_GRAD_TOL)
   return keep, demand, counts
