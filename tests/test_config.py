@@ -97,8 +97,9 @@ def test_dtype_none_means_the_input_dtype_and_names_are_canonical():
   assert config.param_dtype == "float32"
   assert MoEConfig(**BASE, dtype=jnp.bfloat16).dtype == "bfloat16"
   assert MoEConfig(**BASE, dtype=np.dtype("float16"), param_dtype="bfloat16").dtype == "float16"
-  # The new field is last: positional construction of the others is unchanged.
-  assert [f.name for f in dataclasses.fields(MoEConfig)][-2:] == ["remat", "return_aux"]
+  # The four sizes stay the leading (positional) fields.
+  assert [f.name for f in dataclasses.fields(MoEConfig)][:4] == [
+      "hidden_size", "ffn_size", "num_experts", "top_k"]
 
 
 def test_remat_config_bad_inputs():

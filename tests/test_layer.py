@@ -115,6 +115,71 @@ def test_saved_dispatch_removes_redispatch(routing, backend, mesh_shape):
     assert_trees_close(variant, plain, GRAD_TOL)
 
 
+def nested_jaxprs(jaxpr):
+  """``jaxpr`` and every jaxpr inside its equations (shard_map, checkpoint,
+  custom_vjp, pjit bodies), depth first."""
+  yield jaxpr
+  for eqn in jaxpr.eqns:
+    for param in eqn.params.values():
+      for value in param if isinstance(param, (tuple, list)) else (param,):
+        inner = getattr(value, "jaxpr", value)  # ClosedJaxpr -> Jaxpr
+        if hasattr(inner, "eqns"):
+          yield from nested_jaxprs(inner)
+
+
+def is_integer_psum(eqn) -> bool:
+  return eqn.primitive.name.startswith("psum") and all(
+      jnp.issubdtype(var.aval.dtype, jnp.integer) for var in eqn.outvars)
+
+
+def integer_psums(jaxpr) -> list:
+  """The integer all-reduces: in the layer, only the batch-global counts.
+  Counted in the jaxpr because XLA's all-reduce combiner merges a re-run of
+  them with the forward one into a single tuple all-reduce in the HLO."""
+  return [eqn for inner in nested_jaxprs(jaxpr) for eqn in inner.eqns if is_integer_psum(eqn)]
+
+
+def checkpoint_names_of_integer_psums(jaxpr) -> list[str]:
+  """The ``checkpoint_name`` attached directly to each integer all-reduce."""
+  names = []
+  for inner in nested_jaxprs(jaxpr):
+    summed = {var for eqn in inner.eqns if is_integer_psum(eqn) for var in eqn.outvars}
+    names += [eqn.params["name"] for eqn in inner.eqns
+              if eqn.primitive.name == "name" and eqn.invars[0] in summed]
+  return names
+
+
+@pytest.mark.parametrize("backend, mesh_shape", LAYER_MESHES)
+def test_saved_dispatch_keeps_the_global_counts(backend, mesh_shape):
+  """The batch-global counts (the aux loss's backward reads them) carry the
+  checkpoint name "moe.dispatch.counts": saving "dispatch" re-runs no counts
+  all-reduce in backward, saving everything of it but the counts does."""
+  mesh = make_mesh(mesh_shape, ("dp", "ep"), backend)
+  layer = ExpertParallelMoE(config(aux_loss_coeff=0.01, transport=backend), mesh=mesh,
+                            rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+  def pure(params, x):
+    return loss_fn(nnx.merge(graphdef, params, rest), x)
+
+  def jaxpr(fn):
+    return jax.make_jaxpr(fn)(params, batch(0)).jaxpr
+
+  counts_name = RematConfig().name("dispatch.counts")
+  assert counts_name == "moe.dispatch.counts"
+  assert checkpoint_names_of_integer_psums(jaxpr(pure)) == [counts_name]
+
+  def backward_counts_psums(policy):
+    step = pure if policy is None else jax.checkpoint(pure, policy=policy)
+    return len(integer_psums(jaxpr(jax.value_and_grad(step, has_aux=True))))
+
+  all_but_counts = [name for name in RematConfig(save=("dispatch",)).names if name != counts_name]
+  assert backward_counts_psums(None) == 1
+  assert backward_counts_psums(RematConfig(save=("dispatch",)).policy()) == 1
+  assert backward_counts_psums(jax.checkpoint_policies.save_only_these_names(
+      *all_but_counts)) == 2
+
+
 def test_remat_apply_true_checkpoints_the_layer_itself():
   mesh = make_mesh((2, 4), ("dp", "ep"))
   x = batch(1)
