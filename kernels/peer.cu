@@ -13,13 +13,17 @@
 //                                   finished reading what this device put in
 //                                   dst's parity-p slot (stored by dst).
 //   step     u64         at 32R:    exchanges completed on this channel.
-//   counters u32[2R + 2] at 32R+8:  send_done[R], recv_done[R], recv_sources.
+//   counters u32[2R + 2] at 32R+8:  send_done[R], recv_done[R], recv_sources,
+//                                   blocks_done (the token-major row kernels).
 //   data     at data_offset:        slots [2][R - 1] of slot_bytes; source
 //                                   src's chunk lands in slot
 //                                   (p, src < me ? src : src - 1).
 //
-// One exchange = peer_send then peer_recv on the same stream. Both read
-// s = step + 1 and parity p = s & 1; peer_recv's last block stores step = s,
+// One exchange = peer_send then peer_recv on the same stream, or one of the
+// fused row pairs at the end of this file (peer_dispatch_send/recv,
+// peer_combine_send/recv: the same protocol, rows moved straight between
+// dispatch's and combine's XLA buffers and the slots). Both kernels read
+// s = step + 1 and parity p = s & 1; the receiver's last block stores step = s,
 // so every launch has the same arguments (CUDA-graph replayable) and the
 // counters agree because every rank runs the same sequence of exchanges.
 // Every spin-wait is bounded: on timeout the first waiter of the device sets
@@ -99,17 +103,63 @@ __device__ void record_timeout(u32* failed, PeerFailure* record, u32 kind, int p
   __threadfence_system();
 }
 
+// One thread waits for *word >= target, or records the timeout; then fences
+// (acquire side: the peer's stores before its flag). The caller syncs the block.
+__device__ __forceinline__ void thread_wait(const u64* word, u64 target, u32* failed,
+                                            PeerFailure* record, u64 timeout_ns, u32 kind,
+                                            int peer, int site, int rank, u64 step) {
+  u64 waited_ns = 0;
+  if (wait_at_least(word, target, failed, timeout_ns, &waited_ns) == 2)
+    record_timeout(failed, record, kind, peer, site, rank, step, waited_ns);
+  __threadfence_system();
+}
+
 // Thread 0 waits for *word >= target (or records the timeout); then the block.
 __device__ __forceinline__ void block_wait(const u64* word, u64 target, u32* failed,
                                            PeerFailure* record, u64 timeout_ns, u32 kind,
                                            int peer, int site, int rank, u64 step) {
-  if (threadIdx.x == 0) {
-    u64 waited_ns = 0;
-    if (wait_at_least(word, target, failed, timeout_ns, &waited_ns) == 2)
-      record_timeout(failed, record, kind, peer, site, rank, step, waited_ns);
-    __threadfence_system();  // acquire side: the peer's stores before its flag
-  }
+  if (threadIdx.x == 0)
+    thread_wait(word, target, failed, record, timeout_ns, kind, peer, site, rank, step);
   __syncthreads();
+}
+
+// The end of a block that stored part of this device's chunk for `dest`:
+// once all blocks_per_peer blocks for dest have, raises dest's flag to step.
+__device__ __forceinline__ void chunk_sent(u64 own, u64 peer, int rank, int ep_size, int dest,
+                                           int parity, u64 step, int blocks_per_peer) {
+  __threadfence_system();  // this thread's stores reach the peer before the count
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u32* send_done = counters_of(own, ep_size);
+    if (atomicAdd(send_done + dest, 1u) == (u32)(blocks_per_peer - 1)) {
+      send_done[dest] = 0u;  // every block for dest has counted: rearm for the next launch
+      __threadfence_system();
+      atomicExch(flags_of(peer, ep_size) + parity * ep_size + rank, step);
+    }
+  }
+}
+
+// The end of a block that read part of src's chunk: once all blocks_per_peer
+// blocks for src have, acknowledges step to src; once every source is
+// acknowledged, advances this device's step counter.
+__device__ __forceinline__ void chunk_read(u64 own, const u64* peers, int rank, int ep_size,
+                                           int src, int parity, u64 step, int blocks_per_peer) {
+  __syncthreads();  // every load of this block's part has returned
+  if (threadIdx.x == 0) {
+    u32* counters = counters_of(own, ep_size);
+    u32* recv_done = counters + ep_size;
+    __threadfence();
+    if (atomicAdd(recv_done + src, 1u) == (u32)(blocks_per_peer - 1)) {
+      recv_done[src] = 0u;
+      __threadfence_system();
+      atomicExch(acks_of(peers[src], ep_size) + parity * ep_size + rank, step);
+      u32* recv_sources = counters + 2 * ep_size;
+      if (atomicAdd(recv_sources, 1u) == (u32)(ep_size - 2)) {
+        *recv_sources = 0u;  // all sources done: every block has read the step
+        *(volatile u64*)step_of(own, ep_size) = step;
+      }
+    }
+  }
 }
 
 // dst[i] = src[i] for i in [begin, end): loads UNROLL vectors per thread,
@@ -189,16 +239,7 @@ __device__ __forceinline__ void peer_send(const Vec* __restrict__ x, Vec* __rest
                      (u64)(parity * (ep_size - 1) + slot_of(rank, dest)) * slot_bytes);
   part_range(chunk_vecs, block % blocks_per_peer, blocks_per_peer, &begin, &end);
   copy_range<Vec, false>(x + dest * chunk_vecs, slot, begin, end);
-  __threadfence_system();  // this thread's stores reach the peer before the count
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    u32* send_done = counters_of(own, ep_size);
-    if (atomicAdd(send_done + dest, 1u) == (u32)(blocks_per_peer - 1)) {
-      send_done[dest] = 0u;  // every block for dest has counted: rearm for the next launch
-      __threadfence_system();
-      atomicExch(flags_of(peer, ep_size) + parity * ep_size + rank, step);
-    }
-  }
+  chunk_sent(own, peer, rank, ep_size, dest, parity, step, blocks_per_peer);
 }
 
 // ---------------------------------------------------------------------------
@@ -213,7 +254,7 @@ __device__ __forceinline__ void peer_send(const Vec* __restrict__ x, Vec* __rest
 //   waits:  for flags[p][src] >= s, bounded by timeout_ns.
 //   bounds: as peer_send.
 // ---------------------------------------------------------------------------
-template <typename Vec>
+template <typename Vec, bool kCopy = true>
 __device__ __forceinline__ void peer_recv(Vec* __restrict__ out, const u64* __restrict__ peers,
                                           int rank, int ep_size, i64 chunk_vecs, i64 slot_bytes,
                                           i64 data_offset, int blocks_per_peer, u32* failed,
@@ -232,23 +273,8 @@ __device__ __forceinline__ void peer_recv(Vec* __restrict__ out, const u64* __re
                                  (u64)(parity * (ep_size - 1) + nth) * slot_bytes);
   i64 begin, end;
   part_range(chunk_vecs, block % blocks_per_peer, blocks_per_peer, &begin, &end);
-  copy_range<Vec, true>(slot, out + src * chunk_vecs, begin, end);
-  __syncthreads();  // every load of this block's part has returned
-  if (threadIdx.x == 0) {
-    u32* counters = counters_of(own, ep_size);
-    u32* recv_done = counters + ep_size;
-    __threadfence();
-    if (atomicAdd(recv_done + src, 1u) == (u32)(blocks_per_peer - 1)) {
-      recv_done[src] = 0u;
-      __threadfence_system();
-      atomicExch(acks_of(peers[src], ep_size) + parity * ep_size + rank, step);
-      u32* recv_sources = counters + 2 * ep_size;
-      if (atomicAdd(recv_sources, 1u) == (u32)(ep_size - 2)) {
-        *recv_sources = 0u;  // all sources done: every block has read the step
-        *(volatile u64*)step_of(own, ep_size) = step;
-      }
-    }
-  }
+  if constexpr (kCopy) copy_range<Vec, true>(slot, out + src * chunk_vecs, begin, end);
+  chunk_read(own, peers, rank, ep_size, src, parity, step, blocks_per_peer);
 }
 
 #define DEFINE_PEER_KERNELS(SUFFIX, VEC)                                                        \
@@ -272,3 +298,545 @@ DEFINE_PEER_KERNELS(v8, uint2)
 DEFINE_PEER_KERNELS(v4, unsigned int)
 DEFINE_PEER_KERNELS(v2, unsigned short)
 DEFINE_PEER_KERNELS(v1, unsigned char)
+
+// peer_drain_v16: peer_recv without the copy (waits, acknowledges, advances
+// the step). With peer_send_v16 and no local blocks it measures the peer-write
+// ceiling: rows stored straight into the peers' slots, nothing copied out.
+extern "C" __global__ void peer_drain_v16(uint4* out, const u64* peers, int rank, int ep_size,
+                                          i64 chunk_vecs, i64 slot_bytes, i64 data_offset,
+                                          int blocks_per_peer, u32* failed, PeerFailure* record,
+                                          u64 timeout_ns, int site) {
+  peer_recv<uint4, false>(out, peers, rank, ep_size, chunk_vecs, slot_bytes, data_offset,
+                          blocks_per_peer, failed, record, timeout_ns, site);
+}
+
+// ===========================================================================
+// Fused row paths of dispatch and combine (the peer branches of
+// _rows_to_slabs / _slabs_to_rows in moe_ep/transport/__init__.py). Same
+// channel and protocol as peer_send / peer_recv, a slot holding the [S, H]
+// rows one rank sends another, but rows move straight between XLA's buffers
+// and the slots, with no [R, S, H] buffer on either side:
+//   dispatch: tokens --peer_dispatch_send--> the other ranks' slots, and this
+//             rank's own rows (and zero padding) straight into its slabs;
+//             slots --peer_dispatch_recv--> slabs.
+//   combine:  slabs --peer_combine_send--> each source rank's slot: per wire
+//             row the fixed-order sum of its members, as gather_sum_rows;
+//             slots + own slabs --peer_combine_recv--> y, per token the
+//             fixed-order sum over ranks, as gather_sum_rows.
+// One warp moves one unit: a row, or a segment of segment_vecs 16-byte vectors
+// of a row when rows are few (decode), so that they still spread over the
+// grid (rows are a multiple of 16 bytes). ep_size <= 32 and top_k <= 32, so
+// lane d holds rank d's entry of a token and lane k member k's slab row. The maps (RoutingHandle in
+// moe_ep/transport/layout.py):
+//   wire_rows [T, R] int32: d * S + s, the slot s of token t's row to rank d, or -1.
+//   recv_pos [R * S, K] int32: slab row l * C + c of member k of the row rank
+//     src put in slot s (row src * S + s), or -1.
+//   slab_row [L * C] int32: src * S + s feeding slab row n, or -1 (zero row).
+// Bounds: every map entry is checked against its range (a wire row of rank d
+// against [d * S, d * S + S), a slab row against [0, L * C)); outside it
+// means "no row". Launch sizes are checked on entry: a kernel that returns
+// there moves nothing, and the peers' bounded waits then fail by name.
+// ===========================================================================
+
+#define ROW_COPY_UNROLL 4  // 16-byte vectors in flight per lane in the copies
+#define ROW_SUM_UNROLL 2   // 16-byte vectors per lane per step of the sums
+#define ROW_SUM_BATCH 4    // member rows loaded before their in-order adds
+#define ROW_MAX_LANES 32   // ep_size and top_k limit: one lane per entry
+
+__device__ __forceinline__ int lane_index() { return (int)(threadIdx.x & 31u); }
+__device__ __forceinline__ i64 grid_warp() {
+  return ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+}
+__device__ __forceinline__ i64 grid_warps() { return ((i64)gridDim.x * blockDim.x) >> 5; }
+
+__device__ __forceinline__ bool row_args_ok(int rank, int ep_size, int send_capacity, int top_k,
+                                            int num_slab_rows, int row_vecs, int segment_vecs) {
+  return ep_size >= 2 && ep_size <= ROW_MAX_LANES && rank >= 0 && rank < ep_size &&
+         send_capacity >= 1 && top_k >= 1 && top_k <= ROW_MAX_LANES && num_slab_rows >= 0 &&
+         row_vecs >= 1 && segment_vecs >= 1 && (blockDim.x & 31u) == 0u;
+}
+
+// Unit `unit` of rows split into `segments` segments of segment_vecs vectors:
+// its row and its vectors [begin, end).
+struct RowUnit {
+  i64 row;
+  int begin;
+  int end;
+};
+
+__device__ __forceinline__ RowUnit row_unit(i64 unit, int segments, int segment_vecs,
+                                            int row_vecs) {
+  RowUnit u;
+  u.row = unit / segments;
+  u.begin = (int)(unit % segments) * segment_vecs;
+  u.end = min(u.begin + segment_vecs, row_vecs);
+  return u;
+}
+
+// Lane d < ep_size: the slot s of token `token`'s row to rank d, else -1.
+__device__ __forceinline__ int wire_slot(const int* __restrict__ wire_rows, i64 token,
+                                         int ep_size, int send_capacity) {
+  const int lane = lane_index();
+  if (lane >= ep_size) return -1;
+  const i64 wire = __ldg(wire_rows + token * ep_size + lane);
+  const i64 slot = wire - (i64)lane * send_capacity;
+  return (wire >= 0 && slot >= 0 && slot < send_capacity) ? (int)slot : -1;
+}
+
+// Lane k < top_k: the slab row of member k of received row `row`, else -1.
+__device__ __forceinline__ int member_row(const int* __restrict__ recv_pos, i64 row, int top_k,
+                                          int num_slab_rows) {
+  const int lane = lane_index();
+  if (lane >= top_k) return -1;
+  const int n = __ldg(recv_pos + row * top_k + lane);
+  return (n >= 0 && n < num_slab_rows) ? n : -1;
+}
+
+__device__ __forceinline__ u64 slot_address(u64 base, i64 data_offset, int parity, int ep_size,
+                                            int slot, i64 slot_bytes) {
+  return base + (u64)data_offset + (u64)(parity * (ep_size - 1) + slot) * (u64)slot_bytes;
+}
+
+// Vectors base + u * 32 + lane (below `end`) of one row, u < U: a warp-wide step.
+template <int U, bool kFromPeerBuffer>
+__device__ __forceinline__ void load_step(const uint4* __restrict__ row, int base, int end,
+                                          uint4 (&values)[U]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int v = base + u * 32 + lane_index();
+    values[u] = make_uint4(0u, 0u, 0u, 0u);
+    if (v < end) values[u] = kFromPeerBuffer ? __ldcg(row + v) : row[v];
+  }
+}
+
+template <int U>
+__device__ __forceinline__ void store_step(const uint4 (&values)[U], uint4* __restrict__ row,
+                                           int base, int end) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int v = base + u * 32 + lane_index();
+    if (v < end) row[v] = values[u];
+  }
+}
+
+// Zeroes slab rows n whose slab_row[n] is outside [0, num_wire_rows): the
+// padding rows, which no received row feeds (expand_rows' zero rows).
+__device__ __forceinline__ void zero_padding_rows(const int* __restrict__ slab_row,
+                                                  uint4* __restrict__ slabs, int num_slab_rows,
+                                                  i64 num_wire_rows, int row_vecs,
+                                                  int segment_vecs) {
+  const int segments = (row_vecs + segment_vecs - 1) / segment_vecs;
+  const i64 units = (i64)num_slab_rows * segments;
+  for (i64 unit = grid_warp(); unit < units; unit += grid_warps()) {
+    const RowUnit u = row_unit(unit, segments, segment_vecs, row_vecs);
+    const int m = __ldg(slab_row + u.row);
+    if (m >= 0 && m < num_wire_rows) continue;
+    for (int v = u.begin + lane_index(); v < u.end; v += 32)
+      slabs[u.row * row_vecs + v] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// peer_dispatch_send: reads each token row once and stores it into the
+// parity-p slot of every other rank it goes to, and into this rank's slab rows
+// of the members it has here; raises the flags; then zeroes the padding rows.
+//   grid:   any number of blocks of 32 * w threads; grid warp i moves units
+//           (token row segments) i, i + warps, ..., then zeroes slab rows likewise.
+//   inputs: rows [T, row_vecs] uint4, wire_rows [T, R], recv_pos [R * S, K],
+//           slab_row [L * C] int32; peers [R] channel bases.
+//   output: slabs [L * C, row_vecs] uint4: the rows fed by this rank's own
+//           tokens and the padding rows (peer_dispatch_recv writes the rest).
+//   waits:  thread 0 of each block, before any store: acks[p][d] >= s - 2 of
+//           every other rank d (d has read that slot's last use).
+//   signal: the last block to finish raises flags[p][rank] = s on every d.
+//   bounds: see the section comment.
+// ---------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch_send(
+    const uint4* __restrict__ rows, const int* __restrict__ wire_rows,
+    const int* __restrict__ recv_pos, const int* __restrict__ slab_row,
+    uint4* __restrict__ slabs, const u64* __restrict__ peers, int rank, int ep_size,
+    int num_tokens, int send_capacity, int top_k, int num_slab_rows, int row_vecs,
+    int segment_vecs, i64 slot_bytes, i64 data_offset, u32* failed, PeerFailure* record,
+    u64 timeout_ns, int site) {
+  if (!row_args_ok(rank, ep_size, send_capacity, top_k, num_slab_rows, row_vecs, segment_vecs))
+    return;
+  const u64 own = peers[rank];
+  const u64 step = *(volatile u64*)step_of(own, ep_size) + 1;
+  const int parity = (int)(step & 1ull);
+  if (threadIdx.x == 0 && step > 2) {
+    for (int dest = 0; dest < ep_size; ++dest)
+      if (dest != rank)
+        thread_wait(acks_of(own, ep_size) + parity * ep_size + dest, step - 2, failed, record,
+                    timeout_ns, PEER_WAIT_ACK, dest, site, rank, step - 2);
+  }
+  __syncthreads();
+  const int lane = lane_index();
+  // Lane d: the slot this rank fills on rank d, as mapped here.
+  const u64 slot_base = (lane < ep_size && lane != rank)
+      ? slot_address(peers[lane], data_offset, parity, ep_size, slot_of(rank, lane), slot_bytes)
+      : 0ull;
+  const int segments = (row_vecs + segment_vecs - 1) / segment_vecs;
+  const i64 units = (i64)num_tokens * segments;
+  for (i64 unit = grid_warp(); unit < units; unit += grid_warps()) {
+    const RowUnit u = row_unit(unit, segments, segment_vecs, row_vecs);
+    const int slot = wire_slot(wire_rows, u.row, ep_size, send_capacity);
+    const int own_slot = __shfl_sync(MOE_EP_FULL_MASK, slot, rank);
+    const int member = own_slot < 0 ? -1
+        : member_row(recv_pos, (i64)rank * send_capacity + own_slot, top_k, num_slab_rows);
+    const u32 remote = __ballot_sync(MOE_EP_FULL_MASK, slot >= 0 && lane != rank);
+    const u32 local = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
+    if ((remote | local) == 0u) continue;
+    const uint4* row = rows + u.row * row_vecs;
+    for (int base = u.begin; base < u.end; base += 32 * ROW_COPY_UNROLL) {
+      uint4 values[ROW_COPY_UNROLL];
+      load_step<ROW_COPY_UNROLL, false>(row, base, u.end, values);
+      for (u32 m = remote; m != 0u; m &= m - 1u) {
+        const int dest = __ffs(m) - 1;
+        uint4* out = (uint4*)__shfl_sync(MOE_EP_FULL_MASK, slot_base, dest) +
+                     (i64)__shfl_sync(MOE_EP_FULL_MASK, slot, dest) * row_vecs;
+        store_step<ROW_COPY_UNROLL>(values, out, base, u.end);
+      }
+      for (u32 m = local; m != 0u; m &= m - 1u) {
+        const int k = __ffs(m) - 1;
+        store_step<ROW_COPY_UNROLL>(
+            values, slabs + (i64)__shfl_sync(MOE_EP_FULL_MASK, member, k) * row_vecs, base,
+            u.end);
+      }
+    }
+  }
+  __threadfence_system();  // this thread's slot stores reach the peers before the count
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u32* blocks_done = counters_of(own, ep_size) + 2 * ep_size + 1;
+    if (atomicAdd(blocks_done, 1u) == gridDim.x - 1) {
+      *blocks_done = 0u;  // rearm for the next launch
+      __threadfence_system();
+      for (int dest = 0; dest < ep_size; ++dest)
+        if (dest != rank)
+          atomicExch(flags_of(peers[dest], ep_size) + parity * ep_size + rank, step);
+    }
+  }
+  zero_padding_rows(slab_row, slabs, num_slab_rows, (i64)ep_size * send_capacity, row_vecs,
+                    segment_vecs);
+}
+
+// ---------------------------------------------------------------------------
+// peer_dispatch_recv: waits for each other rank's rows, reads each received
+// row once from its slot and stores it into the slab rows of its members;
+// acknowledges each source; the last block advances the step.
+//   grid:   (ep_size - 1) * blocks_per_peer blocks of 32 * w threads; block b
+//           moves part b % blocks_per_peer of the units (row segments) of
+//           the slots of the (b / blocks_per_peer)-th other rank, one warp a unit.
+//   inputs: recv_pos [R * S, K] int32; peers [R] (this device's own slots).
+//   output: slabs [L * C, row_vecs] uint4: the rows fed by the other ranks.
+//   waits:  thread 0: flags[p][src] >= s.
+//   bounds: see the section comment.
+// ---------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch_recv(
+    const int* __restrict__ recv_pos, uint4* __restrict__ slabs, const u64* __restrict__ peers,
+    int rank, int ep_size, int send_capacity, int top_k, int num_slab_rows, int row_vecs,
+    int segment_vecs, i64 slot_bytes, i64 data_offset, int blocks_per_peer, u32* failed,
+    PeerFailure* record, u64 timeout_ns, int site) {
+  if (!row_args_ok(rank, ep_size, send_capacity, top_k, num_slab_rows, row_vecs, segment_vecs) ||
+      blocks_per_peer < 1)
+    return;
+  const int block = blockIdx.x;
+  if (block >= (ep_size - 1) * blocks_per_peer) return;
+  const int nth = block / blocks_per_peer;
+  const int src = nth < rank ? nth : nth + 1;
+  const u64 own = peers[rank];
+  const u64 step = *(volatile u64*)step_of(own, ep_size) + 1;
+  const int parity = (int)(step & 1ull);
+  block_wait(flags_of(own, ep_size) + parity * ep_size + src, step, failed, record, timeout_ns,
+             PEER_WAIT_FLAG, src, site, rank, step);
+  const uint4* slot =
+      (const uint4*)slot_address(own, data_offset, parity, ep_size, nth, slot_bytes);
+  const int segments = (row_vecs + segment_vecs - 1) / segment_vecs;
+  i64 begin, end;
+  part_range((i64)send_capacity * segments, block % blocks_per_peer, blocks_per_peer, &begin,
+             &end);
+  const int warps = (int)(blockDim.x >> 5);
+  for (i64 unit = begin + (threadIdx.x >> 5); unit < end; unit += warps) {
+    const RowUnit u = row_unit(unit, segments, segment_vecs, row_vecs);
+    const int member =
+        member_row(recv_pos, (i64)src * send_capacity + u.row, top_k, num_slab_rows);
+    const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
+    if (members == 0u) continue;
+    const uint4* row = slot + u.row * row_vecs;
+    for (int base = u.begin; base < u.end; base += 32 * ROW_COPY_UNROLL) {
+      uint4 values[ROW_COPY_UNROLL];
+      load_step<ROW_COPY_UNROLL, true>(row, base, u.end, values);
+      for (u32 m = members; m != 0u; m &= m - 1u) {
+        const int k = __ffs(m) - 1;
+        store_step<ROW_COPY_UNROLL>(
+            values, slabs + (i64)__shfl_sync(MOE_EP_FULL_MASK, member, k) * row_vecs, base,
+            u.end);
+      }
+    }
+  }
+  chunk_read(own, peers, rank, ep_size, src, parity, step, blocks_per_peer);
+}
+
+// The element types of the sums: float32 accumulate, one rounding at the end,
+// exactly as rows.cu's F32 / BF16 / F16 (so the results are gather_sum_rows').
+struct SumF32 {
+  typedef float Elem;
+  static __device__ __forceinline__ float load(float v) { return v; }
+  static __device__ __forceinline__ float store(float v) { return v; }
+};
+struct SumBF16 {
+  typedef u16 Elem;
+  static __device__ __forceinline__ float load(u16 v) { return bf16_to_f32(v); }
+  static __device__ __forceinline__ u16 store(float v) { return f32_to_bf16(v); }
+};
+struct SumF16 {
+  typedef u16 Elem;
+  static __device__ __forceinline__ float load(u16 v) { return f16_to_f32(v); }
+  static __device__ __forceinline__ u16 store(float v) { return f32_to_f16(v); }
+};
+
+template <typename T>
+union SumPack {
+  uint4 raw;
+  typename T::Elem elems[16 / sizeof(typename T::Elem)];
+};
+
+template <typename T>
+__device__ __forceinline__ void add_vector(uint4 raw, float (&acc)[16 / sizeof(typename T::Elem)]) {
+  SumPack<T> pack;
+  pack.raw = raw;
+#pragma unroll
+  for (int e = 0; e < 16 / (int)sizeof(typename T::Elem); ++e) acc[e] += T::load(pack.elems[e]);
+}
+
+// acc += the slab rows of the members in `members` (lane k holds member k's
+// row), one warp-wide step, in the order k = 0, 1, ...: gather_sum_rows' sum
+// over one row of recv_pos. An absent member adds +0.0 there and nothing
+// here, the same bits: the sum starts at +0.0 and a float32 sum that starts
+// at +0.0 is never -0.0 (round to nearest), so adding +0.0 leaves it as it is.
+template <typename T, int U>
+__device__ __forceinline__ void add_members(const uint4* __restrict__ table, int row_vecs,
+                                            int member, u32 members, int base, int end,
+                                            float (&acc)[U][16 / sizeof(typename T::Elem)]) {
+  while (members != 0u) {  // warp-uniform
+    uint4 values[ROW_SUM_BATCH][U];
+    int taken = 0;
+#pragma unroll
+    for (int j = 0; j < ROW_SUM_BATCH; ++j) {
+      if (members != 0u) {
+        const int k = __ffs(members) - 1;
+        members &= members - 1u;
+        const int n = __shfl_sync(MOE_EP_FULL_MASK, member, k);
+        load_step<U, false>(table + (i64)n * row_vecs, base, end, values[j]);
+        taken = j + 1;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < ROW_SUM_BATCH; ++j) {
+      if (j < taken) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) add_vector<T>(values[j][u], acc[u]);
+      }
+    }
+  }
+}
+
+template <typename T, int U>
+__device__ __forceinline__ void store_sums(const float (&acc)[U][16 / sizeof(typename T::Elem)],
+                                           uint4* __restrict__ row, int base, int end) {
+  uint4 values[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    SumPack<T> pack;
+#pragma unroll
+    for (int e = 0; e < 16 / (int)sizeof(typename T::Elem); ++e)
+      pack.elems[e] = T::store(acc[u][e]);
+    values[u] = pack.raw;
+  }
+  store_step<U>(values, row, base, end);
+}
+
+// ---------------------------------------------------------------------------
+// peer_combine_send_{f32,bf16,f16}: for each row rank `dest` sent here, the
+// float32 sum of its members' slab rows in member order, rounded once, stored
+// into dest's parity-p slot (gather_sum_rows over recv_pos, delivered).
+//   grid:   (ep_size - 1) * blocks_per_peer blocks of 32 * w threads; block b
+//           sums part b % blocks_per_peer of the units (row segments) of the
+//           rows of the (b / blocks_per_peer)-th other rank, one warp a unit.
+//   inputs: slabs [L * C, row_elems], recv_pos [R * S, K] int32; peers [R].
+//   output: the slots (every row of dest's chunk, zero where no member is kept).
+//   waits:  thread 0: acks[p][dest] >= s - 2.   signal: flags[p][rank] = s on dest.
+//   bounds: see the section comment; row_elems * sizeof(Elem) % 16 == 0.
+// ---------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ void peer_combine_send(
+    const typename T::Elem* __restrict__ slabs, const int* __restrict__ recv_pos,
+    const u64* __restrict__ peers, int rank, int ep_size, int send_capacity, int top_k,
+    int num_slab_rows, int row_elems, int segment_vecs, i64 slot_bytes, i64 data_offset,
+    int blocks_per_peer, u32* failed, PeerFailure* record, u64 timeout_ns, int site) {
+  constexpr int kPerVec = 16 / sizeof(typename T::Elem);
+  const int row_vecs = row_elems / kPerVec;
+  if (!row_args_ok(rank, ep_size, send_capacity, top_k, num_slab_rows, row_vecs, segment_vecs) ||
+      row_elems % kPerVec != 0 || blocks_per_peer < 1)
+    return;
+  const int block = blockIdx.x;
+  if (block >= (ep_size - 1) * blocks_per_peer) return;
+  const int nth = block / blocks_per_peer;
+  const int dest = nth < rank ? nth : nth + 1;
+  const u64 own = peers[rank];
+  const u64 step = *(volatile u64*)step_of(own, ep_size) + 1;
+  const int parity = (int)(step & 1ull);
+  if (step > 2)
+    block_wait(acks_of(own, ep_size) + parity * ep_size + dest, step - 2, failed, record,
+               timeout_ns, PEER_WAIT_ACK, dest, site, rank, step - 2);
+  const u64 peer = peers[dest];
+  uint4* slot = (uint4*)slot_address(peer, data_offset, parity, ep_size, slot_of(rank, dest),
+                                     slot_bytes);
+  const uint4* table = (const uint4*)slabs;
+  const int segments = (row_vecs + segment_vecs - 1) / segment_vecs;
+  i64 begin, end;
+  part_range((i64)send_capacity * segments, block % blocks_per_peer, blocks_per_peer, &begin,
+             &end);
+  const int warps = (int)(blockDim.x >> 5);
+  for (i64 unit = begin + (threadIdx.x >> 5); unit < end; unit += warps) {
+    const RowUnit u = row_unit(unit, segments, segment_vecs, row_vecs);
+    const int member =
+        member_row(recv_pos, (i64)dest * send_capacity + u.row, top_k, num_slab_rows);
+    const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
+    uint4* row = slot + u.row * row_vecs;
+    for (int base = u.begin; base < u.end; base += 32 * ROW_SUM_UNROLL) {
+      float acc[ROW_SUM_UNROLL][kPerVec];
+#pragma unroll
+      for (int i = 0; i < ROW_SUM_UNROLL; ++i)
+#pragma unroll
+        for (int e = 0; e < kPerVec; ++e) acc[i][e] = 0.0f;
+      add_members<T, ROW_SUM_UNROLL>(table, row_vecs, member, members, base, u.end, acc);
+      store_sums<T, ROW_SUM_UNROLL>(acc, row, base, u.end);
+    }
+  }
+  chunk_sent(own, peer, rank, ep_size, dest, parity, step, blocks_per_peer);
+}
+
+// ---------------------------------------------------------------------------
+// peer_combine_recv_{f32,bf16,f16}: y[t] = the float32 sum over ranks d = 0,
+// 1, ... of the row t sent to d as it came back: from d's slot for d != rank,
+// and for d == rank this rank's own member sum, rounded to Elem and widened
+// again (what gather_sum_rows over wire_rows reads); rounded once at the end.
+// Then acknowledges every source; the last block advances the step.
+//   grid:   any number of blocks of 32 * w threads; grid warp i sums units
+//           (token row segments) i, i + warps, ...
+//   inputs: slabs [L * C, row_elems], recv_pos [R * S, K], wire_rows [T, R];
+//           peers [R] (this device's own slots hold the other ranks' sums).
+//   output: y [T, row_elems].
+//   waits:  thread 0 of each block: flags[p][src] >= s of every other rank.
+//   bounds: see the section comment; row_elems * sizeof(Elem) % 16 == 0.
+// ---------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ void peer_combine_recv(
+    const typename T::Elem* __restrict__ slabs, const int* __restrict__ recv_pos,
+    const int* __restrict__ wire_rows, typename T::Elem* __restrict__ y,
+    const u64* __restrict__ peers, int rank, int ep_size, int num_tokens, int send_capacity,
+    int top_k, int num_slab_rows, int row_elems, int segment_vecs, i64 slot_bytes,
+    i64 data_offset, u32* failed, PeerFailure* record, u64 timeout_ns, int site) {
+  constexpr int kPerVec = 16 / sizeof(typename T::Elem);
+  const int row_vecs = row_elems / kPerVec;
+  if (!row_args_ok(rank, ep_size, send_capacity, top_k, num_slab_rows, row_vecs, segment_vecs) ||
+      row_elems % kPerVec != 0)
+    return;
+  const u64 own = peers[rank];
+  const u64 step = *(volatile u64*)step_of(own, ep_size) + 1;
+  const int parity = (int)(step & 1ull);
+  if (threadIdx.x == 0) {
+    for (int src = 0; src < ep_size; ++src)
+      if (src != rank)
+        thread_wait(flags_of(own, ep_size) + parity * ep_size + src, step, failed, record,
+                    timeout_ns, PEER_WAIT_FLAG, src, site, rank, step);
+  }
+  __syncthreads();
+  const int lane = lane_index();
+  // Lane d: the slot rank d's sums of this rank's rows arrive in.
+  const u64 slot_base = (lane < ep_size && lane != rank)
+      ? slot_address(own, data_offset, parity, ep_size, slot_of(lane, rank), slot_bytes)
+      : 0ull;
+  const uint4* table = (const uint4*)slabs;
+  const int segments = (row_vecs + segment_vecs - 1) / segment_vecs;
+  const i64 units = (i64)num_tokens * segments;
+  for (i64 unit = grid_warp(); unit < units; unit += grid_warps()) {
+    const RowUnit u = row_unit(unit, segments, segment_vecs, row_vecs);
+    const int slot = wire_slot(wire_rows, u.row, ep_size, send_capacity);
+    const int own_slot = __shfl_sync(MOE_EP_FULL_MASK, slot, rank);
+    const int member = own_slot < 0 ? -1
+        : member_row(recv_pos, (i64)rank * send_capacity + own_slot, top_k, num_slab_rows);
+    const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
+    // Ranks whose wire row of t is absent add +0.0 in gather_sum_rows: skipped
+    // here, the same bits (see add_members).
+    const u32 ranks = __ballot_sync(MOE_EP_FULL_MASK, slot >= 0);
+    uint4* out = (uint4*)y + u.row * row_vecs;
+    for (int base = u.begin; base < u.end; base += 32 * ROW_SUM_UNROLL) {
+      float acc[ROW_SUM_UNROLL][kPerVec];
+#pragma unroll
+      for (int i = 0; i < ROW_SUM_UNROLL; ++i)
+#pragma unroll
+        for (int e = 0; e < kPerVec; ++e) acc[i][e] = 0.0f;
+      for (u32 m = ranks; m != 0u; m &= m - 1u) {
+        const int d = __ffs(m) - 1;
+        if (d == rank) {
+          float part[ROW_SUM_UNROLL][kPerVec];
+#pragma unroll
+          for (int i = 0; i < ROW_SUM_UNROLL; ++i)
+#pragma unroll
+            for (int e = 0; e < kPerVec; ++e) part[i][e] = 0.0f;
+          add_members<T, ROW_SUM_UNROLL>(table, row_vecs, member, members, base, u.end, part);
+#pragma unroll
+          for (int i = 0; i < ROW_SUM_UNROLL; ++i)
+#pragma unroll
+            for (int e = 0; e < kPerVec; ++e) acc[i][e] += T::load(T::store(part[i][e]));
+        } else {
+          const uint4* row = (const uint4*)__shfl_sync(MOE_EP_FULL_MASK, slot_base, d) +
+                             (i64)__shfl_sync(MOE_EP_FULL_MASK, slot, d) * row_vecs;
+          uint4 values[ROW_SUM_UNROLL];
+          load_step<ROW_SUM_UNROLL, true>(row, base, u.end, values);
+#pragma unroll
+          for (int i = 0; i < ROW_SUM_UNROLL; ++i) add_vector<T>(values[i], acc[i]);
+        }
+      }
+      store_sums<T, ROW_SUM_UNROLL>(acc, out, base, u.end);
+    }
+  }
+  __syncthreads();  // every load of this block has returned
+  if (threadIdx.x == 0) {
+    u32* blocks_done = counters_of(own, ep_size) + 2 * ep_size + 1;
+    __threadfence();
+    if (atomicAdd(blocks_done, 1u) == gridDim.x - 1) {
+      *blocks_done = 0u;  // rearm for the next launch
+      __threadfence_system();
+      for (int src = 0; src < ep_size; ++src)
+        if (src != rank) atomicExch(acks_of(peers[src], ep_size) + parity * ep_size + rank, step);
+      *(volatile u64*)step_of(own, ep_size) = step;
+    }
+  }
+}
+
+#define DEFINE_PEER_COMBINE_KERNELS(SUFFIX, TYPE)                                               \
+  extern "C" __global__ void __launch_bounds__(512, 1) peer_combine_send_##SUFFIX(                 \
+      const TYPE::Elem* slabs, const int* recv_pos, const u64* peers, int rank, int ep_size,    \
+      int send_capacity, int top_k, int num_slab_rows, int row_elems, int segment_vecs,         \
+      i64 slot_bytes, i64 data_offset, int blocks_per_peer, u32* failed, PeerFailure* record,  \
+      u64 timeout_ns, int site) {                                                               \
+    peer_combine_send<TYPE>(slabs, recv_pos, peers, rank, ep_size, send_capacity, top_k,        \
+                            num_slab_rows, row_elems, segment_vecs, slot_bytes, data_offset,    \
+                            blocks_per_peer, failed, record, timeout_ns, site);                 \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(512, 1) peer_combine_recv_##SUFFIX(                 \
+      const TYPE::Elem* slabs, const int* recv_pos, const int* wire_rows, TYPE::Elem* y,        \
+      const u64* peers, int rank, int ep_size, int num_tokens, int send_capacity, int top_k,    \
+      int num_slab_rows, int row_elems, int segment_vecs, i64 slot_bytes, i64 data_offset,      \
+      u32* failed, PeerFailure* record, u64 timeout_ns, int site) {                             \
+    peer_combine_recv<TYPE>(slabs, recv_pos, wire_rows, y, peers, rank, ep_size, num_tokens,    \
+                            send_capacity, top_k, num_slab_rows, row_elems, segment_vecs,       \
+                            slot_bytes, data_offset, failed, record, timeout_ns, site);         \
+  }
+
+DEFINE_PEER_COMBINE_KERNELS(f32, SumF32)
+DEFINE_PEER_COMBINE_KERNELS(bf16, SumBF16)
+DEFINE_PEER_COMBINE_KERNELS(f16, SumF16)

@@ -1,8 +1,23 @@
-"""P2: dispatch and combine across GPUs: time and logical bandwidth (useful
-bytes leaving a GPU / time, DeepEP's measure), next to a raw all_to_all of the
-same buffer and jax.lax.ragged_all_to_all of the useful rows; and the row
-exchange alone: the direct peer exchange (moe_ep.transport.peer) against
-all_to_all, with fewer and more blocks per peer.
+"""P2: dispatch and combine across GPUs on both exchange paths, XLA's
+``all_to_all`` and the direct peer path (:mod:`moe_ep.transport.peer`), with
+the ceilings measured in the same run.
+
+For each tokens-per-rank ``T`` and expert count ``E`` (EP over every device
+of the job): dispatch (routing, metadata exchange and rows), the dispatch row
+path alone (given the routing handle, like DeepEP's dispatch with a cached
+handle) and combine, on each path, checked bitwise against each other; the
+peer row paths with fewer blocks (SMs). For each ``T``: the raw
+``all_to_all`` of the ``[R, S, H]`` send buffer, the drop-in peer exchange of
+it, and the peer-write ceiling (rows stored straight into the peers' slots,
+nothing copied). Decode: the dispatch + combine round trip for a few tokens
+per rank.
+
+Bandwidth per GPU, both directions at once: ``off_device_gbs`` = useful
+bytes leaving a GPU (rows for other ranks, padding excluded) / time, and
+``received_gbs`` = DeepEP's measure, bytes a GPU receives including its own
+rank's rows / time (the busiest rank's bytes). Device time per operation:
+``repeat`` operations chained in one jitted call, each one's input waiting
+for the previous one's output, so the host's per-call cost is paid once.
 
 Runs over every device of the job: one process with several GPUs, or one
 process per GPU under ``python -m moe_ep.launch --gpus-per-process 1``.
@@ -10,7 +25,6 @@ process per GPU under ``python -m moe_ep.launch --gpus-per-process 1``.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +33,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moe_ep import transport
 from moe_ep.bench import common
-from moe_ep.transport import (combine, dispatch, expert_capacity_for,
-                              send_capacity_for)
-from moe_ep.transport import peer
+from moe_ep.transport import combine, dispatch, expert_capacity_for, peer, send_capacity_for
+
+PATHS = ("all_to_all", "peer")
 
 
 def _shard(mesh, array):
@@ -32,207 +47,313 @@ def _shard(mesh, array):
                                       lambda index: array[index])
 
 
+def _random_rows(mesh, rows: int, hidden: int, seed: int):
+  """``[rows, hidden]`` bf16 normal values made on the devices, sharded over "ep"."""
+  make = jax.jit(lambda key: jax.random.normal(key, (rows, hidden), jnp.bfloat16),
+                 out_shardings=NamedSharding(mesh, P("ep")))
+  return make(jax.random.key(seed))
+
+
 def _host_routing(rng, tokens: int, top_k: int, num_experts: int):
   idx = np.argsort(rng.random((tokens, num_experts)), axis=1)[:, :top_k].astype(np.int32)
   weights = rng.random((tokens, top_k)).astype(np.float32)
   return idx, weights / weights.sum(-1, keepdims=True)
 
 
-def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_factor,
-         backend: str, iters: int) -> dict:
-  ep_size = mesh.shape["ep"]
-  capacity = expert_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
-  send_capacity = send_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
-  rng = np.random.default_rng(tokens + num_experts)
-  x = _shard(mesh, rng.standard_normal((ep_size * tokens, hidden), np.float32).astype(jnp.bfloat16))
-  idx, weights = (_shard(mesh, a) for a in _host_routing(rng, ep_size * tokens, top_k,
-                                                         num_experts))
-  smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
-  kwargs = dict(num_experts=num_experts, expert_capacity=capacity, axis_name="ep",
-                send_capacity=send_capacity, backend=backend)
-
-  dispatch_fn = jax.jit(smap(lambda x, i, w: dispatch(x, i, w, **kwargs)))
-  dispatched = dispatch_fn(x, idx, weights)
-  dispatch_time = common.time_ms(lambda *a: dispatch_fn(*a).tokens, x, idx, weights, iters=iters)
-  combine_fn = jax.jit(smap(lambda s, h: combine(s, h, num_tokens=tokens, axis_name="ep",
-                                                 backend=backend)))
-  combine_time = common.time_ms(combine_fn, dispatched.tokens, dispatched.handle, iters=iters)
-
-  # Useful rows: wire rows a rank sends to the other ranks (padding excluded).
-  send_slot = np.asarray(multihost_utils.process_allgather(dispatched.handle.send_slot,
-                                                          tiled=True))
-  send_slot = send_slot.reshape(ep_size, tokens, ep_size)
-  off_device = [int((send_slot[r][:, [d for d in range(ep_size) if d != r]] >= 0).sum())
-                for r in range(ep_size)]
-  row_bytes = hidden * 2
-  useful_bytes = max(off_device) * row_bytes
-  wire_bytes = (ep_size - 1) * send_capacity * row_bytes
-
-  buffer = _shard(mesh, np.ones((ep_size * ep_size, send_capacity, hidden), jnp.bfloat16))
-  raw = jax.jit(smap(lambda b: jax.lax.all_to_all(b, "ep", 0, 0, tiled=True)))
-  raw_time = common.time_ms(raw, buffer, iters=iters)
-  ragged_time = _ragged_time(mesh, send_slot, send_capacity, hidden, iters)
-  return {
-      "tokens_per_rank": tokens, "num_experts": num_experts, "expert_capacity": capacity,
-      "send_capacity": send_capacity, "useful_rows_off_device_per_rank": off_device,
-      "dispatch": dispatch_time, "combine": combine_time, "raw_all_to_all": raw_time,
-      "ragged_all_to_all": ragged_time,
-      "dispatch_logical_gbs": useful_bytes / dispatch_time["median_ms"] / 1e6,
-      "combine_logical_gbs": useful_bytes / combine_time["median_ms"] / 1e6,
-      "raw_all_to_all_wire_gbs": wire_bytes / raw_time["median_ms"] / 1e6,
-      "ragged_all_to_all_logical_gbs": (useful_bytes / ragged_time["median_ms"] / 1e6
-                                        if "median_ms" in ragged_time else None),
-  }
+def _smap(mesh, fn):
+  return jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
 
 
-def _ragged_time(mesh, send_slot, send_capacity, hidden, iters):
-  """ragged_all_to_all of exactly the useful rows (sizes precomputed)."""
-  ep_size = mesh.shape["ep"]
-  counts = np.stack([(send_slot[r] >= 0).sum(0) for r in range(ep_size)]).astype(np.int32)
-  offsets = (np.arange(ep_size, dtype=np.int32) * send_capacity)[None].repeat(ep_size, 0)
-  # Rank r's rows for d land in d's output block r.
-  output_offsets = (np.arange(ep_size, dtype=np.int32)[:, None] * send_capacity).repeat(ep_size, 1)
-  recv_sizes = counts.T.copy()
-  operand = _shard(mesh, np.ones((ep_size * ep_size * send_capacity, hidden), jnp.bfloat16))
+def _chained(fn, repeat: int):
+  """``fn(x, *rest)`` ``repeat`` times in one program. An optimization
+  barrier ties each call's ``x`` to the previous call's output (no copy, no
+  arithmetic), so the calls run one after another; one element of each
+  output is returned, so none is dead code."""
+  def body(x, *rest):
+    kept = []
+    for _ in range(repeat):
+      out = fn(x, *rest)
+      x, out = jax.lax.optimization_barrier((x, out))
+      kept.append(jax.tree.leaves(out)[0].reshape(-1)[:1].astype(jnp.float32))
+    return jnp.concatenate(kept)
+  return body
 
-  def body(operand, input_offsets, send_sizes, output_offsets, recv_sizes):
-    output = jnp.zeros_like(operand)
-    return jax.lax.ragged_all_to_all(operand, output, input_offsets[0], send_sizes[0],
-                                     output_offsets[0], recv_sizes[0], axis_name="ep")
-  try:
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    args = [operand] + [_shard(mesh, a) for a in (offsets, counts, output_offsets, recv_sizes)]
-    return common.time_ms(fn, *args, iters=max(2, iters // 5), repeats=3)
-  except Exception as error:  # not every jax/XLA build has it on every platform
-    return {"error": repr(error)[:300]}
+
+def _timed(mesh, fn, args, *, repeat: int, iters: int, same_shape: bool = False) -> dict:
+  """Device time of one ``fn`` call: ``repeat`` chained calls per jitted
+  call. ``same_shape``: ``fn(x)`` has ``x``'s shape and feeds the next call
+  itself (a plain collective, which XLA would merge if its input repeated)."""
+  if same_shape:
+    def chain_body(x):
+      for _ in range(repeat):
+        x = fn(x)
+      return x
+  else:
+    chain_body = _chained(fn, repeat)
+  timing = common.time_ms(jax.jit(_smap(mesh, chain_body)), *args, iters=iters)
+  return {"ms": timing["median_ms"] / repeat, "chain": timing}
+
+
+def _with_gbs(timing: dict, off_device_bytes: int, received_bytes: int | None) -> dict:
+  timing["off_device_gbs"] = off_device_bytes / timing["ms"] / 1e6
+  if received_bytes is not None:
+    timing["received_gbs"] = received_bytes / timing["ms"] / 1e6
+  return timing
 
 
 def _same_bits(a, b) -> bool:
   """Shard by shard (works across processes): equal bit patterns."""
-  return all(np.array_equal(np.asarray(x.data).view(np.uint16), np.asarray(y.data).view(np.uint16))
+  def bits(x):
+    x = np.asarray(x)
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+  return all(np.array_equal(bits(x.data), bits(y.data))
              for x, y in zip(a.addressable_shards, b.addressable_shards))
 
 
-def exchange_case(mesh, rows: int, hidden: int, iters: int, block_counts=(None,),
-                  repeat: int = 10) -> dict:
-  """One row exchange of ``[R, rows, hidden]`` bf16 per rank: all_to_all and,
-  where :func:`peer.supported`, the peer exchange (checked bitwise against
-  it) with each ``blocks_per_peer`` in ``block_counts`` (None: all SMs).
+def _peer_reason(mesh, backend: str) -> str | None:
+  if mesh.shape["ep"] == 1:
+    return "one rank"
+  if backend == "xla":
+    return "backend='xla'"
+  return peer.unsupported_reason(mesh, "ep")
 
-  Device time per exchange: ``repeat`` exchanges chained in one jitted call
-  (each one's output is the next one's input), so the host's per-call launch
-  cost is paid once (XLA replays the chain from a CUDA graph). Bandwidth per
-  GPU, both directions at once: off-device bytes sent / time, and DeepEP's
-  measure, bytes received including the local chunk / time.
-  """
+
+def _multiprocessors() -> int | None:
+  return getattr(jax.local_devices()[0], "core_count", None)
+
+
+def _row_counts(send_slot: np.ndarray) -> dict:
+  """Rows per rank from the gathered ``send_slot [R, T, R]``: sent to other
+  ranks (dispatch's off-device rows), received from other ranks (combine's
+  off-device rows), received including its own (dispatch's DeepEP rows) and
+  returned to it including its own (combine's DeepEP rows)."""
+  sent = send_slot >= 0  # [src, t, dest]
+  per_pair = sent.sum(axis=1)  # [src, dest]
+  own = np.diag(per_pair)
+  return {"dispatch_off_device": (per_pair.sum(1) - own).tolist(),
+          "combine_off_device": (per_pair.sum(0) - own).tolist(),
+          "dispatch_received": per_pair.sum(0).tolist(),
+          "combine_received": per_pair.sum(1).tolist()}
+
+
+class _Blocks:
+  """``peer.configure(blocks_per_peer=...)`` for programs traced inside."""
+
+  def __init__(self, blocks):
+    self.blocks = blocks
+
+  def __enter__(self):
+    peer.configure(blocks_per_peer=self.blocks)
+
+  def __exit__(self, *exc):
+    peer.configure()
+
+
+def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_factor,
+         backend: str, iters: int, repeat: int = 10, block_counts=()) -> dict:
+  """Dispatch, dispatch rows and combine on each path at one shape."""
   ep_size = mesh.shape["ep"]
-  host = np.random.default_rng(rows).standard_normal((ep_size * ep_size * rows, hidden),
-                                                     np.float32).astype(jnp.bfloat16)
-  x = _shard(mesh, host)
-  smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
-  chunk_bytes = rows * hidden * 2
+  capacity = expert_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
+  send_capacity = send_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
+  rng = np.random.default_rng(tokens + num_experts)
+  x = _random_rows(mesh, ep_size * tokens, hidden, tokens + num_experts)
+  idx, weights = (_shard(mesh, a) for a in _host_routing(rng, ep_size * tokens, top_k,
+                                                         num_experts))
+  row_bytes = hidden * 2
+  reason = _peer_reason(mesh, backend)
+  result = {"tokens_per_rank": tokens, "num_experts": num_experts, "expert_capacity": capacity,
+            "send_capacity": send_capacity, "peer_unsupported_reason": reason}
+  reference = None
+  for path in PATHS if reason is None else PATHS[:1]:
+    exchange = dict(backend=backend, exchange=path, mesh=mesh)
+    spec = transport._Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=capacity,
+                           send_capacity=send_capacity, axis_name="ep", **exchange)
 
-  def chained(exchange):
-    def body(b):
-      for _ in range(repeat):
-        b = exchange(b)
-      return b
-    return jax.jit(smap(body))
+    def dispatch_fn(x, idx, weights):
+      return dispatch(x, idx, weights, num_experts=num_experts, expert_capacity=capacity,
+                      axis_name="ep", send_capacity=send_capacity, **exchange)
 
-  def timed(exchange):
-    """Timing of the chain, and its result (from the last timed call)."""
-    fn = chained(exchange)
-    timing = common.time_ms(fn, x, iters=iters)
-    ms = timing["median_ms"] / repeat
-    return {"ms_per_exchange": ms, "off_device_gbs": (ep_size - 1) * chunk_bytes / ms / 1e6,
-            "received_gbs": ep_size * chunk_bytes / ms / 1e6, "chain": timing}, fn(x)
+    def rows_fn(x, handle):
+      return transport._rows_to_slabs(spec, x, handle)
+
+    def combine_fn(slabs, handle):
+      return combine(slabs, handle, num_tokens=tokens, axis_name="ep", **exchange)
+
+    dispatched = jax.jit(_smap(mesh, dispatch_fn))(x, idx, weights)
+    y = jax.jit(_smap(mesh, combine_fn))(dispatched.tokens, dispatched.handle)
+    if reference is None:
+      reference = dispatched.tokens, y
+      send_slot = np.asarray(multihost_utils.process_allgather(dispatched.handle.send_slot,
+                                                              tiled=True))
+      rows = _row_counts(send_slot.reshape(ep_size, tokens, ep_size))
+      result["rows_per_rank"] = rows
+      nbytes = {k: max(v) * row_bytes for k, v in rows.items()}
+    timings = {}
+    for name, fn, args, kind in (("dispatch", dispatch_fn, (x, idx, weights), "dispatch"),
+                                 ("dispatch_rows", rows_fn, (x, dispatched.handle), "dispatch"),
+                                 ("combine", combine_fn, (dispatched.tokens, dispatched.handle),
+                                  "combine")):
+      timings[name] = _with_gbs(_timed(mesh, fn, args, repeat=repeat, iters=iters),
+                                nbytes[f"{kind}_off_device"], nbytes[f"{kind}_received"])
+    timings["bitwise_equal_to_all_to_all"] = (_same_bits(dispatched.tokens, reference[0])
+                                              and _same_bits(y, reference[1]))
+    if path == "peer":
+      grid = peer.row_grid(ep_size, tokens, send_capacity, row_bytes // 16,
+                           _multiprocessors() or 1)
+      timings["default_grid"] = {"token_blocks": grid.token_blocks,
+                                 "slot_blocks": (ep_size - 1) * grid.blocks_per_peer}
+    if path == "peer" and block_counts:
+      timings["blocks"] = []
+      for blocks in block_counts:
+        with _Blocks(blocks):
+          grid = peer.row_grid(ep_size, tokens, send_capacity, row_bytes // 16,
+                               _multiprocessors() or 1)
+          timings["blocks"].append({
+              "requested": blocks, "token_blocks": grid.token_blocks,
+              "slot_blocks": (ep_size - 1) * grid.blocks_per_peer,
+              "dispatch_rows": _with_gbs(
+                  _timed(mesh, rows_fn, (x, dispatched.handle), repeat=repeat, iters=iters),
+                  nbytes["dispatch_off_device"], nbytes["dispatch_received"]),
+              "combine": _with_gbs(
+                  _timed(mesh, combine_fn, (dispatched.tokens, dispatched.handle),
+                         repeat=repeat, iters=iters),
+                  nbytes["combine_off_device"], nbytes["combine_received"])})
+    result[path] = timings
+  return result
+
+
+def raw_case(mesh, send_capacity: int, hidden: int, backend: str, iters: int,
+             repeat: int = 10) -> dict:
+  """The ``[R, S, H]`` send buffer moved whole: XLA's ``all_to_all``, the
+  drop-in peer exchange, and the peer-write ceiling (stores into the peers'
+  slots and the signal, no copy on either side)."""
+  ep_size = mesh.shape["ep"]
+  buffer = _random_rows(mesh, ep_size * ep_size * send_capacity, hidden, send_capacity)
+  chunk_bytes = send_capacity * hidden * 2
+  off_device, received = (ep_size - 1) * chunk_bytes, ep_size * chunk_bytes
+  result = {"shape_per_rank": [ep_size, send_capacity, hidden], "dtype": "bfloat16"}
 
   def all_to_all(b):
     return jax.lax.all_to_all(b, "ep", 0, 0, tiled=True)
 
-  want = jax.jit(smap(all_to_all))(x)
-  a2a_timing, want_chain = timed(all_to_all)
-  result = {"shape_per_rank": [ep_size, rows, hidden], "dtype": "bfloat16", "repeat": repeat,
-            "all_to_all": a2a_timing}
-  reason = peer.unsupported_reason(mesh, "ep") if ep_size > 1 else "one rank"
+  result["all_to_all"] = _with_gbs(_timed(mesh, all_to_all, (buffer,), repeat=repeat,
+                                          iters=iters, same_shape=True), off_device, received)
+  reason = _peer_reason(mesh, backend)
   result["peer_unsupported_reason"] = reason
-  if reason is not None:
-    return result
-  layout = peer.ChannelLayout(ep_size, chunk_bytes)
-  multiprocessors = getattr(jax.local_devices()[0], "core_count", None)
-  runs = []
-  try:
-    for blocks in block_counts:
-      peer.configure(blocks_per_peer=blocks)
+  if reason is None:
+    def exchange(b):
+      return peer.exchange(b, "ep", mesh, "exchange_rows")
 
-      def exchange(b):
-        return peer.exchange(b, "ep", mesh, "exchange_rows")
+    def ceiling(b):
+      return peer.write_ceiling(b, "ep", mesh)
 
-      equal = _same_bits(jax.jit(smap(exchange))(x), want)
-      timing, chain_out = timed(exchange)
-      equal = equal and _same_bits(chain_out, want_chain)
-      peer.raise_if_failed()
-      per_peer = peer.blocks_per_peer(layout, multiprocessors) if multiprocessors else blocks
-      runs.append({"blocks_per_peer": per_peer, "requested": blocks,
-                   "send_blocks": None if per_peer is None else ep_size * per_peer,
-                   "recv_blocks": None if per_peer is None else (ep_size - 1) * per_peer,
-                   "bitwise_equal_to_all_to_all": equal,  # one call and the chain
-                   **timing})
-  finally:
-    peer.configure()
-  result.update(peer=runs, multiprocessors=multiprocessors,
-                peer_buffer_bytes_per_process=peer.buffer_bytes())
+    want = jax.jit(_smap(mesh, all_to_all))(buffer)
+    got = jax.jit(_smap(mesh, exchange))(buffer)
+    result["peer_exchange"] = _with_gbs(_timed(mesh, exchange, (buffer,), repeat=repeat,
+                                               iters=iters, same_shape=True),
+                                        off_device, received)
+    result["peer_exchange"]["bitwise_equal_to_all_to_all"] = _same_bits(got, want)
+    result["peer_write_ceiling"] = _with_gbs(_timed(mesh, ceiling, (buffer,), repeat=repeat,
+                                                    iters=iters), off_device, None)
+    peer.raise_if_failed()
   return result
 
 
-def run_exchange(rows=(8192, 4096, 128), hidden=7168, iters=10,
-                 block_counts=(None, 16, 32, 64)) -> dict:
-  """The row exchange alone over every device of the job (see exchange_case)."""
-  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
-  return {"ep_size": mesh.shape["ep"], "processes": jax.process_count(),
-          "exchange": [exchange_case(mesh, r, hidden, iters, block_counts) for r in rows]}
+def decode_case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_factor,
+                backend: str, iters: int, repeat: int = 10) -> dict:
+  """Decode latency: one dispatch + combine round trip (routing included, and
+  the row paths alone) per path, ``tokens`` per rank."""
+  ep_size = mesh.shape["ep"]
+  capacity = expert_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
+  send_capacity = send_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
+  rng = np.random.default_rng(tokens)
+  x = _random_rows(mesh, ep_size * tokens, hidden, tokens)
+  idx, weights = (_shard(mesh, a) for a in _host_routing(rng, ep_size * tokens, top_k,
+                                                         num_experts))
+  reason = _peer_reason(mesh, backend)
+  result = {"tokens_per_rank": tokens, "num_experts": num_experts, "expert_capacity": capacity,
+            "send_capacity": send_capacity, "peer_unsupported_reason": reason}
+  for path in PATHS if reason is None else PATHS[:1]:
+    exchange = dict(backend=backend, exchange=path, mesh=mesh)
+    spec = transport._Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=capacity,
+                           send_capacity=send_capacity, axis_name="ep", **exchange)
+
+    def round_trip(x, idx, weights):
+      d = dispatch(x, idx, weights, num_experts=num_experts, expert_capacity=capacity,
+                   axis_name="ep", send_capacity=send_capacity, **exchange)
+      return combine(d.tokens, d.handle, num_tokens=tokens, axis_name="ep", **exchange)
+
+    def rows_round_trip(x, handle):
+      return transport._slabs_to_rows(spec, transport._rows_to_slabs(spec, x, handle), handle)
+
+    handle = jax.jit(_smap(mesh, lambda *a: dispatch(
+        *a, num_experts=num_experts, expert_capacity=capacity, axis_name="ep",
+        send_capacity=send_capacity, **exchange).handle))(x, idx, weights)
+    result[path] = {
+        "round_trip_us": 1e3 * _timed(mesh, round_trip, (x, idx, weights), repeat=repeat,
+                                      iters=iters)["ms"],
+        "rows_round_trip_us": 1e3 * _timed(mesh, rows_round_trip, (x, handle), repeat=repeat,
+                                           iters=iters)["ms"]}
+  return result
 
 
 def run(token_counts=(4096, 8192), expert_counts=(64, 256), hidden=7168, top_k=8,
-        capacity_factor=1.25, backend="auto", iters=10, block_counts=(None, 16, 32)) -> dict:
-  gpus = jax.devices()
-  mesh = jax.sharding.Mesh(np.array(gpus), ("ep",))
-  cases = [case(mesh, tokens, hidden, experts, top_k, capacity_factor, backend, iters)
-           for tokens in token_counts for experts in expert_counts]
-  exchanges = [exchange_case(mesh, tokens, hidden, iters, block_counts)
-               for tokens in token_counts]
-  return {"ep_size": len(gpus), "processes": jax.process_count(), "hidden": hidden,
-          "top_k": top_k, "dtype": "bfloat16",
-          "capacity_factor": capacity_factor, "transport": backend, "cases": cases,
-          "exchange": exchanges}
+        capacity_factor=1.25, backend="auto", iters=5, repeat=10,
+        block_counts=(16, 32, "half"), decode_tokens=128, decode_experts=256) -> dict:
+  """Every case over all devices of the job (``block_counts``: blocks per
+  peer for the peer row paths at the first expert count, besides the
+  default of every SM; "half": half the SMs)."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
+  sms = _multiprocessors()
+  blocks = tuple((sms or 132) // 2 if b == "half" else b for b in block_counts)
+  cases = [case(mesh, t, hidden, e, top_k, capacity_factor, backend, iters, repeat,
+                blocks if e == expert_counts[0] else ())
+           for t in token_counts for e in expert_counts]
+  raw = [raw_case(mesh, c["send_capacity"], hidden, backend, iters, repeat)
+         for c in cases if c["num_experts"] == expert_counts[0]]
+  decode = decode_case(mesh, decode_tokens, hidden, decode_experts, top_k, capacity_factor,
+                       backend, iters, repeat)
+  peer.raise_if_failed()
+  return {"ep_size": mesh.shape["ep"], "processes": jax.process_count(), "hidden": hidden,
+          "top_k": top_k, "dtype": "bfloat16", "capacity_factor": capacity_factor,
+          "transport": backend, "repeat": repeat, "multiprocessors": sms,
+          "peer_buffer_bytes_per_process": peer.buffer_bytes(),
+          "cases": cases, "raw": raw, "decode": decode}
 
 
-def exchange_summary(exchanges) -> list[str]:
-  lines = []
-  for e in exchanges:
-    a2a = e["all_to_all"]
-    line = (f"  exchange {e['shape_per_rank']} bf16: all_to_all {a2a['ms_per_exchange']:.3f} ms "
-            f"({a2a['off_device_gbs']:.0f} GB/s)")
-    for run in e.get("peer", []):
-      mismatch = "" if run["bitwise_equal_to_all_to_all"] else ", MISMATCH"
-      line += (f"; peer x{run['blocks_per_peer']} blocks {run['ms_per_exchange']:.3f} ms "
-               f"({run['off_device_gbs']:.0f} GB/s{mismatch})")
-    if e["peer_unsupported_reason"] is not None:
-      line += f"; peer: n/a ({e['peer_unsupported_reason']})"
-    lines.append(line)
-  return lines
+def _gbs(timing: dict) -> str:
+  received = timing.get("received_gbs")
+  extra = "" if received is None else f" / {received:.0f}"
+  return f"{timing['ms'] * 1e3:7.1f} us {timing['off_device_gbs']:4.0f}{extra} GB/s"
 
 
 def summary(result: dict) -> str:
   lines = [f"P2 EP={result['ep_size']} ({result['processes']} processes) H={result['hidden']} "
-           f"K={result['top_k']}"]
+           f"K={result['top_k']} bf16; GB/s per GPU: off-device / received incl. local"]
   for c in result["cases"]:
-    ragged = c["ragged_all_to_all_logical_gbs"]
-    lines.append(
-        f"  T={c['tokens_per_rank']} E={c['num_experts']}: dispatch "
-        f"{c['dispatch']['median_ms']:.3f} ms ({c['dispatch_logical_gbs']:.0f} GB/s), combine "
-        f"{c['combine']['median_ms']:.3f} ms ({c['combine_logical_gbs']:.0f} GB/s), raw a2a "
-        f"{c['raw_all_to_all_wire_gbs']:.0f} GB/s, ragged a2a "
-        f"{'n/a' if ragged is None else f'{ragged:.1f} GB/s'}")
-  lines += exchange_summary(result.get("exchange", []))
+    lines.append(f"  T={c['tokens_per_rank']} E={c['num_experts']} S={c['send_capacity']} "
+                 f"C={c['expert_capacity']}")
+    for path in PATHS:
+      t = c.get(path)
+      if t is None:
+        lines.append(f"    {path}: n/a ({c['peer_unsupported_reason']})")
+        continue
+      equal = "" if t["bitwise_equal_to_all_to_all"] else "  MISMATCH"
+      lines.append(f"    {path:10s} dispatch {_gbs(t['dispatch'])} | rows "
+                   f"{_gbs(t['dispatch_rows'])} | combine {_gbs(t['combine'])}{equal}")
+      for b in t.get("blocks", []):
+        lines.append(f"      {b['slot_blocks']:3d}/{b['token_blocks']:3d} blocks: rows "
+                     f"{_gbs(b['dispatch_rows'])} | combine {_gbs(b['combine'])}")
+  for r in result["raw"]:
+    line = f"  raw {r['shape_per_rank']}: all_to_all {_gbs(r['all_to_all'])}"
+    if "peer_exchange" in r:
+      line += (f" | peer exchange {_gbs(r['peer_exchange'])}"
+               f" | peer-write ceiling {_gbs(r['peer_write_ceiling'])}")
+    lines.append(line)
+  d = result["decode"]
+  for path in PATHS:
+    if path in d:
+      lines.append(f"  decode T={d['tokens_per_rank']} E={d['num_experts']} {path}: round trip "
+                   f"{d[path]['round_trip_us']:.1f} us (rows alone "
+                   f"{d[path]['rows_round_trip_us']:.1f} us)")
   return "\n".join(lines)

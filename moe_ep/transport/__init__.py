@@ -140,6 +140,7 @@ class _Spec:
   weight_dtype: str = "float32"
   exchange: str = "all_to_all"  # resolved: "all_to_all" or "peer"
   mesh: object = None
+  wire_dtype: str | None = None  # dispatch rows on the wire: None (as-is) or "float8_e4m3fn"
 
   @property
   def ops(self):
@@ -169,6 +170,18 @@ def _token_member_pos(handle: RoutingHandle) -> jax.Array:
   return _lookup(handle.recv_pos.reshape(-1, handle.top_k), handle.send_slot[:, 0], -1)
 
 
+def _fused_peer_rows(spec: _Spec, dtype, hidden: int, top_k: int, sums: bool) -> bool:
+  """Whether the peer exchange moves these rows with its fused row kernels
+  (:func:`~moe_ep.transport.peer.dispatch_rows` / ``combine_rows``) rather
+  than the drop-in exchange between the local row passes."""
+  return spec.exchange == "peer" and _peer().fused_rows_problem(
+      dtype, hidden, spec.ep_size, top_k, sums=sums) is None
+
+
+def _on_all_to_all(spec: _Spec) -> _Spec:
+  return dataclasses.replace(spec, exchange="all_to_all", mesh=None)
+
+
 def _rows_to_slabs(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
   """``rows [T, H]`` (one per token) -> ``[L, C, H]`` slabs along ``handle``."""
   ops = spec.ops
@@ -178,10 +191,24 @@ def _rows_to_slabs(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.A
   if spec.ep_size == 1:
     token_of_slab_row = _lookup(handle.send_token.reshape(-1), slab_row, -1)
     return ops.expand_rows(rows, _token_member_pos(handle), token_of_slab_row).reshape(slab_shape)
+  if _fused_peer_rows(spec, rows.dtype, hidden, handle.top_k, sums=False):
+    slabs = _peer().dispatch_rows(
+        rows, _wire_rows(handle), handle.recv_pos, slab_row, axis_name=spec.axis_name,
+        mesh=spec.mesh,
+        all_to_all_path=lambda r: _exchanged_rows_to_slabs(_on_all_to_all(spec), r, handle))
+    return slabs.reshape(slab_shape)
+  return _exchanged_rows_to_slabs(spec, rows, handle).reshape(slab_shape)
+
+
+def _exchanged_rows_to_slabs(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """R > 1, unfused: ``expand_rows`` to ``[R, S, H]``, the exchange, ``expand_rows``
+  to the flat slabs ``[L * C, H]``."""
+  ops = spec.ops
+  hidden = rows.shape[-1]
   send_rows = ops.expand_rows(rows, _wire_rows(handle), handle.send_token.reshape(-1))
   recv_rows = _exchange(spec, send_rows.reshape(spec.ep_size, -1, hidden), "exchange_rows")
   return ops.expand_rows(recv_rows.reshape(-1, hidden),
-                         handle.recv_pos.reshape(-1, handle.top_k), slab_row).reshape(slab_shape)
+                         handle.recv_pos.reshape(-1, handle.top_k), handle.slab_row.reshape(-1))
 
 
 def _slabs_to_rows(spec: _Spec, slabs: jax.Array, handle: RoutingHandle) -> jax.Array:
@@ -191,9 +218,52 @@ def _slabs_to_rows(spec: _Spec, slabs: jax.Array, handle: RoutingHandle) -> jax.
   flat_slabs = slabs.reshape(-1, hidden)
   if spec.ep_size == 1:
     return ops.gather_sum_rows(flat_slabs, _token_member_pos(handle))
+  if _fused_peer_rows(spec, slabs.dtype, hidden, handle.top_k, sums=True):
+    return _peer().combine_rows(
+        flat_slabs, handle.recv_pos, _wire_rows(handle), axis_name=spec.axis_name,
+        mesh=spec.mesh,
+        all_to_all_path=lambda s: _exchanged_slabs_to_rows(_on_all_to_all(spec), s, handle))
+  return _exchanged_slabs_to_rows(spec, flat_slabs, handle)
+
+
+def _exchanged_slabs_to_rows(spec: _Spec, flat_slabs: jax.Array,
+                             handle: RoutingHandle) -> jax.Array:
+  """R > 1, unfused: per received row the sum of its members (``gather_sum_rows``),
+  the exchange, per token the sum over ranks: ``[L * C, H]`` -> ``[T, H]``."""
+  ops = spec.ops
+  hidden = flat_slabs.shape[-1]
   partial_sums = ops.gather_sum_rows(flat_slabs, handle.recv_pos.reshape(-1, handle.top_k))
   returned = _exchange(spec, partial_sums.reshape(spec.ep_size, -1, hidden), "exchange_rows")
   return ops.gather_sum_rows(returned.reshape(-1, hidden), _wire_rows(handle))
+
+
+def _rows_to_slabs_fp8(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """:func:`_rows_to_slabs` with the rows on the wire in FP8: ``rows [T, H]``
+  -> ``[L, C, H]`` in ``rows.dtype``.
+
+  Each token is quantized once, fused with its expand into the send rows
+  (``[W]`` uint8 wire rows: e4m3 codes and power-of-two per-128-channel
+  scales, :mod:`~moe_ep.transport.fp8`); the wire rows cross in one exchange
+  (all_to_all or the peer exchange's drop-in); each received row is
+  dequantized straight into its slab rows. One rank: quantize, then
+  dequantize into the slabs, so the slabs do not depend on ``R``."""
+  ops = spec.ops
+  hidden = rows.shape[-1]
+  slab_shape = handle.slab_row.shape + (hidden,)
+  slab_row = handle.slab_row.reshape(-1)
+  if spec.ep_size == 1:
+    token_of_slab_row = _lookup(handle.send_token.reshape(-1), slab_row, -1)
+    slabs = ops.unpack_dequantize_expand(
+        ops.quantize_pack_expand(rows), _token_member_pos(handle), token_of_slab_row,
+        hidden=hidden, dtype=rows.dtype)
+    return slabs.reshape(slab_shape)
+  send_wire = ops.quantize_pack_expand(rows, _wire_rows(handle), handle.send_token.reshape(-1))
+  width = send_wire.shape[-1]
+  recv_wire = _exchange(spec, send_wire.reshape(spec.ep_size, -1, width), "exchange_rows")
+  slabs = ops.unpack_dequantize_expand(
+      recv_wire.reshape(-1, width), handle.recv_pos.reshape(-1, handle.top_k), slab_row,
+      hidden=hidden, dtype=rows.dtype)
+  return slabs.reshape(slab_shape)
 
 
 def _weights_to_routes(spec: _Spec, slab_values: jax.Array, handle: RoutingHandle) -> jax.Array:
@@ -230,7 +300,7 @@ def _dispatch_forward(spec: _Spec, tokens, topk_idx, topk_weights) -> Dispatched
         num_local_experts=spec.num_experts // spec.ep_size,
         expert_capacity=spec.expert_capacity)
     handle = RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row)
-    slabs = _rows_to_slabs(spec, tokens, handle)
+    slabs = (_rows_to_slabs_fp8 if spec.wire_dtype else _rows_to_slabs)(spec, tokens, handle)
   # Names go on the outputs here, inside the forward rule, so they also mark
   # the residual (the handle) that the backward rule reads.
   return Dispatched(
@@ -307,10 +377,31 @@ def _merge_duplicate_routes(topk_idx: jax.Array, topk_weights: jax.Array):
   return jnp.where(repeat, -1, topk_idx), jnp.where(shared, summed, weights)
 
 
+WIRE_DTYPES = ("float8_e4m3fn",)
+_FP8_TOKEN_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_wire_dtype(wire_dtype, name: str = "wire_dtype") -> str | None:
+  """``wire_dtype`` as None or its name in :data:`WIRE_DTYPES` (a dtype
+  object is read by its name); ValueError naming ``name`` otherwise, or where
+  this JAX has no ``jnp.float8_e4m3fn``."""
+  if wire_dtype is None:
+    return None
+  dtype_name = wire_dtype if isinstance(wire_dtype, str) else getattr(
+      wire_dtype, "__name__", getattr(wire_dtype, "name", None))
+  if dtype_name not in WIRE_DTYPES:
+    raise ValueError(f"{name}={wire_dtype!r} must be None or one of {WIRE_DTYPES}")
+  if not hasattr(jnp, dtype_name):
+    raise ValueError(f"{name}={dtype_name!r} needs a JAX with jnp.{dtype_name}; "
+                     f"jax {jax.__version__} has none: upgrade JAX or set {name}=None")
+  return dtype_name
+
+
 def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
              num_experts: int, expert_capacity: int, axis_name=None,
              send_capacity: int | None = None, checkpoint_name: str | None = None,
-             backend: str = "auto", exchange: str = "auto", mesh=None) -> Dispatched:
+             backend: str = "auto", exchange: str = "auto", mesh=None,
+             wire_dtype: str | None = None) -> Dispatched:
   """Sends each token's rows to the experts it is routed to.
 
   Call it per rank inside ``shard_map`` over the EP mesh axis ``axis_name``
@@ -345,12 +436,26 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
       bitwise, either way.
     mesh: the ``jax.sharding.Mesh`` of the enclosing ``shard_map`` (only the
       peer exchange needs it).
+    wire_dtype: None (rows travel in ``tokens.dtype``) or ``"float8_e4m3fn"``:
+      each token is quantized once on its rank (e4m3 codes, one power-of-two
+      float32 scale per 128 channels, :mod:`~moe_ep.transport.fp8`), its
+      codes and scales cross as one uint8 row (about half the bytes of
+      bfloat16), and the receiver dequantizes them into the slabs, which
+      keep ``tokens.dtype``. ``tokens`` must then be float32, bfloat16 or
+      float16. With the CuPy kernels (backend ``"cupy"``, or ``"auto"`` on
+      CUDA) the GPU needs compute capability 8.9+; ``backend="xla"`` runs
+      the FP8 path in pure JAX anywhere. Backward is straight-through: the
+      tokens' gradient is the unquantized combine of the slab gradient,
+      exactly as without FP8. The slabs named ``"tokens"`` for remat are the
+      dequantized ones (saving the FP8 wire rows instead, half the
+      residual, is not done yet).
 
   Returns:
     :class:`Dispatched`: ``tokens [L, C, H]``, ``weights [L, C]`` float32,
     ``handle``, ``counts [L]``, ``demand [L]``.
   """
   _backend.check_name(backend)
+  wire_dtype = check_wire_dtype(wire_dtype)
   _check_rank("tokens", tokens, 2, "[T, H]")
   _check_rank("topk_idx", topk_idx, 2, "[T, K]")
   if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
@@ -367,6 +472,9 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
     raise ValueError(f"tokens has 0 rows: dispatch needs T >= 1 (got shape {tokens.shape})")
   if checkpoint_name is not None and not isinstance(checkpoint_name, str):
     raise ValueError(f"checkpoint_name={checkpoint_name!r} must be a string or None")
+  if wire_dtype is not None and jnp.dtype(tokens.dtype).name not in _FP8_TOKEN_DTYPES:
+    raise ValueError(f"tokens dtype {tokens.dtype} must be one of {_FP8_TOKEN_DTYPES} "
+                     f"with wire_dtype={wire_dtype!r}")
   num_tokens, top_k = topk_idx.shape
   ep_size = _ep_size(axis_name, "dispatch")
   num_experts, top_k, ep_size = check_experts(num_experts, top_k, ep_size)
@@ -381,7 +489,7 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
                backend=backend, checkpoint_name=checkpoint_name,
                weight_dtype=jnp.dtype(topk_weights.dtype).name,
                exchange=_resolve_exchange(exchange, backend, axis_name, ep_size, mesh),
-               mesh=mesh)
+               mesh=mesh, wire_dtype=wire_dtype)
   spec.ops  # resolves the backend now: a missing CuPy fails at trace time
   return _dispatch(spec, tokens, topk_idx, topk_weights)
 

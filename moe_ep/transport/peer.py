@@ -35,6 +35,15 @@ mesh coordinates, ranked in axis order):
   the host) raises :class:`PeerTimeoutError` naming them; :func:`reset`
   rearms after all ranks are idle.
 
+:func:`dispatch_rows` and :func:`combine_rows` are the row paths of dispatch
+and combine on the same channels and protocol, fused: each token row is read
+once and stored straight into the slot of every rank it goes to (this rank's
+own rows straight into its slabs), and the receiver expands the slots straight
+into the slabs; combine stores each received row's member sum straight into
+the source rank's slot, and the source sums its returned rows per token. No
+``[R, S, H]`` buffer in XLA on either side; results bitwise those of the
+``all_to_all`` path (:func:`fused_rows_problem` says which rows they take).
+
 Exchanges on one channel must run in program order on each device. XLA's
 command buffers keep thunk order by default; ``--xla_gpu_command_buffer_
 scheduling_mode=CONCURRENT`` could run two of them at once, so
@@ -65,16 +74,23 @@ __all__ = [
     "PeerTimeoutError",
     "ProcessFacts",
     "blocks_per_peer",
+    "RowGrid",
     "buffer_bytes",
+    "combine_rows",
     "configure",
+    "dispatch_rows",
     "ep_groups",
     "exchange",
+    "fused_rows_problem",
     "raise_if_failed",
     "reachability_problem",
     "reset",
+    "row_grid",
+    "row_segment",
     "supported",
     "timeout_s",
     "unsupported_reason",
+    "write_ceiling",
 ]
 
 log = logging.getLogger(__name__)
@@ -93,6 +109,17 @@ _PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 _HOST_ALLOC_PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostAllocPortable | cudaHostAllocMapped
 _CONCURRENT_FLAG = "xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
 _WAIT_KINDS = {1: "acknowledge reading step", 2: "deliver its chunk of step"}
+# The fused row kernels (kernels/peer.cu, peer_<name>): one warp per row.
+_ROW_THREADS = 512
+_ROW_WARPS = _ROW_THREADS // 32
+_COPY_STEP = 32 * 4  # vectors a warp moves per step (kernels/peer.cu ROW_COPY_UNROLL)
+_SUM_STEP = 32 * 2  # vectors a warp sums per step (ROW_SUM_UNROLL)
+MAX_FUSED_RANKS = 32  # one lane per rank's entry of a token
+MAX_FUSED_TOP_K = 32  # one lane per member of a row
+_SUM_SUFFIX = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+_ROW_KERNELS = ("dispatch_send", "dispatch_recv", "drain_v16",
+                *(f"combine_{kind}_{suffix}" for kind in ("send", "recv")
+                  for suffix in _SUM_SUFFIX.values()))
 
 
 class PeerTimeoutError(RuntimeError):
@@ -463,8 +490,10 @@ def _kernels(ordinal: int) -> dict:
         module.compile()
       except cupy.cuda.compiler.CompileException as error:
         raise RuntimeError(f"compiling kernels/{_KERNEL_FILE} failed:\n{error}") from error
-      _modules[ordinal] = {f"{kind}_v{v}": module.get_function(f"peer_{kind}_v{v}")
-                           for kind in ("send", "recv") for v in _VECTOR_BYTES}
+      functions = {f"{kind}_v{v}": module.get_function(f"peer_{kind}_v{v}")
+                   for kind in ("send", "recv") for v in _VECTOR_BYTES}
+      functions.update({name: module.get_function(f"peer_{name}") for name in _ROW_KERNELS})
+      _modules[ordinal] = functions
   return _modules[ordinal]
 
 
@@ -784,3 +813,315 @@ def exchange(x: jax.Array, axis_name: str, mesh: jax.sharding.Mesh,
     return jax.lax.platform_dependent(
         x, cuda=functools.partial(_peer, axis_name=axis_name, mesh=mesh, what=what),
         default=functools.partial(_all_to_all, axis_name=axis_name))
+
+
+# --- the fused row paths of dispatch and combine ------------------------------------------------
+
+
+def fused_rows_problem(dtype, hidden: int, ep_size: int, top_k: int, *,
+                       sums: bool) -> str | None:
+  """Why the fused row kernels cannot move rows of ``hidden`` elements of
+  ``dtype`` (the caller then runs the local row passes around the drop-in
+  :func:`exchange`), or None. ``sums``: combine's path, which adds rows."""
+  dtype = np.dtype(dtype)
+  row_bytes = hidden * dtype.itemsize
+  if row_bytes % 16:
+    return f"rows of {row_bytes} bytes are not a whole number of 16-byte vectors"
+  if ep_size > MAX_FUSED_RANKS:
+    return f"ep_size={ep_size} is above {MAX_FUSED_RANKS} (one lane per rank)"
+  if top_k > MAX_FUSED_TOP_K:
+    return f"top_k={top_k} is above {MAX_FUSED_TOP_K} (one lane per member)"
+  if sums and dtype.name not in _SUM_SUFFIX:
+    return f"no fused sum kernel for {dtype.name} (only {', '.join(_SUM_SUFFIX)})"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RowGrid:
+  """Launch sizes of one fused row path on one device (blocks of 512
+  threads, one warp per unit of work: a row, or a segment of one).
+
+  Attributes:
+    token_blocks: blocks of the token-major kernels (dispatch send, combine
+      receive), which touch every other rank at once.
+    blocks_per_peer: blocks per other rank of the slot-major kernels
+      (dispatch receive, combine send).
+  """
+
+  token_blocks: int
+  blocks_per_peer: int
+
+
+def row_grid(ep_size: int, num_tokens: int, send_capacity: int, row_vecs: int,
+             multiprocessors: int) -> RowGrid:
+  """:func:`configure`'s ``blocks_per_peer`` blocks per other rank, by
+  default every SM shared among the R - 1 peers (the row paths are bound by
+  local memory as much as by NVLink: the slabs are K-fold expansions; on 2
+  H200s all 132 SMs beat half of them by 20%: benchmarks/results/ep-*); the
+  token-major kernels take as many in all. Never more blocks than units of
+  work for their warps (``row_vecs``: 16-byte vectors per row)."""
+  wanted = _settings.blocks_per_peer
+  if wanted is None:
+    wanted = max(1, multiprocessors // (ep_size - 1))
+  pieces = -(-row_vecs // _SUM_STEP)  # the most segments a row is split into
+  per_peer = max(1, min(wanted, -(-send_capacity * pieces // _ROW_WARPS)))
+  token_blocks = max(1, min((ep_size - 1) * wanted, -(-num_tokens * pieces // _ROW_WARPS)))
+  return RowGrid(token_blocks=int(token_blocks), blocks_per_peer=int(per_peer))
+
+
+def row_segment(rows: int, row_vecs: int, warps: int, step: int) -> int:
+  """16-byte vectors per unit of work of a row kernel: whole rows when there
+  are rows enough to give each of ``warps`` warps two, else rows split into
+  segments of whole ``step``s (a warp's step) so that few rows (decode)
+  still spread over the grid."""
+  if rows >= 2 * warps:
+    return row_vecs
+  pieces = min(-(-2 * warps // max(rows, 1)), -(-row_vecs // step))
+  return min(row_vecs, _round_up(-(-row_vecs // pieces), step))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+  """One launch of a fused callback: the pointers of the callback's buffers
+  ``buffers`` (indices into its inputs then outputs) lead the arguments."""
+
+  function: object
+  blocks: int
+  buffers: tuple[int, ...]
+  args: tuple
+
+
+def _device_tail(ordinal: int, site: int, timeout_ns: int) -> tuple:
+  """The failure word, record, timeout and site arguments every kernel ends with."""
+  return (np.uint64(_failed_words[ordinal].ptr),
+          np.uint64(_records_device_ptr + ctypes.sizeof(_Failure) * ordinal),
+          np.uint64(timeout_ns), np.int32(site))
+
+
+def _gpu_channel(mesh, axis_name: str, layout: ChannelLayout) -> _Channel | None:
+  """The channel on a GPU mesh (allocated at trace time); None elsewhere
+  (lowering for CUDA on another platform: the callback fails only if run)."""
+  if not all(d.platform == "gpu" for d in np.asarray(mesh.devices).flat):
+    return None
+  cupy_backend.require_cupy()
+  return _channel(mesh, axis_name, layout)
+
+
+def _fused_call(name: str, launches: dict[int, list[_Kernel]], inputs, out_shape, axis_name):
+  """One command-buffer buffer_callback running ``launches[ordinal]`` on
+  XLA's stream, under the scope ``moe_peer_exchange`` (which the HLO counts
+  read as the exchange it replaces)."""
+
+  def callback(ctx, outs, *buffers):
+    import cupy
+    if _records is not None and any(_records[o].kind for o in launches):
+      raise_if_failed()
+    ordinal = cupy_backend._device_ordinal(buffers[0])
+    kernels = launches.get(ordinal)
+    if kernels is None:
+      raise RuntimeError(f"peer {name} ran on cuda:{ordinal}, which it was not set up for at "
+                         f"trace time (was it traced for another mesh or platform?)")
+    pointers = [cupy_backend._pointer(b) for b in (*buffers, *outs)]
+    with cupy.cuda.Device(ordinal), _stream(ordinal, ctx.stream):
+      for kernel in kernels:
+        kernel.function((kernel.blocks,), (_ROW_THREADS,),
+                        (*(pointers[i] for i in kernel.buffers), *kernel.args))
+
+  with jax.named_scope("moe_peer_exchange"):
+    (out,) = buffer_callback(callback, [out_shape], command_buffer_compatible=True)(*inputs)
+  axes = frozenset({axis_name}).union(*(cupy_backend._varying_axes(x) for x in inputs))
+  return jax.lax.pcast(out, tuple(sorted(axes, key=str)), to="varying")
+
+
+def _check_maps(mesh, axis_name: str, wire_rows, recv_pos, slab_row) -> tuple[int, int, int]:
+  """``(R, S, K)`` from the maps' shapes, checked against each other and the mesh."""
+  _check_axis(mesh, axis_name)
+  ep_size = mesh.shape[axis_name]
+  if recv_pos.ndim != 3 or recv_pos.shape[0] != ep_size:
+    raise ValueError(f"recv_pos shape {recv_pos.shape} must be [R, S, K] with R={ep_size} "
+                     f"(the size of axis {axis_name!r})")
+  if wire_rows.ndim != 2 or wire_rows.shape[1] != ep_size:
+    raise ValueError(f"wire_rows shape {wire_rows.shape} must be [T, R] with R={ep_size}")
+  if slab_row is not None and slab_row.ndim != 1:
+    raise ValueError(f"slab_row shape {slab_row.shape} must be [L * C]")
+  for name, value in (("wire_rows", wire_rows), ("recv_pos", recv_pos), ("slab_row", slab_row)):
+    if value is not None and value.dtype != np.int32:
+      raise ValueError(f"{name} must be int32; got {value.dtype}")
+  return ep_size, recv_pos.shape[1], recv_pos.shape[2]
+
+
+def _fused_dispatch(rows, wire_rows, recv_pos, slab_row, *, axis_name: str, mesh):
+  num_tokens, hidden = rows.shape
+  ep_size, send_capacity, top_k = recv_pos.shape
+  num_slab_rows = slab_row.shape[0]
+  row_bytes = hidden * rows.dtype.itemsize
+  layout = ChannelLayout(ep_size, send_capacity * row_bytes)
+  channel = _gpu_channel(mesh, axis_name, layout)
+  site = _site("dispatch_rows", (ep_size, send_capacity, hidden), rows.dtype,
+               channel.key if channel is not None else "")
+  timeout_ns = int(timeout_s() * 1e9)
+  launches = {}
+  for ordinal, state in (channel.on_device.items() if channel is not None else ()):
+    kernels = _kernels(ordinal)
+    row_vecs = row_bytes // 16
+    grid = row_grid(ep_size, num_tokens, send_capacity, row_vecs, _multiprocessors(ordinal))
+    tail = _device_tail(ordinal, site, timeout_ns)
+    peers, rank = np.uint64(state.peers.data.ptr), np.int32(state.rank)
+    slots = (np.int64(layout.slot_bytes), np.int64(layout.data_offset))
+    sizes = (np.int32(send_capacity), np.int32(top_k), np.int32(num_slab_rows),
+             np.int32(row_vecs))
+    send_segment = row_segment(num_tokens, row_vecs, grid.token_blocks * _ROW_WARPS, _COPY_STEP)
+    recv_segment = row_segment(send_capacity, row_vecs, grid.blocks_per_peer * _ROW_WARPS,
+                               _COPY_STEP)
+    launches[ordinal] = [
+        # buffers: rows 0, wire_rows 1, recv_pos 2, slab_row 3, slabs 4
+        _Kernel(kernels["dispatch_send"], grid.token_blocks, (0, 1, 2, 3, 4),
+                (peers, rank, np.int32(ep_size), np.int32(num_tokens), *sizes,
+                 np.int32(send_segment), *slots, *tail)),
+        _Kernel(kernels["dispatch_recv"], (ep_size - 1) * grid.blocks_per_peer, (2, 4),
+                (peers, rank, np.int32(ep_size), *sizes, np.int32(recv_segment), *slots,
+                 np.int32(grid.blocks_per_peer), *tail)),
+    ]
+  return _fused_call("dispatch rows", launches, (rows, wire_rows, recv_pos, slab_row),
+                     jax.ShapeDtypeStruct((num_slab_rows, hidden), rows.dtype), axis_name)
+
+
+def _fused_combine(slabs, recv_pos, wire_rows, *, axis_name: str, mesh):
+  num_slab_rows, hidden = slabs.shape
+  ep_size, send_capacity, top_k = recv_pos.shape
+  num_tokens = wire_rows.shape[0]
+  row_bytes = hidden * slabs.dtype.itemsize
+  suffix = _SUM_SUFFIX[np.dtype(slabs.dtype).name]
+  layout = ChannelLayout(ep_size, send_capacity * row_bytes)
+  channel = _gpu_channel(mesh, axis_name, layout)
+  site = _site("combine_rows", (ep_size, send_capacity, hidden), slabs.dtype,
+               channel.key if channel is not None else "")
+  timeout_ns = int(timeout_s() * 1e9)
+  launches = {}
+  for ordinal, state in (channel.on_device.items() if channel is not None else ()):
+    kernels = _kernels(ordinal)
+    row_vecs = row_bytes // 16
+    grid = row_grid(ep_size, num_tokens, send_capacity, row_vecs, _multiprocessors(ordinal))
+    tail = _device_tail(ordinal, site, timeout_ns)
+    peers, rank = np.uint64(state.peers.data.ptr), np.int32(state.rank)
+    slots = (np.int64(layout.slot_bytes), np.int64(layout.data_offset))
+    sizes = (np.int32(send_capacity), np.int32(top_k), np.int32(num_slab_rows),
+             np.int32(hidden))
+    send_segment = row_segment(send_capacity, row_vecs, grid.blocks_per_peer * _ROW_WARPS,
+                               _SUM_STEP)
+    recv_segment = row_segment(num_tokens, row_vecs, grid.token_blocks * _ROW_WARPS, _SUM_STEP)
+    launches[ordinal] = [
+        # buffers: slabs 0, recv_pos 1, wire_rows 2, y 3
+        _Kernel(kernels[f"combine_send_{suffix}"], (ep_size - 1) * grid.blocks_per_peer, (0, 1),
+                (peers, rank, np.int32(ep_size), *sizes, np.int32(send_segment), *slots,
+                 np.int32(grid.blocks_per_peer), *tail)),
+        _Kernel(kernels[f"combine_recv_{suffix}"], grid.token_blocks, (0, 1, 2, 3),
+                (peers, rank, np.int32(ep_size), np.int32(num_tokens), *sizes,
+                 np.int32(recv_segment), *slots, *tail)),
+    ]
+  return _fused_call("combine rows", launches, (slabs, recv_pos, wire_rows),
+                     jax.ShapeDtypeStruct((num_tokens, hidden), slabs.dtype), axis_name)
+
+
+def dispatch_rows(rows: jax.Array, wire_rows: jax.Array, recv_pos: jax.Array,
+                  slab_row: jax.Array, *, axis_name: str, mesh: jax.sharding.Mesh,
+                  all_to_all_path) -> jax.Array:
+  """Dispatch's row path, fused: ``rows [T, H]`` -> slabs ``[L * C, H]``
+  (call it inside ``shard_map`` over ``mesh``).
+
+  On CUDA one ``buffer_callback``: ``peer_dispatch_send`` reads each token
+  row once and stores it into the slot of every other rank it goes to and
+  into this rank's own slab rows, then ``peer_dispatch_recv`` expands the
+  received rows from the slots into the slabs. Elsewhere
+  ``all_to_all_path(rows)``. Check :func:`fused_rows_problem` first.
+
+  Args:
+    rows: ``[T, H]`` one row per token.
+    wire_rows: ``[T, R]`` int32 ``d * S + slot`` of token t's row to rank d, or -1.
+    recv_pos: ``[R, S, K]`` int32 slab row of member k of the row received
+      from rank src in slot s, or -1.
+    slab_row: ``[L * C]`` int32 ``src * S + s`` feeding each slab row, or -1
+      (a zero row).
+    axis_name, mesh: the EP axis and the ``shard_map``'s mesh.
+    all_to_all_path: ``rows -> [L * C, H]``, the same map through XLA's
+      ``all_to_all`` (every platform but CUDA).
+
+  Returns:
+    ``[L * C, H]`` in ``rows.dtype``, bitwise ``all_to_all_path(rows)``.
+  """
+  _check_maps(mesh, axis_name, wire_rows, recv_pos, slab_row)
+  if rows.ndim != 2 or rows.shape[0] != wire_rows.shape[0]:
+    raise ValueError(f"rows shape {rows.shape} must be [T, H] with T={wire_rows.shape[0]} "
+                     f"(wire_rows' rows)")
+  with jax.named_scope("exchange_rows"):
+    return jax.lax.platform_dependent(
+        rows, wire_rows, recv_pos, slab_row,
+        cuda=functools.partial(_fused_dispatch, axis_name=axis_name, mesh=mesh),
+        default=lambda rows, *maps: all_to_all_path(rows))
+
+
+def combine_rows(slabs: jax.Array, recv_pos: jax.Array, wire_rows: jax.Array, *,
+                 axis_name: str, mesh: jax.sharding.Mesh, all_to_all_path) -> jax.Array:
+  """Combine's row path, fused: slabs ``[L * C, H]`` -> ``[T, H]`` (call it
+  inside ``shard_map`` over ``mesh``).
+
+  On CUDA one ``buffer_callback``: ``peer_combine_send`` stores, per row each
+  other rank sent here, the float32 sum of its members' slab rows (in member
+  order, rounded once) into that rank's slot; ``peer_combine_recv`` sums,
+  per token, its returned rows over ranks in rank order in float32 (its own
+  rank's member sum computed in place, rounded as if it had travelled), and
+  rounds once: ``gather_sum_rows`` twice around an ``all_to_all``, bit for
+  bit. Elsewhere ``all_to_all_path(slabs)``. Check :func:`fused_rows_problem`
+  first (``sums=True``).
+
+  Args:
+    slabs: ``[L * C, H]`` float32, bfloat16 or float16.
+    recv_pos, wire_rows, axis_name, mesh: as :func:`dispatch_rows`.
+    all_to_all_path: ``slabs -> [T, H]`` through XLA's ``all_to_all``.
+
+  Returns:
+    ``[T, H]`` in ``slabs.dtype``.
+  """
+  _check_maps(mesh, axis_name, wire_rows, recv_pos, None)
+  if slabs.ndim != 2:
+    raise ValueError(f"slabs shape {slabs.shape} must be [L * C, H]")
+  with jax.named_scope("exchange_rows"):
+    return jax.lax.platform_dependent(
+        slabs, recv_pos, wire_rows,
+        cuda=functools.partial(_fused_combine, axis_name=axis_name, mesh=mesh),
+        default=lambda slabs, *maps: all_to_all_path(slabs))
+
+
+def _ceiling(x, *, axis_name: str, mesh):
+  ep_size = mesh.shape[axis_name]
+  layout = ChannelLayout(ep_size, x.size // ep_size * x.dtype.itemsize)
+  if layout.vector_bytes != 16:
+    raise ValueError(f"write_ceiling needs chunks of whole 16-byte vectors; got "
+                     f"{layout.chunk_bytes} bytes")
+  channel = _gpu_channel(mesh, axis_name, layout)
+  site = _site("write_ceiling", x.shape, x.dtype, channel.key if channel is not None else "")
+  timeout_ns = int(timeout_s() * 1e9)
+  launches = {}
+  for ordinal, state in (channel.on_device.items() if channel is not None else ()):
+    kernels = _kernels(ordinal)
+    blocks = blocks_per_peer(layout, _multiprocessors(ordinal))
+    args = (np.uint64(state.peers.data.ptr), np.int32(state.rank), np.int32(ep_size),
+            np.int64(layout.chunk_bytes // 16), np.int64(layout.slot_bytes),
+            np.int64(layout.data_offset), np.int32(blocks))
+    tail = _device_tail(ordinal, site, timeout_ns)
+    launches[ordinal] = [  # buffers: x 0, a one-word output 1 (never written)
+        _Kernel(kernels["send_v16"], (ep_size - 1) * blocks, (0, 1), (*args, np.int32(0), *tail)),
+        _Kernel(kernels["drain_v16"], (ep_size - 1) * blocks, (1,), (*args, *tail)),
+    ]
+  return _fused_call("write ceiling", launches, (x,), jax.ShapeDtypeStruct((1,), np.int32),
+                     axis_name)
+
+
+def write_ceiling(x: jax.Array, axis_name: str, mesh: jax.sharding.Mesh) -> jax.Array:
+  """The peer-write ceiling, for benchmarks: chunk ``d`` of ``x [R * k,
+  ...]`` stored straight into rank ``d``'s slot and signalled, as
+  :func:`exchange` does, but nothing copied out (``peer_send`` +
+  ``peer_drain``). Returns a ``[1]`` int32 placeholder; CUDA only."""
+  _check_axis(mesh, axis_name)
+  with jax.named_scope("write_ceiling"):
+    return _ceiling(x, axis_name=axis_name, mesh=mesh)

@@ -121,6 +121,74 @@ def test_blocks_per_peer_shares_half_the_sms_and_never_exceeds_the_chunk():
   assert peer.blocks_per_peer(big, 132) == 16
 
 
+@pytest.mark.parametrize("dtype, hidden, ep_size, top_k, sums, problem", [
+    (jnp.bfloat16, 7168, 2, 8, True, None),
+    (jnp.float32, 4, 8, 32, True, None),
+    (jnp.int8, 16, 2, 2, False, None),  # copies take any dtype
+    (jnp.bfloat16, 12, 2, 2, False, "24 bytes are not a whole number of 16-byte vectors"),
+    (jnp.bfloat16, 64, 33, 2, False, "ep_size=33 is above 32"),
+    (jnp.bfloat16, 64, 2, 33, False, "top_k=33 is above 32"),
+    (jnp.int8, 16, 2, 2, True, "no fused sum kernel for int8"),
+    (jnp.float64, 64, 2, 2, True, "no fused sum kernel for float64"),
+])
+def test_fused_rows_problem_names_what_the_kernels_cannot_take(dtype, hidden, ep_size, top_k,
+                                                                sums, problem):
+  got = peer.fused_rows_problem(dtype, hidden, ep_size, top_k, sums=sums)
+  assert got == problem if problem is None else problem in got
+
+
+def test_row_grid_takes_every_sm_caps_at_the_units_and_follows_configure():
+  rows_7168_bf16 = 7168 * 2 // 16
+  assert (peer.row_grid(2, 8192, 8192, rows_7168_bf16, 132)
+          == peer.RowGrid(token_blocks=132, blocks_per_peer=132))
+  assert (peer.row_grid(4, 8192, 4096, rows_7168_bf16, 132)
+          == peer.RowGrid(token_blocks=132, blocks_per_peer=44))
+  # 16 warps a block, one unit a warp: 4-vector rows are one unit each
+  assert peer.row_grid(2, 40, 24, 4, 132) == peer.RowGrid(token_blocks=3, blocks_per_peer=2)
+  peer.configure(blocks_per_peer=16)
+  assert (peer.row_grid(2, 8192, 8192, rows_7168_bf16, 132)
+          == peer.RowGrid(token_blocks=16, blocks_per_peer=16))
+  assert (peer.row_grid(3, 8192, 8192, rows_7168_bf16, 132)
+          == peer.RowGrid(token_blocks=32, blocks_per_peer=16))
+
+
+@pytest.mark.parametrize("rows, row_vecs, warps, step, want", [
+    (8192, 896, 2112, 128, 896),  # rows enough: whole rows
+    (128, 896, 1792, 128, 128),  # decode: 7 segments of one copy step
+    (128, 896, 1792, 64, 64),  # 14 of one sum step
+    (1000, 896, 2112, 128, 256),  # 4 segments of 2 steps
+    (3, 4, 2112, 128, 4),  # a row shorter than a step
+])
+def test_row_segment_splits_rows_only_when_they_are_few(rows, row_vecs, warps, step, want):
+  segment = peer.row_segment(rows, row_vecs, warps, step)
+  assert segment == want
+  assert 1 <= segment <= row_vecs and (segment % step == 0 or segment == row_vecs)
+
+
+def test_fused_row_paths_reject_maps_that_do_not_fit_at_trace_time():
+  mesh = make_mesh((2, 4), ("dp", "ep"))
+  spec = P(("dp", "ep"))
+  path = lambda rows: rows  # noqa: E731
+
+  def run(rows, wire_rows, recv_pos, slab_row):
+    fn = lambda *a: peer.dispatch_rows(*a, axis_name="ep", mesh=mesh,  # noqa: E731
+                                       all_to_all_path=path)
+    return shard_mapped(fn, mesh, spec)(rows, wire_rows, recv_pos, slab_row)
+
+  rows, wire = jnp.zeros((8 * 6, 16)), jnp.zeros((8 * 6, 4), jnp.int32)
+  pos, slab_row = jnp.zeros((8 * 4, 5, 2), jnp.int32), jnp.zeros((8 * 7,), jnp.int32)
+  with pytest.raises(ValueError, match=r"recv_pos shape \(2, 5, 2\) must be \[R, S, K\] with R=4"):
+    run(rows, wire, pos[:16], slab_row)
+  with pytest.raises(ValueError, match=r"wire_rows shape \(6, 3\) must be \[T, R\] with R=4"):
+    run(rows, wire[:, :3], pos, slab_row)
+  with pytest.raises(ValueError, match="recv_pos must be int32"):
+    run(rows, wire, pos.astype(jnp.int16), slab_row)
+  with pytest.raises(ValueError, match=r"rows shape \(5, 16\) must be \[T, H\] with T=6"):
+    run(rows[:40], wire, pos, slab_row)
+  with pytest.raises(ValueError, match="'tp' is not an axis"):
+    peer.combine_rows(rows, pos, wire, axis_name="tp", mesh=mesh, all_to_all_path=path)
+
+
 def facts(host, device_pci, visible, pairs="all"):
   if pairs == "all":
     pairs = {(a, b) for a in visible for b in visible if a != b}
@@ -418,3 +486,75 @@ def test_two_processes_one_gpu_each_exchange_through_ipc_and_time_out_cleanly():
   assert error is not None and (error["rank"], error["peer_rank"], error["step"]) == (0, 1, 1)
   assert error["what"] == "exchange_meta"
   assert results[0]["skip_seconds"] < 10
+
+
+@pytest.mark.gpu
+def test_a_rank_that_skips_a_fused_combine_fails_in_bounded_time_naming_peer_and_step():
+  """Only rank 0 runs the fused combine row path: its receive kernel times
+  out waiting for rank 1's sums of step 1, and the error names them."""
+  mesh = gpu_mesh()
+  spec = P(("dp", "ep"))
+  ranks, tokens, send_capacity, top_k, slab_rows, hidden = 2, 8, 8, 2, 16, 64
+  peer.reset()
+  peer.configure(timeout_s=0.5)
+  rng = np.random.default_rng(3)
+  slabs = on_mesh(mesh, rng.standard_normal((ranks * slab_rows, hidden)).astype(np.float32),
+                  spec)
+  pos = on_mesh(mesh, rng.integers(-1, slab_rows, (ranks * ranks, send_capacity, top_k),
+                                   dtype=np.int32), spec)
+  wire = on_mesh(mesh, rng.integers(-1, ranks * send_capacity, (ranks * tokens, ranks),
+                                    dtype=np.int32), spec)
+
+  def combine_rows(slabs, pos, wire):
+    return peer.combine_rows(slabs, pos, wire, axis_name="ep", mesh=mesh,
+                             all_to_all_path=lambda s: s[:tokens])
+
+  def only_rank0(slabs, pos, wire):
+    return jax.lax.cond(jax.lax.axis_index("ep") == 0, combine_rows,
+                        lambda slabs, pos, wire: slabs[:tokens], slabs, pos, wire)
+
+  compiled = shard_mapped(only_rank0, mesh, spec).lower(slabs, pos, wire).compile()
+  start = time.perf_counter()
+  jax.block_until_ready(compiled(slabs, pos, wire))
+  elapsed = time.perf_counter() - start
+  with pytest.raises(peer.PeerTimeoutError) as error:
+    peer.raise_if_failed()
+  assert (error.value.rank, error.value.peer_rank, error.value.step) == (0, 1, 1)
+  assert error.value.what == "combine_rows"
+  assert "deliver its chunk of step 1" in str(error.value)
+  assert 0.4 < elapsed < 10, elapsed
+  peer.reset()
+  peer.configure()
+  jax.block_until_ready(shard_mapped(combine_rows, mesh, spec)(slabs, pos, wire))
+  peer.raise_if_failed()
+
+
+@pytest.mark.gpu
+def test_write_ceiling_signals_like_an_exchange_and_leaves_the_channel_in_step():
+  """The benchmark's peer-write ceiling (stores and signals, no copy out)
+  runs repeatedly on the channel of an exchange, which stays correct."""
+  mesh = gpu_mesh()
+  spec = P(("dp", "ep"))
+  x = on_mesh(mesh, np.arange(2 * 2 * 64 * 8, dtype=np.float32).reshape(-1, 8), spec)
+
+  def program(x):
+    marks = []
+    for _ in range(5):
+      # The barrier orders the ceiling before the exchange; returning its
+      # placeholder output keeps it live.
+      x, mark = jax.lax.optimization_barrier((x, peer.write_ceiling(x, "ep", mesh)))
+      marks.append(mark)
+      x = peer.exchange(x, "ep", mesh, "exchange_rows") + 1
+    return x, jnp.concatenate(marks)
+
+  def reference(x):
+    for _ in range(5):
+      x = jax.lax.all_to_all(x, "ep", 0, 0, tiled=True) + 1
+    return x
+
+  compiled = shard_mapped(program, mesh, spec).lower(x).compile()
+  assert compiled.as_text().count("custom-call(") == 10  # 5 ceilings, 5 exchanges
+  got, _ = compiled(x)
+  peer.raise_if_failed()
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(shard_mapped(reference, mesh,
+                                                                         spec)(x)))
