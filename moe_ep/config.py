@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_ep.transport import CHECKPOINT_FIELDS, EXCHANGES
+from moe_ep.transport import CHECKPOINT_FIELDS, EXCHANGES, check_wire_dtype
 from moe_ep.transport.backend import BACKENDS
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -220,6 +220,13 @@ class MoEConfig:
     remat: the :class:`RematConfig`.
     return_aux: True: the layer returns ``(y, MoEAux)``; False: it returns
       ``y`` and sows the ``MoEAux`` as an ``nnx.Intermediate``.
+    dispatch_dtype: None (the dispatch moves rows in ``dtype``) or
+      ``"float8_e4m3fn"``: rows cross as e4m3 codes with one power-of-two
+      scale per 128 channels (about half the bytes of bfloat16) and are
+      dequantized into the ``dtype`` slabs the experts read; the combine and
+      every gradient stay in ``dtype`` (straight-through). Needs a JAX with
+      ``jnp.float8_e4m3fn``, and with the CuPy kernels a GPU of compute
+      capability 8.9+ (``transport="xla"`` runs it in pure JAX anywhere).
   """
 
   hidden_size: int
@@ -247,6 +254,7 @@ class MoEConfig:
   exchange: str = "auto"
   remat: RematConfig = dataclasses.field(default_factory=RematConfig)
   return_aux: bool = True
+  dispatch_dtype: str | None = None
 
   def __post_init__(self):
     cls = type(self)
@@ -281,6 +289,8 @@ class MoEConfig:
       object.__setattr__(self, "remat", from_dict(RematConfig, self.remat, "remat"))
     if not isinstance(self.remat, RematConfig):
       _fail(cls, "remat", self.remat, "must be a RematConfig")
+    object.__setattr__(self, "dispatch_dtype",
+                       check_wire_dtype(self.dispatch_dtype, f"{cls.__name__}.dispatch_dtype"))
 
   def _check_groups(self):
     cls = type(self)

@@ -125,7 +125,7 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, mesh, dtype, num_valid: 
       expert_capacity=expert_capacity, axis_name=layout.ep_axis,
       send_capacity=send_capacity_for(*capacity_args, config.capacity_factor),
       checkpoint_name=remat.name("dispatch"), backend=config.transport,
-      exchange=config.exchange, mesh=mesh)
+      exchange=config.exchange, mesh=mesh, wire_dtype=config.dispatch_dtype)
 
   # Experts, weighted in float32 before the unweighted combine.
   out = expert_mlp(dispatched.tokens, params["w_in"], params["w_out"], config.activation, name)

@@ -1,8 +1,10 @@
 """Picks the implementation of the transport's local passes.
 
-A backend is a module (or an object) with the four functions of
-:mod:`moe_ep.transport.xla`: ``route``, ``slab_layout``, ``expand_rows``,
-``gather_sum_rows``. Exchanges, custom_vjp rules and
+A backend is a module (or an object) with the functions of
+:mod:`moe_ep.transport.xla` named in :data:`_FUNCTIONS`: ``route``,
+``slab_layout``, ``expand_rows``, ``gather_sum_rows``, and the FP8 dispatch's
+``quantize_pack_expand``, ``unpack_dequantize_expand`` (whose CUDA kernels
+need compute capability 8.9+). Exchanges, custom_vjp rules and
 checkpoint names live above the backends, in :mod:`moe_ep.transport`.
 """
 
@@ -15,7 +17,8 @@ import jax
 from moe_ep.transport import xla
 
 BACKENDS = ("auto", "xla", "cupy")
-_FUNCTIONS = ("route", "slab_layout", "expand_rows", "gather_sum_rows")
+_FUNCTIONS = ("route", "slab_layout", "expand_rows", "gather_sum_rows",
+              "quantize_pack_expand", "unpack_dequantize_expand")
 
 
 def check_name(backend: str) -> None:

@@ -1,7 +1,8 @@
 """The CuPy backend: ``kernels/*.cu`` launched on XLA's own stream.
 
 Each function has the signature and outputs of its twin in
-:mod:`moe_ep.transport.xla`; each lowers to one
+:mod:`moe_ep.transport.xla` (the FP8 pair delegates to
+:mod:`moe_ep.transport.fp8`, which launches ``kernels/fp8.cu``); each lowers to one
 ``jax.experimental.buffer_callback`` (FFI buffers, no host round trip) whose
 Python callback only launches kernels: raw pointers from
 ``__cuda_array_interface__``, XLA's stream wrapped by
@@ -332,3 +333,37 @@ def gather_sum_rows(table, index):
   shape = jax.ShapeDtypeStruct((num_out_rows, hidden), table.dtype)
   return _call("moe_cupy_gather_sum_rows", callback, [shape], table,
                index.astype(jnp.int32))[0]
+
+
+# --- the FP8 dispatch's fused row passes (kernels/fp8.cu) --------------------------
+# Launched by moe_ep.transport.fp8 (its own kernel file and compile cache; it
+# imports this module, hence the imports inside).
+
+
+def _fp8_kernels(fn, *args, **kwargs):
+  """Runs an ``fp8.cuda_*`` function; the compute-capability error (the e4m3
+  conversions need sm_89+) also says which setting asked for the kernels."""
+  try:
+    return fn(*args, **kwargs)
+  except RuntimeError as error:
+    if "compute capability" not in str(error):
+      raise
+    raise RuntimeError(
+        f"{error}. FP8 dispatch (MoEConfig.dispatch_dtype / dispatch(wire_dtype=)) with "
+        "transport 'cupy' or 'auto' runs these kernels; on this GPU use transport='xla' "
+        "(the pure-JAX FP8 path) or no FP8 dispatch") from error
+
+
+def quantize_pack_expand(table, targets=None, sources=None):
+  """Kernel ``quantize_pack_{f32,bf16,f16}``; see
+  :func:`moe_ep.transport.xla.quantize_pack_expand`."""
+  from moe_ep.transport import fp8
+  return _fp8_kernels(fp8.cuda_quantize_pack, table, targets, sources)
+
+
+def unpack_dequantize_expand(wire, targets, sources, *, hidden: int, dtype):
+  """Kernel ``unpack_dequantize_expand_{f32,bf16,f16}``; see
+  :func:`moe_ep.transport.xla.unpack_dequantize_expand`."""
+  from moe_ep.transport import fp8
+  return _fp8_kernels(fp8.cuda_unpack_dequantize_expand, wire, targets, sources,
+                      hidden=hidden, dtype=dtype)

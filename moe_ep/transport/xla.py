@@ -1,9 +1,10 @@
 """The pure-JAX backend: the transport's local passes as jnp code.
 
 Runs on every platform and is the reference for the CuPy backend, which
-implements the same four functions (``route``, ``slab_layout``,
-``expand_rows``, ``gather_sum_rows``) with the same outputs: integers exactly,
-floats summed in the same fixed order.
+implements the same functions (``route``, ``slab_layout``, ``expand_rows``,
+``gather_sum_rows`` and the FP8 dispatch's ``quantize_pack_expand``,
+``unpack_dequantize_expand``) with the same outputs: integers and FP8 bytes
+exactly, floats summed in the same fixed order.
 Row movement is done with gathers driven by the handle, never scatter-adds:
 XLA's scatter with duplicates is slow on GPU and its summation order is not
 fixed.
@@ -182,3 +183,43 @@ def gather_sum_rows(table: jax.Array, index: jax.Array) -> jax.Array:
   for j in range(index.shape[1]):
     total = total + gather_rows(table, index[:, j]).astype(jnp.float32)
   return total.astype(table.dtype)
+
+
+# The FP8 dispatch's two fused row passes (see moe_ep/transport/fp8.py). fp8
+# imports this module, hence the imports inside.
+
+
+def quantize_pack_expand(table: jax.Array, targets: jax.Array | None = None,
+                         sources: jax.Array | None = None) -> jax.Array:
+  """Each row quantized once to an FP8 wire row, copied to every output row it
+  feeds (:func:`expand_rows` convention); without maps, wire row ``m`` is
+  table row ``m``.
+
+  Args:
+    table: ``[M, H]`` float32, bfloat16 or float16.
+    targets: ``[M, J]`` int32 or None; sources: ``[N]`` int32 or None.
+
+  Returns:
+    ``[N, W]`` uint8 (``[M, W]`` without maps), ``W = fp8.wire_bytes(H)``.
+  """
+  from moe_ep.transport import fp8
+  if targets is None and sources is None:
+    return fp8.quantize_pack(table)
+  return fp8.quantize_pack_expand(table, targets, sources)
+
+
+def unpack_dequantize_expand(wire: jax.Array, targets: jax.Array, sources: jax.Array, *,
+                             hidden: int, dtype) -> jax.Array:
+  """FP8 wire rows dequantized into their output rows; other rows are zero.
+
+  Args:
+    wire: ``[M, W]`` uint8 wire rows of ``hidden`` channels.
+    targets: ``[M, J]`` int32; sources: ``[N]`` int32 (as :func:`expand_rows`).
+    hidden: ``H``.
+    dtype: output dtype (float32, bfloat16 or float16).
+
+  Returns:
+    ``[N, H]`` in ``dtype``.
+  """
+  from moe_ep.transport import fp8
+  return fp8.unpack_dequantize_expand(wire, targets, sources, hidden=hidden, dtype=dtype)

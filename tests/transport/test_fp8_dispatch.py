@@ -1,0 +1,354 @@
+"""FP8 dispatch (``dispatch(wire_dtype="float8_e4m3fn")``,
+``MoEConfig.dispatch_dtype``): the slabs against the plain dispatch, within
+e4m3's error bound and bit for bit against a NumPy quantize-dequantize of the
+plain slabs; the integers and weights bitwise equal; the straight-through
+backward; remat; the layer against a dense reference; the CUDA lowering; and
+on GPUs the CuPy path against pure JAX bit for bit."""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from conftest import make_mesh
+from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
+from moe_ep.bench import hlo
+from moe_ep.config import from_dict
+from moe_ep.transport import NAMED_SCOPES, backend, dispatch, expert_capacity_for, fp8
+from moe_ep.transport import cupy as cupy_backend
+from reference import make_routing
+from test_fp8 import reference_dequantize, reference_quantize
+
+FP8 = "float8_e4m3fn"
+HIDDEN = 200  # two scale blocks, the second one short (72 channels)
+NUM_EXPERTS, TOP_K = 16, 3
+TOKENS = 13  # per rank
+ROWS = f"{NAMED_SCOPES['dispatch']}/exchange_rows"
+
+
+@functools.cache
+def cpu_compiler_options() -> dict:
+  """Options that cut the compile of these tiny graphs several-fold on CPU
+  (LLVM optimisation and the fusion emitters off; as tests/test_layer_fields.py),
+  each dropped where this XLA does not know it."""
+  options = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+  probe = jax.device_put(1.0, jax.devices("cpu")[0])
+  for name in list(options):
+    try:
+      jax.jit(lambda v: v + 1).lower(probe).compile(compiler_options={name: options[name]})
+    except Exception:  # noqa: BLE001 - unknown option names raise XlaRuntimeError
+      del options[name]
+  return options
+
+
+def problem(seed: int, ep_size: int, dtype):
+  """Rows of very different magnitudes (so scales differ per row), a zero
+  row, balanced routing, and a cotangent for the slabs and the weights."""
+  rng = np.random.default_rng(seed)
+  magnitude = 10.0 ** rng.uniform(-3, 3, (ep_size * TOKENS, 1))
+  tokens = (rng.normal(size=(ep_size * TOKENS, HIDDEN)) * magnitude).astype(np.float32)
+  tokens[1] = 0.0
+  idx = make_routing("balanced", rng, ep_size, TOKENS, TOP_K, NUM_EXPERTS).reshape(-1, TOP_K)
+  weights = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
+  return jnp.asarray(tokens, dtype), idx, weights
+
+
+def slab_shape(ep_size: int) -> tuple[int, int]:
+  """``[E, C]``: the global ``[R * L, C]`` of the dropless slabs."""
+  return NUM_EXPERTS, expert_capacity_for(TOKENS, TOP_K, NUM_EXPERTS, ep_size)
+
+
+@functools.cache
+def dispatch_with_grads(ep_size: int, wire_dtype, backend_name: str = "xla",
+                        exchange: str = "all_to_all", devices: str = "xla"):
+  """jit of ``(tokens, idx, weights, slab_cotangent, weight_cotangent) ->
+  (Dispatched, token_grad, weight_grad)`` on a 1 x ``ep_size`` mesh of
+  ``devices`` ("xla": CPUs, "cupy": GPUs); the loss is linear in the slabs
+  and weights, so its gradient is the dispatch's VJP of the cotangents."""
+  mesh = make_mesh((1, ep_size), ("dp", "ep"), devices)
+  axis = "ep" if ep_size > 1 else None
+  capacity = slab_shape(ep_size)[1]
+
+  def body(tokens, idx, weights):
+    return dispatch(tokens, idx, weights, num_experts=NUM_EXPERTS, expert_capacity=capacity,
+                    axis_name=axis, backend=backend_name, exchange=exchange, mesh=mesh,
+                    wire_dtype=wire_dtype)
+
+  spec = P(("dp", "ep"))
+  sharded = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+
+  def loss(tokens, weights, idx, slab_cotangent, weight_cotangent):
+    out = sharded(tokens, idx, weights)
+    value = (jnp.vdot(out.tokens.astype(jnp.float32), slab_cotangent)
+             + jnp.vdot(out.weights, weight_cotangent))
+    return value, out
+
+  @functools.partial(jax.jit,
+                     compiler_options=cpu_compiler_options() if devices == "xla" else None)
+  def run(tokens, idx, weights, slab_cotangent, weight_cotangent):
+    (_, out), (token_grad, weight_grad) = jax.value_and_grad(
+        loss, argnums=(0, 1), has_aux=True)(tokens, weights, idx, slab_cotangent,
+                                            weight_cotangent)
+    return out, token_grad, weight_grad
+
+  return run
+
+
+def arguments(seed: int, ep_size: int, dtype):
+  """``(tokens, idx, weights, slab_cotangent, weight_cotangent)``."""
+  rng = np.random.default_rng(seed + 1)
+  return (*problem(seed, ep_size, dtype),
+          rng.normal(size=slab_shape(ep_size) + (HIDDEN,)).astype(np.float32),
+          rng.normal(size=slab_shape(ep_size)).astype(np.float32))
+
+
+@functools.cache
+def run_both(ep_size: int, dtype):
+  """The plain and the FP8 dispatch of one problem, with the same cotangents."""
+  args = arguments(0, ep_size, dtype)
+  return dispatch_with_grads(ep_size, None)(*args), dispatch_with_grads(ep_size, FP8)(*args)
+
+
+def block_scales(rows: np.ndarray) -> np.ndarray:
+  """``[N, H]`` per-channel scale ``2**ceil(log2(amax / 448))`` of each
+  channel's 128-block (floored at 2**-116), from float64 logs."""
+  blocks = -(-HIDDEN // 128)
+  padded = np.zeros((rows.shape[0], blocks * 128))
+  padded[:, :HIDDEN] = np.abs(rows)
+  amax = padded.reshape(rows.shape[0], blocks, 128).max(axis=2)
+  with np.errstate(divide="ignore"):
+    exponent = np.maximum(np.ceil(np.log2(amax / 448.0)), -116)
+  return np.repeat(np.exp2(exponent), 128, axis=1)[:, :HIDDEN]
+
+
+CASES = [(1, jnp.float32), (4, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("ep_size, dtype", CASES)
+def test_fp8_slabs_are_the_plain_slabs_quantized_once(ep_size, dtype):
+  """The plain dispatch copies token rows exactly, and FP8 quantizes per row,
+  so each FP8 slab row is its plain slab row quantized and dequantized: bit
+  for bit the NumPy reference of part 1, and within part 1's bound
+  ``|x - deq| <= 2**-4 |x| + 2**-10 scale`` (plus half an ulp of the output
+  dtype: 2**-9 |deq| for bfloat16). Empty slab rows stay exact zeros."""
+  (plain, _, _), (fp8_out, _, _) = run_both(ep_size, dtype)
+  plain_rows = np.asarray(plain.tokens, np.float32).reshape(-1, HIDDEN)
+  got = np.asarray(fp8_out.tokens)
+  assert got.dtype == dtype and got.shape == plain.tokens.shape
+
+  codes, scales = reference_quantize(plain_rows)
+  want = reference_dequantize(codes, scales, dtype).reshape(got.shape)
+  np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{got.itemsize}"))
+
+  got_rows = got.astype(np.float64).reshape(-1, HIDDEN)
+  exact = plain_rows.astype(np.float64)
+  output_rounding = 2.0 ** -9 if dtype == jnp.bfloat16 else 0.0
+  bound = (2.0 ** -4 * np.abs(exact) + 2.0 ** -10 * block_scales(exact)
+           + output_rounding * np.abs(got_rows))
+  error = np.abs(got_rows - exact)
+  assert (error <= bound).all(), np.max(error / bound)
+  nonzero = exact != 0
+  assert (error[nonzero] / np.abs(exact[nonzero])).max() > 2.0 ** -6  # FP8 really ran
+  empty = ~np.asarray(plain.tokens, np.float32).reshape(-1, HIDDEN).any(axis=1)
+  assert empty.any() and not got_rows[empty].any()
+
+
+@pytest.mark.parametrize("ep_size, dtype", CASES)
+def test_fp8_leaves_handle_counts_demand_and_weights_bitwise_unchanged(ep_size, dtype):
+  (plain, _, _), (fp8_out, _, _) = run_both(ep_size, dtype)
+  for field in ("weights", "counts", "demand"):
+    np.testing.assert_array_equal(np.asarray(getattr(fp8_out, field)),
+                                  np.asarray(getattr(plain, field)), err_msg=field)
+  for name, got, want in zip(plain.handle._fields, fp8_out.handle, plain.handle):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+  assert int(np.asarray(plain.counts).sum()) == ep_size * TOKENS * TOP_K  # dropless
+
+
+@pytest.mark.parametrize("ep_size, dtype", CASES)
+def test_token_gradient_is_straight_through(ep_size, dtype):
+  """The backward never sees the quantization: for the same slab cotangent
+  the tokens' and weights' gradients are bit for bit those of the plain
+  dispatch (differentiating through the rounding would give zeros)."""
+  (_, plain_tokens, plain_weights), (_, fp8_tokens, fp8_weights) = run_both(ep_size, dtype)
+  assert fp8_tokens.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(fp8_tokens, np.float32),
+                                np.asarray(plain_tokens, np.float32))
+  np.testing.assert_array_equal(np.asarray(fp8_weights), np.asarray(plain_weights))
+  assert np.abs(np.asarray(fp8_tokens, np.float32)).min(axis=1).max() > 0
+
+
+def test_bad_wire_dtype_and_tokens_are_named():
+  tokens, idx, weights = problem(0, 1, jnp.float32)
+  call = functools.partial(dispatch, num_experts=NUM_EXPERTS, expert_capacity=8)
+  with pytest.raises(ValueError, match=r"wire_dtype='float16' must be None or one of "
+                                       r"\('float8_e4m3fn',\)"):
+    call(tokens, idx, weights, wire_dtype="float16")
+  with pytest.raises(ValueError, match=r"tokens dtype int32 must be one of .* with "
+                                       r"wire_dtype='float8_e4m3fn'"):
+    call(tokens.astype(jnp.int32), idx, weights, wire_dtype=FP8)
+
+
+# --- the config ------------------------------------------------------------------
+
+BASE = dict(hidden_size=16, ffn_size=24, num_experts=8, top_k=2)
+
+
+def test_config_dispatch_dtype_is_validated_by_name(monkeypatch):
+  assert MoEConfig(**BASE).dispatch_dtype is None
+  assert MoEConfig(**BASE, dispatch_dtype=jnp.float8_e4m3fn).dispatch_dtype == FP8
+  assert from_dict(MoEConfig, {**BASE, "dispatch_dtype": FP8}).dispatch_dtype == FP8
+  assert [f.name for f in dataclasses.fields(MoEConfig)][-1] == "dispatch_dtype"
+  for bad in ("bfloat16", "float8_e5m2", "fp8", 8):
+    with pytest.raises(ValueError, match=rf"MoEConfig.dispatch_dtype={bad!r} must be None or "):
+      MoEConfig(**BASE, dispatch_dtype=bad)
+  monkeypatch.delattr(jnp, "float8_e4m3fn")
+  with pytest.raises(ValueError, match=r"MoEConfig.dispatch_dtype='float8_e4m3fn' needs a JAX "
+                                       r"with jnp.float8_e4m3fn"):
+    MoEConfig(**BASE, dispatch_dtype=FP8)
+
+
+# --- the layer ---------------------------------------------------------------------
+
+
+def layer_and_params(mesh, **overrides):
+  config = MoEConfig(**BASE, dtype="float32", transport="xla", dispatch_dtype=FP8, **overrides)
+  layer = ExpertParallelMoE(config, mesh=mesh, rngs=nnx.Rngs(0))
+  params = {key: np.asarray(value)
+            for key, value in nnx.to_pure_dict(nnx.state(layer, nnx.Param)).items()}
+  return layer, params
+
+
+def dense_layer(params, x, expert_x, top_k):
+  """Softmax top-k routing of ``x``, normalised; every expert applied to
+  ``expert_x`` (swiglu), each token's chosen outputs weighted and summed:
+  ``[N, H]`` float64."""
+  logits = x @ params["router"].astype(np.float64)
+  scores = np.exp(logits - logits.max(-1, keepdims=True))
+  scores /= scores.sum(-1, keepdims=True)
+  idx = np.argsort(-scores, axis=-1, kind="stable")[:, :top_k]
+  weights = np.take_along_axis(scores, idx, axis=-1)
+  weights /= weights.sum(-1, keepdims=True)
+  gate, up = np.split(np.einsum("nh,ehf->enf", expert_x, params["w_in"].astype(np.float64)),
+                      2, axis=-1)
+  every = np.einsum("enf,efh->enh", gate / (1 + np.exp(-gate)) * up,
+                    params["w_out"].astype(np.float64))
+  rows = np.arange(x.shape[0])
+  return sum(weights[:, k, None] * every[idx[:, k], rows] for k in range(top_k))
+
+
+def test_layer_with_fp8_dispatch_matches_dense_reference():
+  """float32 compute on a 2x4 mesh. The experts see exactly the tokens
+  quantized once (the router sees them unquantized): against that dense
+  reference only float32 rounding of differently ordered sums differs
+  (rtol/atol 1e-5, as tests/test_layer.py). Against the unquantized dense
+  layer the error is FP8's: each expert input is off by at most 2**-4 of
+  itself (typically ~2**-6), and two GEMMs with random-sign weights keep that
+  relative order, so the output is within 2**-4 of the output scale (max
+  and rms), and measurably off (FP8 ran)."""
+  layer, params = layer_and_params(make_mesh((2, 4), ("dp", "ep")))
+  x = np.random.default_rng(3).normal(size=(8, 6, BASE["hidden_size"])).astype(np.float32)
+  graphdef, state = nnx.split(layer)
+  y, aux = jax.jit(lambda state, v: nnx.merge(graphdef, state)(v),
+                   compiler_options=cpu_compiler_options())(state, x)
+  tokens = x.reshape(-1, BASE["hidden_size"])
+  codes, scales = reference_quantize(tokens)
+  quantized = reference_dequantize(codes, scales, np.float32).astype(np.float64)
+  got = np.asarray(y, np.float64).reshape(tokens.shape)
+  top_k = BASE["top_k"]
+  np.testing.assert_allclose(got, dense_layer(params, tokens.astype(np.float64), quantized, top_k),
+                             rtol=1e-5, atol=1e-5)
+  exact = dense_layer(params, tokens.astype(np.float64), tokens.astype(np.float64), top_k)
+  error = np.abs(got - exact)
+  assert error.max() <= 2.0 ** -4 * np.abs(exact).max(), error.max()
+  assert np.sqrt((error ** 2).mean()) <= 2.0 ** -4 * np.sqrt((exact ** 2).mean())
+  assert error.max() > 1e-4 * np.abs(exact).max()
+  assert float(aux.dropped_fraction) == 0.0
+
+
+def test_saved_dispatch_runs_one_forward_fp8_row_exchange():
+  """With save=("dispatch",) backward does not re-run the dispatch row
+  exchange (one, as without FP8; two when nothing is saved), the rows cross
+  as uint8 wire rows of fp8.wire_bytes(H) bytes, and both policies give the
+  same loss and gradients."""
+  layer, _ = layer_and_params(make_mesh((1, 4), ("dp", "ep")))
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  x = np.random.default_rng(4).normal(size=(4, 6, BASE["hidden_size"])).astype(np.float32)
+
+  def loss(params, x):
+    y, aux = nnx.merge(graphdef, params, rest)(x)
+    return jnp.mean(y ** 2) + aux.aux_loss
+
+  def compiled(policy):
+    step = jax.jit(jax.value_and_grad(jax.checkpoint(loss, policy=policy)),
+                   compiler_options=cpu_compiler_options())
+    return step.lower(params, x).compile().as_text(), step(params, x)
+
+  text_saved, saved = compiled(RematConfig(save=("dispatch",)).policy())
+  text_nothing, nothing = compiled(jax.checkpoint_policies.nothing_saveable)
+  assert hlo.count(text_saved, scope=ROWS) == 1
+  assert hlo.count(text_nothing, scope=ROWS) == 2
+  row_exchanges = [line for op, name, line in hlo.collectives(text_saved)
+                   if op == "all-to-all" and ROWS in name]
+  width = fp8.wire_bytes(BASE["hidden_size"])
+  assert re.search(rf"u8\[[\d,]*,{width}\]", row_exchanges[0]), row_exchanges[0]
+  for got, want in zip(jax.tree.leaves(saved), jax.tree.leaves(nothing)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+# --- the CUDA lowering (any machine) and the GPU ---------------------------------
+
+
+@pytest.fixture
+def pretend_cupy(monkeypatch):
+  """Lowering never touches CuPy; only the availability check does."""
+  monkeypatch.setattr(cupy_backend, "cupy_available", lambda: True)
+  backend.resolve.cache_clear()
+  yield
+  backend.resolve.cache_clear()
+
+
+@pytest.mark.parametrize("ep_size", [1, 4])
+def test_cuda_lowering_fuses_quantize_and_dequantize_into_the_row_passes(pretend_cupy,
+                                                                         ep_size):
+  """backend "auto" lowered for CUDA: the forward dispatch moves rows with one
+  fused quantize-pack and one fused unpack-dequantize kernel (no plain
+  expand_rows), and any row exchange carries uint8."""
+  tokens, idx, weights = problem(0, ep_size, jnp.bfloat16)
+  mesh = make_mesh((ep_size,), ("ep",))
+  body = lambda x, i, w: dispatch(
+      x, i, w, num_experts=NUM_EXPERTS, expert_capacity=64,
+      axis_name="ep" if ep_size > 1 else None, wire_dtype=FP8).tokens
+  fn = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+  text = jax.jit(fn).trace(tokens, idx, weights).lower(
+      lowering_platforms=("cuda",)).as_text(debug_info=True)
+  names = re.findall(r'loc\("([^"]*moe_cupy_\w+)/buffer_callback', text)
+  kernels = sorted(re.search(r"moe_cupy_\w+$", name).group(0) for name in set(names))
+  assert kernels == ["moe_cupy_fp8_quantize_pack", "moe_cupy_fp8_unpack_dequantize_expand",
+                     "moe_cupy_route", "moe_cupy_slab_layout"]
+  exchanges = re.findall(r'"stablehlo.all_to_all"\(.*', text)
+  assert len(exchanges) == (2 if ep_size > 1 else 0)  # metadata, rows
+  if ep_size > 1:
+    assert any(f"x{fp8.wire_bytes(HIDDEN)}xui8>" in line for line in exchanges), exchanges
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exchange", ["all_to_all", "auto"])  # auto: peer where it runs
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_cupy_fp8_dispatch_equals_pure_jax_bitwise(ep_size, dtype, exchange):
+  """On a 1xR GPU mesh: the kernels' slabs, integers and gradients are bit
+  for bit the pure-JAX FP8 path's (both on the GPUs)."""
+  args = arguments(5, ep_size, dtype)
+  got = dispatch_with_grads(ep_size, FP8, "cupy", exchange, devices="cupy")(*args)
+  # backend "xla" on the same GPUs: the pure-JAX FP8 path, XLA's all_to_all.
+  want = dispatch_with_grads(ep_size, FP8, "xla", "all_to_all", devices="cupy")(*args)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))
