@@ -111,7 +111,8 @@ def make_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
   :meth:`Config.mesh_shape` (errors say how to fit another device count)."""
   devices = jax.devices() if devices is None else devices
   dp, ep = config.mesh_shape(len(devices))
-  # Not jax.make_mesh: its Explicit axis types change how shard_map takes in_specs.
+  # Auto axes: XLA propagates the batch sharding through the attention blocks
+  # (the MoE layers take any mesh; tests/test_dropin.py covers jax.make_mesh's).
   return jax.sharding.Mesh(np.array(devices).reshape(dp, ep), MESH_AXES)
 
 

@@ -34,3 +34,10 @@ def collectives(hlo_text: str) -> list[tuple[str, str, str]]:
 def count(hlo_text: str, opcode: str = "all-to-all", scope: str = "") -> int:
   """Collectives of ``opcode`` whose op_name contains ``scope``."""
   return sum(1 for op, name, _ in collectives(hlo_text) if op == opcode and scope in name)
+
+
+def count_sites(hlo_text: str, opcode: str = "all-to-all", scope: str = "") -> int:
+  """Like :func:`count`, but instructions with the same op_name count once:
+  XLA may unroll a short loop (a 2-layer scan) and copy its body, and such
+  copies are one exchange per iteration, not a re-run."""
+  return len({name for op, name, _ in collectives(hlo_text) if op == opcode and scope in name})
