@@ -55,6 +55,11 @@ BACKENDS = ["xla"] + (["cupy"] if cupy_usable() else [])
 
 
 def pytest_collection_modifyitems(config, items):
+  # Tests that wait for a background job run last, so the job overlaps the
+  # rest of the suite (see tests/background.py).
+  waits = [hasattr(getattr(item, "module", None), "background_jobs") for item in items]
+  items[:] = ([item for item, w in zip(items, waits) if not w]
+              + [item for item, w in zip(items, waits) if w])
   if cupy_usable():
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU and CuPy")
