@@ -4,7 +4,12 @@ Both are ``custom_vjp`` operations whose backward passes read only the routing
 handle (plain int32 data), so remat can save it and backward never re-runs the
 routing or the forward exchange. The local passes come from a backend
 (:mod:`~moe_ep.transport.xla` or :mod:`~moe_ep.transport.cupy`); the exchanges
-are XLA ``all_to_all`` collectives over the EP mesh axis, issued here, once.
+over the EP mesh axis are issued here, once, by one of two paths with bitwise
+the same results: XLA's ``all_to_all``, or direct NVLink stores into the
+other GPUs' memory (:mod:`~moe_ep.transport.peer`), which also fuses the row
+exchanges with the expands and sums around them (``exchange=`` picks).
+With ``wire_dtype="float8_e4m3fn"`` the dispatch rows travel as FP8
+(:mod:`~moe_ep.transport.fp8`).
 
 Data flow of a forward dispatch on each rank (see ``layout.py`` for the names)::
 

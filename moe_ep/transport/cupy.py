@@ -12,8 +12,9 @@ shapes only, so every callback is ``command_buffer_compatible`` and XLA can
 replay it from a CUDA graph.
 
 Kernels compile with NVRTC once per device, at trace time (never inside a
-step); this is the only library module that imports CuPy (the benchmarks also
-use it, to time a raw device memcpy).
+step). CuPy is imported lazily here and by the modules built on this one's
+launch helpers, :mod:`~moe_ep.transport.peer` and :mod:`~moe_ep.transport.fp8`
+(the benchmarks also use it, to time a raw device memcpy).
 """
 
 from __future__ import annotations
