@@ -1,5 +1,6 @@
 """Test set-up: 8 virtual CPU devices, GPU test selection, shared helpers."""
 
+import functools
 import os
 
 # Must happen before JAX initialises its backends. No GPU memory preallocation:
@@ -33,6 +34,22 @@ import pytest  # noqa: E402
 
 # float32 tests compare against float32 references: no TF32 matmuls on GPU.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@functools.cache
+def cpu_compiler_options() -> dict:
+  """Per-jit compiler options that cut the compile of tiny test graphs
+  several-fold on CPU (LLVM optimisation and the fusion emitters off; also
+  where a GPU plugin keeps them out of XLA_FLAGS), each dropped where this
+  XLA does not know it."""
+  options = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+  probe = jax.device_put(1.0, jax.devices("cpu")[0])
+  for name in list(options):
+    try:
+      jax.jit(lambda v: v + 1).lower(probe).compile(compiler_options={name: options[name]})
+    except Exception:  # noqa: BLE001 - unknown option names raise XlaRuntimeError
+      del options[name]
+  return options
 
 
 def gpu_devices() -> list:

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import make_mesh
+from conftest import cpu_compiler_options, make_mesh
 from layer_reference import reference_bias_update, reference_layer, select_experts
 from moe_ep import ExpertParallelMoE, MoEConfig
 
@@ -55,25 +55,10 @@ def mesh(names=("dp", "ep")) -> jax.sharding.Mesh:
 
 
 @functools.cache
-def _compiler_options() -> dict:
-  """Options that cut the compile of these tiny graphs ~4x on CPU (LLVM
-  optimisation and the fusion emitters off); compiles dominate this file.
-  Each is dropped where this XLA does not know it."""
-  options = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
-  probe = jax.device_put(1.0, jax.devices("cpu")[0])
-  for name in list(options):
-    try:
-      jax.jit(lambda v: v + 1).lower(probe).compile(compiler_options={name: options[name]})
-    except Exception:  # noqa: BLE001 - unknown option names raise XlaRuntimeError
-      del options[name]
-  return options
-
-
-@functools.cache
 def _forward(graphdef):
   """One jitted forward per layer structure (config), shared by all tests."""
   return jax.jit(lambda state, x: nnx.merge(graphdef, state)(x),
-                 compiler_options=_compiler_options())
+                 compiler_options=cpu_compiler_options())
 
 
 def forward(layer, x):

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from conftest import make_mesh
+from conftest import cpu_compiler_options, make_mesh
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
 from moe_ep.bench import hlo
 from moe_ep.config import from_dict
@@ -30,21 +30,6 @@ HIDDEN = 200  # two scale blocks, the second one short (72 channels)
 NUM_EXPERTS, TOP_K = 16, 3
 TOKENS = 13  # per rank
 ROWS = f"{NAMED_SCOPES['dispatch']}/exchange_rows"
-
-
-@functools.cache
-def cpu_compiler_options() -> dict:
-  """Options that cut the compile of these tiny graphs several-fold on CPU
-  (LLVM optimisation and the fusion emitters off; as tests/test_layer_fields.py),
-  each dropped where this XLA does not know it."""
-  options = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
-  probe = jax.device_put(1.0, jax.devices("cpu")[0])
-  for name in list(options):
-    try:
-      jax.jit(lambda v: v + 1).lower(probe).compile(compiler_options={name: options[name]})
-    except Exception:  # noqa: BLE001 - unknown option names raise XlaRuntimeError
-      del options[name]
-  return options
 
 
 def problem(seed: int, ep_size: int, dtype):
