@@ -90,6 +90,18 @@ def pytest_collection_finish(session):
   background.start_for(session.items)
 
 
+@pytest.fixture
+def pretend_cupy(monkeypatch):
+  """CuPy reported available (and the backend cache cleared around the test):
+  lowering for CUDA never touches CuPy, only the availability check does."""
+  from moe_ep.transport import backend
+  from moe_ep.transport import cupy as cupy_backend
+  monkeypatch.setattr(cupy_backend, "cupy_available", lambda: True)
+  backend.resolve.cache_clear()
+  yield
+  backend.resolve.cache_clear()
+
+
 def devices_for(backend: str, count: int) -> list:
   """``count`` devices that run ``backend``: GPUs for CuPy, CPUs otherwise."""
   devices = gpu_devices() if backend == "cupy" else jax.devices("cpu")

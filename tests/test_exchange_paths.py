@@ -120,26 +120,20 @@ def round_trip_fn(exchange: str, mesh, backend: str, tokens: int, expert_capacit
   return per_rank
 
 
-def test_peer_row_paths_lower_to_one_fused_callback_each_and_no_row_passes(monkeypatch):
+def test_peer_row_paths_lower_to_one_fused_callback_each_and_no_row_passes(monkeypatch,
+                                                                          pretend_cupy):
   """With the peer path taken (its checks stubbed on CPU devices), every row
   path of the forward and backward passes lowers for CUDA to one fused
   callback under .../exchange_rows/, with no expand_rows or gather_sum_rows
   pass and no all_to_all; metadata and weights use the drop-in exchange."""
-  from moe_ep.transport import backend as backend_module
-  from moe_ep.transport import cupy as cupy_backend
   monkeypatch.setattr(peer, "unsupported_reason", lambda mesh, axis: None)
-  monkeypatch.setattr(cupy_backend, "cupy_available", lambda: True)
-  backend_module.resolve.cache_clear()
-  try:
-    mesh = make_mesh((4,), ("ep",))
-    fn = round_trip_fn("peer", mesh, "auto", 16, 12, 6)
-    args = (jnp.ones((64, 32), jnp.bfloat16), jnp.zeros((64, K), jnp.int32),
-            jnp.ones((64, K)), jnp.ones((64, 32), jnp.bfloat16))
-    traced = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))).trace(
-        *args)
-    text = traced.lower(lowering_platforms=("cuda",)).as_text(debug_info=True)
-  finally:
-    backend_module.resolve.cache_clear()
+  mesh = make_mesh((4,), ("ep",))
+  fn = round_trip_fn("peer", mesh, "auto", 16, 12, 6)
+  args = (jnp.ones((64, 32), jnp.bfloat16), jnp.zeros((64, K), jnp.int32),
+          jnp.ones((64, K)), jnp.ones((64, 32), jnp.bfloat16))
+  traced = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))).trace(
+      *args)
+  text = traced.lower(lowering_platforms=("cuda",)).as_text(debug_info=True)
   scopes = [name for _, name in custom_call_scopes(text)]
   fused = [s for s in scopes if "/exchange_rows/" in s]
   passes = [[name for name in NAMED_SCOPES.values() if name in s] for s in fused]

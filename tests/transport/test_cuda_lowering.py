@@ -8,27 +8,16 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import make_mesh
-from moe_ep.transport import NAMED_SCOPES, backend, combine, dispatch
-from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import NAMED_SCOPES, combine, dispatch
 
 EP, TOKENS, HIDDEN, EXPERTS, TOP_K = 4, 16, 8, 8, 2
 BUFFER_CALLBACK = "xla_buffer_python_gpu_callback_cmd_buffer"
 # Targets of jax.pure_callback / io_callback / debug.callback: none may appear.
 HOST_CALLBACKS = ("xla_python_cpu_callback", "xla_python_gpu_callback",
                   "xla_ffi_python_cpu_callback", "xla_ffi_python_gpu_callback")
-
-
-@pytest.fixture
-def pretend_cupy(monkeypatch):
-  """Lowering never touches CuPy; only the availability check does."""
-  monkeypatch.setattr(cupy_backend, "cupy_available", lambda: True)
-  backend.resolve.cache_clear()
-  yield
-  backend.resolve.cache_clear()
 
 
 def value_and_grad_step():

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from conftest import gpu_devices
-from moe_ep.transport import cupy as cupy_backend
 from moe_ep.transport import fp8, xla
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -309,10 +308,9 @@ def test_bad_inputs_name_the_argument():
     fp8.dequantize_rows(jnp.zeros((2, 200), jnp.float8_e4m3fn), jnp.ones((2, 1)))
 
 
-def test_cuda_lowering_is_command_buffer_callbacks(monkeypatch):
+def test_cuda_lowering_is_command_buffer_callbacks(pretend_cupy):
   """Lowered for CUDA on any machine (CuPy never runs): one buffer_callback
   per fused op, under its own scope, and no host callbacks."""
-  monkeypatch.setattr(cupy_backend, "cupy_available", lambda: True)
 
   def round_trip(x, targets, sources, back_targets, back_sources):
     wire = fp8.cuda_quantize_pack(x, targets, sources)

@@ -20,8 +20,7 @@ from conftest import cpu_compiler_options, make_mesh
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
 from moe_ep.bench import hlo
 from moe_ep.config import from_dict
-from moe_ep.transport import NAMED_SCOPES, backend, dispatch, expert_capacity_for, fp8
-from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import NAMED_SCOPES, dispatch, expert_capacity_for, fp8
 from reference import make_routing
 from test_fp8 import reference_dequantize, reference_quantize
 
@@ -287,15 +286,6 @@ def test_saved_dispatch_runs_one_forward_fp8_row_exchange():
 
 
 # --- the CUDA lowering (any machine) and the GPU ---------------------------------
-
-
-@pytest.fixture
-def pretend_cupy(monkeypatch):
-  """Lowering never touches CuPy; only the availability check does."""
-  monkeypatch.setattr(cupy_backend, "cupy_available", lambda: True)
-  backend.resolve.cache_clear()
-  yield
-  backend.resolve.cache_clear()
 
 
 @pytest.mark.parametrize("ep_size", [1, 4])
