@@ -249,26 +249,39 @@ def _rows_to_slabs_fp8(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> j
   Each token is quantized once, fused with its expand into the send rows
   (``[W]`` uint8 wire rows: e4m3 codes and power-of-two per-128-channel
   scales, :mod:`~moe_ep.transport.fp8`); the wire rows cross in one exchange
-  (all_to_all or the peer exchange's drop-in); each received row is
-  dequantized straight into its slab rows. One rank: quantize, then
-  dequantize into the slabs, so the slabs do not depend on ``R``."""
+  (all_to_all or the peer exchange's drop-in). One rank: quantize, then
+  expand, so the slabs do not depend on ``R``.
+
+  The receiving side depends on ``spec.checkpoint_name``. Without one, each
+  received row is dequantized straight into its slab rows (one fused pass).
+  With one, the received rows are expanded into FP8 slabs ``[L, C, W]``,
+  which carry the name ``"{checkpoint_name}.tokens"``, and dequantized by
+  XLA: a remat policy that saves the dispatch then keeps the FP8 slabs (about
+  half the bf16 residual) and backward recomputes only the dequantize, never
+  the exchange. Both give bitwise the same slabs (the dequantize is exact
+  before its one rounding)."""
   ops = spec.ops
   hidden = rows.shape[-1]
   slab_shape = handle.slab_row.shape + (hidden,)
   slab_row = handle.slab_row.reshape(-1)
   if spec.ep_size == 1:
-    token_of_slab_row = _lookup(handle.send_token.reshape(-1), slab_row, -1)
-    slabs = ops.unpack_dequantize_expand(
-        ops.quantize_pack_expand(rows), _token_member_pos(handle), token_of_slab_row,
-        hidden=hidden, dtype=rows.dtype)
+    wire = ops.quantize_pack_expand(rows)
+    targets = _token_member_pos(handle)
+    sources = _lookup(handle.send_token.reshape(-1), slab_row, -1)
+  else:
+    send_wire = ops.quantize_pack_expand(rows, _wire_rows(handle),
+                                         handle.send_token.reshape(-1))
+    width = send_wire.shape[-1]
+    wire = _exchange(spec, send_wire.reshape(spec.ep_size, -1, width),
+                     "exchange_rows").reshape(-1, width)
+    targets, sources = handle.recv_pos.reshape(-1, handle.top_k), slab_row
+  if spec.checkpoint_name is None:
+    slabs = ops.unpack_dequantize_expand(wire, targets, sources, hidden=hidden,
+                                         dtype=rows.dtype)
     return slabs.reshape(slab_shape)
-  send_wire = ops.quantize_pack_expand(rows, _wire_rows(handle), handle.send_token.reshape(-1))
-  width = send_wire.shape[-1]
-  recv_wire = _exchange(spec, send_wire.reshape(spec.ep_size, -1, width), "exchange_rows")
-  slabs = ops.unpack_dequantize_expand(
-      recv_wire.reshape(-1, width), handle.recv_pos.reshape(-1, handle.top_k), slab_row,
-      hidden=hidden, dtype=rows.dtype)
-  return slabs.reshape(slab_shape)
+  from moe_ep.transport import fp8
+  fp8_slabs = _name(spec, "tokens", ops.expand_rows(wire, targets, sources))
+  return fp8.dequantize_rows(*fp8.unpack_wire(fp8_slabs, hidden), rows.dtype).reshape(slab_shape)
 
 
 def _weights_to_routes(spec: _Spec, slab_values: jax.Array, handle: RoutingHandle) -> jax.Array:
@@ -308,8 +321,9 @@ def _dispatch_forward(spec: _Spec, tokens, topk_idx, topk_weights) -> Dispatched
     slabs = (_rows_to_slabs_fp8 if spec.wire_dtype else _rows_to_slabs)(spec, tokens, handle)
   # Names go on the outputs here, inside the forward rule, so they also mark
   # the residual (the handle) that the backward rule reads.
+  # The FP8 path names its FP8 slabs (the smaller residual) itself.
   return Dispatched(
-      tokens=_name(spec, "tokens", slabs),
+      tokens=slabs if spec.wire_dtype else _name(spec, "tokens", slabs),
       weights=_name(spec, "weights", slab_weights),
       handle=_name(spec, "handle", handle),
       counts=_name(spec, "counts", counts),
@@ -451,9 +465,11 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
       CUDA) the GPU needs compute capability 8.9+; ``backend="xla"`` runs
       the FP8 path in pure JAX anywhere. Backward is straight-through: the
       tokens' gradient is the unquantized combine of the slab gradient,
-      exactly as without FP8. The slabs named ``"tokens"`` for remat are the
-      dequantized ones (saving the FP8 wire rows instead, half the
-      residual, is not done yet).
+      exactly as without FP8. With ``checkpoint_name`` the value named
+      ``"tokens"`` is the FP8 slab ``[L, C, W]`` uint8 (codes and scales),
+      which the slabs are dequantized from: saved by remat it is about half
+      the bf16 residual, at the cost of one more pass over the slabs in the
+      forward (without a name the dequantize is fused into the receive).
 
   Returns:
     :class:`Dispatched`: ``tokens [L, C, H]``, ``weights [L, C]`` float32,

@@ -24,6 +24,11 @@ from moe_ep.transport import NAMED_SCOPES, dispatch, expert_capacity_for, fp8
 from reference import make_routing
 from test_fp8 import reference_dequantize, reference_quantize
 
+# jax.ad_checkpoint.saved_residuals is public only in newer JAX.
+saved_residuals = getattr(jax.ad_checkpoint, "saved_residuals", None)
+if saved_residuals is None:
+  from jax._src.ad_checkpoint import saved_residuals
+
 FP8 = "float8_e4m3fn"
 HIDDEN = 200  # two scale blocks, the second one short (72 channels)
 NUM_EXPERTS, TOP_K = 16, 3
@@ -50,11 +55,13 @@ def slab_shape(ep_size: int) -> tuple[int, int]:
 
 @functools.cache
 def dispatch_with_grads(ep_size: int, wire_dtype, backend_name: str = "xla",
-                        exchange: str = "all_to_all", devices: str = "xla"):
+                        exchange: str = "all_to_all", devices: str = "xla",
+                        checkpoint_name: str | None = None):
   """jit of ``(tokens, idx, weights, slab_cotangent, weight_cotangent) ->
   (Dispatched, token_grad, weight_grad)`` on a 1 x ``ep_size`` mesh of
   ``devices`` ("xla": CPUs, "cupy": GPUs); the loss is linear in the slabs
-  and weights, so its gradient is the dispatch's VJP of the cotangents."""
+  and weights, so its gradient is the dispatch's VJP of the cotangents.
+  With ``checkpoint_name`` the FP8 path dequantizes named FP8 slabs."""
   mesh = make_mesh((1, ep_size), ("dp", "ep"), devices)
   axis = "ep" if ep_size > 1 else None
   capacity = slab_shape(ep_size)[1]
@@ -62,7 +69,7 @@ def dispatch_with_grads(ep_size: int, wire_dtype, backend_name: str = "xla",
   def body(tokens, idx, weights):
     return dispatch(tokens, idx, weights, num_experts=NUM_EXPERTS, expert_capacity=capacity,
                     axis_name=axis, backend=backend_name, exchange=exchange, mesh=mesh,
-                    wire_dtype=wire_dtype)
+                    wire_dtype=wire_dtype, checkpoint_name=checkpoint_name)
 
   spec = P(("dp", "ep"))
   sharded = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
@@ -165,6 +172,20 @@ def test_token_gradient_is_straight_through(ep_size, dtype):
                                 np.asarray(plain_tokens, np.float32))
   np.testing.assert_array_equal(np.asarray(fp8_weights), np.asarray(plain_weights))
   assert np.abs(np.asarray(fp8_tokens, np.float32)).min(axis=1).max() > 0
+
+
+@pytest.mark.parametrize("ep_size, dtype", CASES)
+def test_named_fp8_slabs_dequantize_to_the_fused_receive_bitwise(ep_size, dtype):
+  """With a checkpoint_name the receiver expands FP8 slabs (the residual remat
+  can save) and XLA dequantizes them; without one the dequantize is fused
+  into the receive. Slabs, handle, weights and gradients are the same bits."""
+  args = arguments(2, ep_size, dtype)
+  fused = dispatch_with_grads(ep_size, FP8)(*args)
+  named = dispatch_with_grads(ep_size, FP8, checkpoint_name="moe.dispatch")(*args)
+  for a, b in zip(jax.tree.leaves(named), jax.tree.leaves(fused)):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))
 
 
 def test_bad_wire_dtype_and_tokens_are_named():
@@ -283,29 +304,45 @@ def test_saved_dispatch_runs_one_forward_fp8_row_exchange():
   assert re.search(rf"u8\[[\d,]*,{width}\]", row_exchanges[0]), row_exchanges[0]
   for got, want in zip(jax.tree.leaves(saved), jax.tree.leaves(nothing)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  # What the policy keeps of the tokens is the FP8 slab (codes and scales,
+  # [E * C, W] uint8 over all ranks), not the float32 [E, C, H] slab.
+  residuals = [shape for shape, source in saved_residuals(
+      jax.checkpoint(loss, policy=RematConfig(save=("dispatch",)).policy()), params, x)
+               if not source.startswith("from the argument")]  # parameters and x
+  fp8_slabs = [r for r in residuals if r.dtype == jnp.uint8]
+  assert len(fp8_slabs) == 1 and fp8_slabs[0].shape[1] == width, residuals
+  slab_rows = fp8_slabs[0].shape[0]  # E * C
+  assert slab_rows % BASE["num_experts"] == 0
+  assert not [r for r in residuals if r.dtype == jnp.float32
+              and r.size >= slab_rows * BASE["hidden_size"]], residuals
 
 
 # --- the CUDA lowering (any machine) and the GPU ---------------------------------
 
 
+@pytest.mark.parametrize("named", [False, True])
 @pytest.mark.parametrize("ep_size", [1, 4])
 def test_cuda_lowering_fuses_quantize_and_dequantize_into_the_row_passes(pretend_cupy,
-                                                                         ep_size):
+                                                                         ep_size, named):
   """backend "auto" lowered for CUDA: the forward dispatch moves rows with one
   fused quantize-pack and one fused unpack-dequantize kernel (no plain
-  expand_rows), and any row exchange carries uint8."""
+  expand_rows), and any row exchange carries uint8. With a checkpoint name
+  the receive is a plain expand of the uint8 rows into the FP8 slabs (XLA
+  dequantizes them)."""
   tokens, idx, weights = problem(0, ep_size, jnp.bfloat16)
   mesh = make_mesh((ep_size,), ("ep",))
   body = lambda x, i, w: dispatch(
       x, i, w, num_experts=NUM_EXPERTS, expert_capacity=64,
-      axis_name="ep" if ep_size > 1 else None, wire_dtype=FP8).tokens
+      axis_name="ep" if ep_size > 1 else None, wire_dtype=FP8,
+      checkpoint_name="moe.dispatch" if named else None).tokens
   fn = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
   text = jax.jit(fn).trace(tokens, idx, weights).lower(
       lowering_platforms=("cuda",)).as_text(debug_info=True)
   names = re.findall(r'loc\("([^"]*moe_cupy_\w+)/buffer_callback', text)
   kernels = sorted(re.search(r"moe_cupy_\w+$", name).group(0) for name in set(names))
-  assert kernels == ["moe_cupy_fp8_quantize_pack", "moe_cupy_fp8_unpack_dequantize_expand",
-                     "moe_cupy_route", "moe_cupy_slab_layout"]
+  receive = "moe_cupy_expand_rows" if named else "moe_cupy_fp8_unpack_dequantize_expand"
+  assert kernels == sorted(["moe_cupy_fp8_quantize_pack", receive, "moe_cupy_route",
+                            "moe_cupy_slab_layout"])
   exchanges = re.findall(r'"stablehlo.all_to_all"\(.*', text)
   assert len(exchanges) == (2 if ep_size > 1 else 0)  # metadata, rows
   if ep_size > 1:
@@ -326,4 +363,18 @@ def test_cupy_fp8_dispatch_equals_pure_jax_bitwise(ep_size, dtype, exchange):
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     a, b = np.asarray(a), np.asarray(b)
     assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_cupy_named_fp8_slabs_equal_the_fused_receive_bitwise(ep_size):
+  """On the GPUs: the named path (kernel expand of the uint8 rows into FP8
+  slabs, XLA's dequantize) gives the fused unpack-dequantize kernel's bits."""
+  args = arguments(6, ep_size, jnp.bfloat16)
+  fused = dispatch_with_grads(ep_size, FP8, "cupy", "auto", devices="cupy")(*args)
+  named = dispatch_with_grads(ep_size, FP8, "cupy", "auto", devices="cupy",
+                              checkpoint_name="moe.dispatch")(*args)
+  for a, b in zip(jax.tree.leaves(named), jax.tree.leaves(fused)):
+    a, b = np.asarray(a), np.asarray(b)
     np.testing.assert_array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))
