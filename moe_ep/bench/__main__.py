@@ -17,7 +17,7 @@ BENCHMARKS = {
     "layer": "P4: whole layer forward+backward MFU (one device)",
     "overhead": "host overhead per buffer_callback, with and without command buffers",
     "ep": "P2: dispatch/combine bandwidth across this process's GPUs",
-    "remat": "remat variants: compiled dispatch exchanges and memory_analysis()",
+    "remat": "remat variants: compiled dispatch exchanges, memory_analysis() and time",
 }
 # Tiny shapes that run anywhere (CPU included) to check the programs themselves.
 SMOKE = {
@@ -27,7 +27,8 @@ SMOKE = {
     "layer": dict(hidden=64, ffn=32, num_experts=4, top_k=2, tokens=256, seq=64,
                   backend="xla", iters=2, matmul_size=128),
     "ep": dict(token_counts=(64,), expert_counts=(8,), hidden=32, backend="xla", iters=2),
-    "remat": dict(hidden=64, ffn=64, num_experts=8, batch=8, seq=16, backend="xla"),
+    "remat": dict(hidden=64, ffn=64, num_experts=8, batch=8, seq=16, num_layers=2, backend="xla",
+                  iters=2),
 }
 
 

@@ -25,6 +25,7 @@ process per GPU under ``python -m moe_ep.launch --gpus-per-process 1``.
 
 from __future__ import annotations
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +36,11 @@ from jax.sharding import PartitionSpec as P
 
 from moe_ep import transport
 from moe_ep.bench import common
-from moe_ep.transport import combine, dispatch, expert_capacity_for, peer, send_capacity_for
+from moe_ep.transport import (combine, dispatch, expert_capacity_for, fp8, peer,
+                              send_capacity_for)
 
 PATHS = ("all_to_all", "peer")
+FP8 = "float8_e4m3fn"
 
 
 def _shard(mesh, array):
@@ -150,8 +153,11 @@ class _Blocks:
 
 
 def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_factor,
-         backend: str, iters: int, repeat: int = 10, block_counts=()) -> dict:
-  """Dispatch, dispatch rows and combine on each path at one shape."""
+         backend: str, iters: int, repeat: int = 10, block_counts=(), with_fp8=False) -> dict:
+  """Dispatch, dispatch rows and combine on each path at one shape; with
+  ``with_fp8`` also the dispatch with FP8 wire rows (dequantize fused into
+  the receive, and with named FP8 slabs as the layer runs it) and its rows
+  alone, with the speed-up over bf16 (bytes: the FP8 wire rows)."""
   ep_size = mesh.shape["ep"]
   capacity = expert_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
   send_capacity = send_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
@@ -160,6 +166,7 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
   idx, weights = (_shard(mesh, a) for a in _host_routing(rng, ep_size * tokens, top_k,
                                                          num_experts))
   row_bytes = hidden * 2
+  wire_row_bytes = fp8.wire_bytes(hidden)
   reason = _peer_reason(mesh, backend)
   result = {"tokens_per_rank": tokens, "num_experts": num_experts, "expert_capacity": capacity,
             "send_capacity": send_capacity, "peer_unsupported_reason": reason}
@@ -188,6 +195,7 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
       rows = _row_counts(send_slot.reshape(ep_size, tokens, ep_size))
       result["rows_per_rank"] = rows
       nbytes = {k: max(v) * row_bytes for k, v in rows.items()}
+      fp8_bytes = {k: max(v) * wire_row_bytes for k, v in rows.items()}
     timings = {}
     for name, fn, args, kind in (("dispatch", dispatch_fn, (x, idx, weights), "dispatch"),
                                  ("dispatch_rows", rows_fn, (x, dispatched.handle), "dispatch"),
@@ -197,6 +205,33 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
                                 nbytes[f"{kind}_off_device"], nbytes[f"{kind}_received"])
     timings["bitwise_equal_to_all_to_all"] = (_same_bits(dispatched.tokens, reference[0])
                                               and _same_bits(y, reference[1]))
+    if with_fp8:
+      fp8_spec = dataclasses.replace(spec, wire_dtype=FP8)
+      fp8_slabs = None
+      for name, checkpoint_name in (("dispatch_fp8", None),
+                                    ("dispatch_fp8_named", "moe.dispatch")):
+        fn = lambda x, idx, weights, n=checkpoint_name: dispatch(
+            x, idx, weights, num_experts=num_experts, expert_capacity=capacity,
+            axis_name="ep", send_capacity=send_capacity, wire_dtype=FP8, checkpoint_name=n,
+            **exchange)
+        slabs = jax.jit(_smap(mesh, fn))(x, idx, weights).tokens
+        fp8_slabs = slabs if fp8_slabs is None else fp8_slabs
+        timings[name] = _with_gbs(_timed(mesh, fn, (x, idx, weights), repeat=repeat,
+                                         iters=iters),
+                                  fp8_bytes["dispatch_off_device"],
+                                  fp8_bytes["dispatch_received"])
+        timings[name]["speedup_vs_bf16"] = timings["dispatch"]["ms"] / timings[name]["ms"]
+        timings[name]["same_slabs_as_fused"] = _same_bits(slabs, fp8_slabs)
+      timings["dispatch_rows_fp8"] = _with_gbs(
+          _timed(mesh, lambda x, h: transport._rows_to_slabs_fp8(fp8_spec, x, h),
+                 (x, dispatched.handle), repeat=repeat, iters=iters),
+          fp8_bytes["dispatch_off_device"], fp8_bytes["dispatch_received"])
+      timings["dispatch_rows_fp8"]["speedup_vs_bf16"] = (
+          timings["dispatch_rows"]["ms"] / timings["dispatch_rows_fp8"]["ms"])
+      if path == PATHS[0]:
+        result["fp8_reference"] = fp8_slabs
+      timings["fp8_bitwise_equal_to_all_to_all"] = _same_bits(fp8_slabs,
+                                                              result["fp8_reference"])
     if path == "peer":
       grid = peer.row_grid(ep_size, tokens, send_capacity, row_bytes // 16,
                            _multiprocessors() or 1)
@@ -219,6 +254,7 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
                          repeat=repeat, iters=iters),
                   nbytes["combine_off_device"], nbytes["combine_received"])})
     result[path] = timings
+  result.pop("fp8_reference", None)
   return result
 
 
@@ -299,15 +335,18 @@ def decode_case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, ca
 
 def run(token_counts=(4096, 8192), expert_counts=(64, 256), hidden=7168, top_k=8,
         capacity_factor=1.25, backend="auto", iters=5, repeat=10,
-        block_counts=(16, 32, "half"), decode_tokens=128, decode_experts=256) -> dict:
+        block_counts=(16, 32, "half"), decode_tokens=128, decode_experts=256,
+        fp8_dispatch=True) -> dict:
   """Every case over all devices of the job (``block_counts``: blocks per
   peer for the peer row paths at the first expert count, besides the
-  default of every SM; "half": half the SMs)."""
+  default of every SM; "half": half the SMs; ``fp8_dispatch``: FP8 dispatch
+  rows against bf16 at the first expert count)."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
   sms = _multiprocessors()
   blocks = tuple((sms or 132) // 2 if b == "half" else b for b in block_counts)
   cases = [case(mesh, t, hidden, e, top_k, capacity_factor, backend, iters, repeat,
-                blocks if e == expert_counts[0] else ())
+                blocks if e == expert_counts[0] else (),
+                with_fp8=fp8_dispatch and e == expert_counts[0])
            for t in token_counts for e in expert_counts]
   raw = [raw_case(mesh, c["send_capacity"], hidden, backend, iters, repeat)
          for c in cases if c["num_experts"] == expert_counts[0]]
@@ -341,6 +380,14 @@ def summary(result: dict) -> str:
       equal = "" if t["bitwise_equal_to_all_to_all"] else "  MISMATCH"
       lines.append(f"    {path:10s} dispatch {_gbs(t['dispatch'])} | rows "
                    f"{_gbs(t['dispatch_rows'])} | combine {_gbs(t['combine'])}{equal}")
+      if "dispatch_fp8" in t:
+        equal = "" if t["fp8_bitwise_equal_to_all_to_all"] else "  MISMATCH"
+        lines.append(
+            f"    {'':10s} FP8 dispatch {_gbs(t['dispatch_fp8'])} "
+            f"({t['dispatch_fp8']['speedup_vs_bf16']:.2f}x) | named "
+            f"{_gbs(t['dispatch_fp8_named'])} ({t['dispatch_fp8_named']['speedup_vs_bf16']:.2f}x)"
+            f" | rows {_gbs(t['dispatch_rows_fp8'])} "
+            f"({t['dispatch_rows_fp8']['speedup_vs_bf16']:.2f}x){equal}")
       for b in t.get("blocks", []):
         lines.append(f"      {b['slot_blocks']:3d}/{b['token_blocks']:3d} blocks: rows "
                      f"{_gbs(b['dispatch_rows'])} | combine {_gbs(b['combine'])}")

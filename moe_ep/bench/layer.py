@@ -1,53 +1,99 @@
-"""P4: the whole layer, forward+backward, on one device: MFU against the dense
-matmul rate measured in the same run."""
+"""P4: the whole layer, forward+backward with gradients for the input: MFU
+against the dense matmul rate of one device measured in the same run, on one
+device and with the experts spread over all devices of the process (EP=R,
+``tokens`` per device), on each exchange path, with bf16 and FP8 dispatch."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moe_ep import ExpertParallelMoE, MoEConfig
 from moe_ep.bench import common
 from moe_ep.bench.experts import bank_flops
 
+FP8 = "float8_e4m3fn"
+
+
+def _variant(mesh, *, hidden, ffn, num_experts, top_k, tokens, seq, factor, backend, exchange,
+             dispatch_dtype, iters, peak_tflops) -> dict:
+  """One layer config timed on ``mesh`` (None: one device), ``tokens`` per device."""
+  devices = 1 if mesh is None else mesh.size
+  config = MoEConfig(hidden_size=hidden, ffn_size=ffn, num_experts=num_experts, top_k=top_k,
+                     capacity_factor=factor, aux_loss_coeff=1e-2, dtype="bfloat16",
+                     param_dtype="bfloat16", transport=backend, exchange=exchange,
+                     dispatch_dtype=dispatch_dtype)
+  layer = ExpertParallelMoE(config, mesh=mesh, rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  x = jax.random.normal(jax.random.key(1), (devices * tokens // seq, seq, hidden), jnp.bfloat16)
+  if mesh is not None:
+    x = jax.device_put(x, NamedSharding(mesh, P("ep")))
+
+  def loss(params, x):
+    y, aux = nnx.merge(graphdef, params, rest)(x)
+    return jnp.mean(y.astype(jnp.float32) ** 2) + aux.aux_loss, aux
+
+  # Gradients for the input too: inside a network the layer always owes
+  # dx, and without it XLA drops the bank's largest backward GEMM.
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+  timing = common.time_ms(step, params, x, iters=iters)
+  (_, aux), _ = step(params, x)
+  total_tokens = devices * tokens
+  kept_rows = total_tokens * top_k * (1.0 - float(aux.dropped_fraction))
+  flops = bank_flops(kept_rows, hidden, ffn) + 3 * 2 * total_tokens * hidden * num_experts
+  tflops_per_device = flops / devices / timing["median_ms"] / 1e9
+  return {"ep_size": devices, "exchange": exchange, "dispatch_dtype": dispatch_dtype,
+          "capacity_factor": factor, "expert_capacity": config.expert_capacity or None,
+          "dropped_fraction": float(aux.dropped_fraction), "useful_flops": flops,
+          "tflops_per_device": tflops_per_device, "mfu": tflops_per_device / peak_tflops,
+          **timing}
+
 
 def run(hidden=4096, ffn=14336, num_experts=8, top_k=2, tokens=16384, seq=2048,
-        capacity_factors=(1.0, 1.25), backend="auto", iters=5, matmul_size=8192) -> dict:
+        capacity_factors=(1.0, 1.25), backend="auto", iters=5, matmul_size=8192,
+        fp8=True, multi_device=True) -> dict:
+  """One device: every capacity factor, and FP8 dispatch at the first. With
+  more than one device (and ``multi_device``): EP over all of them at the
+  first capacity factor, on each exchange path, bf16 and FP8 dispatch."""
   peak = common.matmul_tflops(matmul_size)
-  x = jax.random.normal(jax.random.key(1), (tokens // seq, seq, hidden), jnp.bfloat16)
+  shared = dict(hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k, tokens=tokens,
+                seq=seq, backend=backend, iters=iters, peak_tflops=peak["tflops"])
+  dtypes = (None, FP8) if fp8 else (None,)
   variants = {}
   for factor in capacity_factors:
-    config = MoEConfig(hidden_size=hidden, ffn_size=ffn, num_experts=num_experts, top_k=top_k,
-                       capacity_factor=factor, aux_loss_coeff=1e-2, dtype="bfloat16",
-                       param_dtype="bfloat16", transport=backend)
-    layer = ExpertParallelMoE(config, rngs=nnx.Rngs(0))
-    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-
-    def loss(params, x):
-      y, aux = nnx.merge(graphdef, params, rest)(x)
-      return jnp.mean(y.astype(jnp.float32) ** 2) + aux.aux_loss, aux
-
-    # Gradients for the input too: inside a network the layer always owes
-    # dx, and without it XLA drops the bank's largest backward GEMM.
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-    timing = common.time_ms(step, params, x, iters=iters)
-    (_, aux), _ = step(params, x)
-    kept_rows = tokens * top_k * (1.0 - float(aux.dropped_fraction))
-    flops = bank_flops(kept_rows, hidden, ffn) + 3 * 2 * tokens * hidden * num_experts
-    tflops = flops / timing["median_ms"] / 1e9
-    variants[f"cf{factor}"] = {
-        "expert_capacity": config.expert_capacity or None, "dropped_fraction": float(aux.dropped_fraction),
-        "useful_flops": flops, "tflops": tflops, "mfu": tflops / peak["tflops"], **timing}
-    del layer, params, rest
+    for dtype in dtypes if factor == capacity_factors[0] else (None,):
+      name = f"ep1_cf{factor}" + ("_fp8" if dtype else "")
+      variants[name] = _variant(None, factor=factor, exchange="auto", dispatch_dtype=dtype,
+                                **shared)
+  devices = jax.devices()
+  if multi_device and len(devices) > 1 and num_experts % len(devices) == 0:
+    mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
+    exchanges = ("all_to_all", "peer") if backend != "xla" else ("all_to_all",)
+    for exchange in exchanges:
+      for dtype in dtypes:
+        name = f"ep{len(devices)}_{exchange}" + ("_fp8" if dtype else "")
+        try:
+          variants[name] = _variant(mesh, factor=capacity_factors[0], exchange=exchange,
+                                    dispatch_dtype=dtype, **shared)
+        except ValueError as error:  # the peer path where it cannot run
+          variants[name] = {"skipped": str(error)}
   return {"shapes": dict(hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k,
-                         tokens=tokens, dtype="bfloat16", transport=backend),
+                         tokens_per_device=tokens, dtype="bfloat16", transport=backend),
           "dense_matmul": peak, "variants": variants}
 
 
 def summary(result: dict) -> str:
-  lines = [f"P4 layer fwd+bwd {result['shapes']}; dense {result['dense_matmul']['tflops']:.0f} TFLOP/s"]
+  lines = [f"P4 layer fwd+bwd {result['shapes']}; dense {result['dense_matmul']['tflops']:.0f} "
+           "TFLOP/s (one device)"]
   for name, v in result["variants"].items():
-    lines.append(f"  {name}: {v['median_ms']:.2f} ms, {v['tflops']:.0f} TFLOP/s useful, "
-                 f"MFU {100 * v['mfu']:.0f}%, dropped {100 * v['dropped_fraction']:.1f}%")
+    if "skipped" in v:
+      lines.append(f"  {name}: skipped ({v['skipped']})")
+      continue
+    lines.append(f"  {name}: {v['median_ms']:.2f} ms, {v['tflops_per_device']:.0f} TFLOP/s "
+                 f"useful per device, MFU {100 * v['mfu']:.0f}%, dropped "
+                 f"{100 * v['dropped_fraction']:.1f}%")
   return "\n".join(lines)

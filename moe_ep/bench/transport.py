@@ -34,15 +34,24 @@ def sort_permute_round_trip(x, idx, weights):
   return jnp.einsum("tkh,tk->th", unsorted, weights.astype(x.dtype))
 
 
-def transport_round_trip(x, idx, weights, *, num_experts, expert_capacity, backend):
+def transport_round_trip(x, idx, weights, *, num_experts, expert_capacity, backend,
+                         wire_dtype=None, checkpoint_name=None):
   d = dispatch(x, idx, weights, num_experts=num_experts, expert_capacity=expert_capacity,
-               backend=backend)
+               backend=backend, wire_dtype=wire_dtype, checkpoint_name=checkpoint_name)
   slabs = jax.lax.optimization_barrier(d.tokens)
   return combine(slabs, d.handle, num_tokens=x.shape[0], backend=backend)
 
 
+FP8 = "float8_e4m3fn"
+
+
 def run(tokens=16384, hidden=4096, num_experts=64, top_k=8, capacity_factors=(1.0, 1.25),
-        backends=("cupy", "xla"), iters=10, copy_bytes=2 << 30) -> dict:
+        backends=("cupy", "xla"), iters=10, copy_bytes=2 << 30, fp8=True) -> dict:
+  """Every backend at every capacity factor; with ``fp8``, the first backend
+  at the first factor also with FP8 dispatch rows, the dequantize fused into
+  the receive (``_fp8``) and with named FP8 slabs (``_fp8_named``, what the
+  layer runs). One device has no wire, so FP8 only adds its quantize here:
+  these rows measure that cost; its gain is P2's."""
   keys = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(keys[0], (tokens, hidden), jnp.bfloat16)
   idx, weights = random_routing(keys[1], tokens, top_k, num_experts)
@@ -68,6 +77,16 @@ def run(tokens=16384, hidden=4096, num_experts=64, top_k=8, capacity_factors=(1.
       result = timings(fn)
       result["expert_capacity"] = capacity
       variants[f"{backend}_cf{factor}"] = result
+  if fp8:
+    backend, factor = backends[0], capacity_factors[0]
+    capacity = expert_capacity_for(tokens, top_k, num_experts, 1, factor)
+    for suffix, name in (("_fp8", None), ("_fp8_named", "moe.dispatch")):
+      fn = lambda x, i, w, n=name: transport_round_trip(
+          x, i, w, num_experts=num_experts, expert_capacity=capacity, backend=backend,
+          wire_dtype=FP8, checkpoint_name=n)
+      result = timings(fn)
+      result["expert_capacity"] = capacity
+      variants[f"{backend}_cf{factor}{suffix}"] = result
   baseline = variants["sort_permute_baseline"]
   for result in variants.values():
     result["forward_fraction_of_copy"] = result["forward_gbs"] / copy["gbs"]
