@@ -24,6 +24,12 @@ from moe_ep.config import DTYPES, MoEConfig
 from moe_ep.experts import expert_mlp
 from moe_ep.transport import combine, dispatch, expert_capacity_for, send_capacity_for
 
+# jax.named_scope names of the layer's parts (the transport's are
+# moe_ep.transport.NAMED_SCOPES): they reach the compiled HLO's op_name
+# metadata, so profiles attribute time to them.
+NAMED_SCOPES = {"router": "moe_router", "experts": "moe_experts",
+                "shared_experts": "moe_shared_experts"}
+
 
 class ExpertBias(nnx.Variable):
   """Per-expert selection bias for auxiliary-loss-free balancing.
@@ -104,13 +110,14 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, mesh, dtype, num_valid: 
   tokens = tokens.astype(dtype)
   real = _real_rows(layout, num_tokens, num_valid)
 
-  # Route (float32 router).
-  logits = tokens.astype(jnp.float32) @ params["router"].astype(jnp.float32)
-  routing = router.route(
-      logits, top_k=config.top_k, score_function=config.score_function,
-      normalize_top_k=config.normalize_top_k, routed_scaling=config.routed_scaling,
-      num_groups=config.num_groups, group_top_k=config.group_top_k,
-      expert_bias=params.get("expert_bias"), name=name)
+  # Route (float32 router). The scopes name the layer's parts in profiles.
+  with jax.named_scope(NAMED_SCOPES["router"]):
+    logits = tokens.astype(jnp.float32) @ params["router"].astype(jnp.float32)
+    routing = router.route(
+        logits, top_k=config.top_k, score_function=config.score_function,
+        normalize_top_k=config.normalize_top_k, routed_scaling=config.routed_scaling,
+        num_groups=config.num_groups, group_top_k=config.group_top_k,
+        expert_bias=params.get("expert_bias"), name=name)
   if real is not None:
     routing = routing._replace(
         topk_idx=jnp.where(real[:, None], routing.topk_idx, -1),
@@ -128,16 +135,19 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, mesh, dtype, num_valid: 
       exchange=config.exchange, mesh=mesh, wire_dtype=config.dispatch_dtype)
 
   # Experts, weighted in float32 before the unweighted combine.
-  out = expert_mlp(dispatched.tokens, params["w_in"], params["w_out"], config.activation, name)
-  out = (out.astype(jnp.float32) * dispatched.weights[..., None]).astype(dtype)
+  with jax.named_scope(NAMED_SCOPES["experts"]):
+    out = expert_mlp(dispatched.tokens, params["w_in"], params["w_out"], config.activation,
+                     name)
+    out = (out.astype(jnp.float32) * dispatched.weights[..., None]).astype(dtype)
 
   # Combine.
   y = name("combine.output", combine(out, dispatched.handle, num_tokens=num_tokens,
                                      axis_name=layout.ep_axis, backend=config.transport,
                                      exchange=config.exchange, mesh=mesh))
   if "shared_w_in" in params:
-    y = y + expert_mlp(tokens[None], params["shared_w_in"][None],
-                       params["shared_w_out"][None], config.activation)[0]
+    with jax.named_scope(NAMED_SCOPES["shared_experts"]):
+      y = y + expert_mlp(tokens[None], params["shared_w_in"][None],
+                         params["shared_w_out"][None], config.activation)[0]
 
   aux = _aux(config, layout, routing, logits, kept=dispatched.counts.sum(), real=real,
              num_valid=num_valid)

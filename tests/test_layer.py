@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from flax import nnx
 from conftest import BACKENDS, device_count, layer_mesh_cases, make_mesh
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
 from moe_ep.bench import hlo
+from moe_ep.layer import NAMED_SCOPES as LAYER_SCOPES
 from moe_ep.transport import NAMED_SCOPES
 from reference import reference_moe_layer
 
@@ -99,6 +101,9 @@ def test_saved_dispatch_removes_redispatch(routing, backend, mesh_shape):
     assert (tokens_per_expert[2:] == 0).all() and (tokens_per_expert[:2] > 0).all()
 
   assert hlo.count(text_plain, scope=ROWS) == 1
+  # The router's and the experts' matmuls carry the layer's scopes (profiles).
+  for part in ("router", "experts"):
+    assert re.search(rf'op_name="[^"]*{LAYER_SCOPES[part]}/[^"]*dot_general', text_plain), part
   assert hlo.count(text_saved, scope=ROWS) == 1
   assert hlo.count(text_nothing, scope=ROWS) == 2
   # Saving dispatch and combine outputs re-runs no collective at all (the
