@@ -41,7 +41,8 @@ from examples.train_config import Config, load_config, split_config_path  # noqa
 from moe_ep import launch  # noqa: E402
 
 PRETRAIN = pathlib.Path(pretrain.__file__).resolve()
-# name -> (header, format) of the table's columns, in order.
+# name -> (header, format) of the table's columns, in order; a None value
+# (no MFU without a known device peak) shows as NOT_AVAILABLE.
 COLUMNS = {
     "variant": ("variant", "{}"),
     "median_step_ms": ("step time (ms, median)", "{:.1f}"),
@@ -49,8 +50,15 @@ COLUMNS = {
     "final_loss": ("final loss", "{:.3f}"),
     "dropped_fraction": ("dropped fraction", "{:.2%}"),
     "tokens_per_s": ("tokens/s", "{:,.0f}"),
+    "mfu": ("MFU", "{:.1%}"),
     "compile_s": ("compile (s)", "{:.1f}"),
 }
+NOT_AVAILABLE = "n/a"
+
+
+def _cell(row: dict, key: str) -> str:
+  value = row[key]
+  return NOT_AVAILABLE if value is None else COLUMNS[key][1].format(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +129,7 @@ class VariantResult:
         "final_loss": summary["final_loss"],
         "dropped_fraction": summary["dropped_fraction"],
         "tokens_per_s": summary["tokens_per_s"],
+        "mfu": summary.get("mfu"),  # absent from older summaries
         "compile_s": summary["compile_s"],
     }
 
@@ -155,8 +164,7 @@ def markdown_table(rows: list[dict]) -> str:
   lines = ["| " + " | ".join(header for header, _ in COLUMNS.values()) + " |",
            "|" + "|".join("---" if key == "variant" else "---:" for key in COLUMNS) + "|"]
   for row in rows:
-    lines.append("| " + " | ".join(fmt.format(row[key]) for key, (_, fmt) in COLUMNS.items())
-                 + " |")
+    lines.append("| " + " | ".join(_cell(row, key) for key in COLUMNS) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -211,7 +219,7 @@ def ablate(sweep_path, extra_overrides=(), *, out_dir=None, subprocess_run: bool
     results.append(result)
     if echo:
       row = result.row()
-      print(f"{name}: " + ", ".join(f"{COLUMNS[key][0]} {COLUMNS[key][1].format(row[key])}"
+      print(f"{name}: " + ", ".join(f"{COLUMNS[key][0]} {_cell(row, key)}"
                                     for key in list(COLUMNS)[1:]), flush=True)
   first = next(iter(variants.values()))[0]
   summary = results[0].summary

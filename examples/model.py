@@ -44,6 +44,7 @@ class CausalSelfAttention(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     d_model, dtype = config.d_model, config.dtype
     self.num_heads, self.rope_base = config.num_heads, config.rope_base
+    self.implementation = config.attention_implementation
     self.norm = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
     self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, dtype=dtype, rngs=rngs)
     self.out = nnx.Linear(d_model, d_model, use_bias=False, dtype=dtype, rngs=rngs)
@@ -53,7 +54,11 @@ class CausalSelfAttention(nnx.Module):
     qkv = self.qkv(self.norm(x)).reshape(batch, seq, 3, self.num_heads, -1)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     query, key = rotary(query, self.rope_base), rotary(key, self.rope_base)
-    attended = jax.nn.dot_product_attention(query, key, value, is_causal=True)
+    if self.implementation == "cudnn" and jax.default_backend() != "gpu":
+      raise ValueError(f"ModelConfig.attention='cudnn' needs a CUDA GPU, but JAX's backend "
+                       f"is {jax.default_backend()!r}: use attention 'auto' or 'xla'")
+    attended = jax.nn.dot_product_attention(query, key, value, is_causal=True,
+                                            implementation=self.implementation)
     return x + self.out(attended.reshape(batch, seq, d_model))
 
 
@@ -101,6 +106,22 @@ class BlockGroup(nnx.Module):
     return self.moe_block(x)
 
 
+def block_remat_policy(config: Config):
+  """The ``jax.checkpoint`` policy of each repeating unit as
+  ``model.remat_policy`` names it (see :class:`ModelConfig`); None without
+  ``model.remat_blocks``."""
+  if not config.model.remat_blocks:
+    return None
+  moe_names = config.moe.remat.policy()
+  policies = jax.checkpoint_policies
+  return {
+      "moe": moe_names,
+      "save_dots": policies.save_from_both_policies(
+          policies.dots_with_no_batch_dims_saveable, moe_names),
+      "full": policies.nothing_saveable,
+  }[config.model.remat_policy]
+
+
 class TransformerLM(nnx.Module):
   """Token embedding, ``num_layers`` blocks, final RMSNorm, unembedding:
   ``model(tokens [B, S] int32)`` -> ``logits [B, S, vocab] float32``.
@@ -116,7 +137,7 @@ class TransformerLM(nnx.Module):
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     model = config.model
     self.scan_layers = model.scan_layers
-    self.remat_policy = config.moe.remat.policy() if model.remat_blocks else None
+    self.remat_policy = block_remat_policy(config)
     # Unit-scale embeddings: with the default 1/sqrt(d_model) the token signal
     # is lost under the blocks' unit-scale outputs in deep stacks, and a
     # 12-layer model stayed at log(vocab) for hundreds of steps.

@@ -11,9 +11,10 @@ Each run gets its own directory, ``runs/<config name>-<YYYYmmdd-HHMMSS>``
 (``runs/<config name>-latest`` links the newest), or ``train.run_dir=...``;
 it holds ``config.yaml``, Orbax ``checkpoints/``, ``metrics.jsonl`` (one line
 per step), ``metrics.png`` (loss curve and per-expert load) and
-``summary.json``. The mesh fits the devices present (``mesh.dp``/``mesh.ep``
-null). Ctrl-C finishes the step in progress, saves it and exits with code 130;
-``--resume`` continues from there.
+``summary.json`` (with the model FLOPs per token and the MFU against the
+device's dense bf16 peak, ``examples/flops.py``). The mesh fits the devices
+present (``mesh.dp``/``mesh.ep`` null). Ctrl-C finishes the step in progress,
+saves it and exits with code 130; ``--resume`` continues from there.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from examples import plots  # noqa: E402
+from examples import flops, plots  # noqa: E402
 from examples.checkpoints import (RunCheckpoints, abstract_like, held_steps,  # noqa: E402
                                   latest_link, latest_run_dir, new_run_dir)
 from examples.data import make_corpus  # noqa: E402
@@ -230,10 +231,11 @@ def compile_train_step(config: Config, setup: Setup):
 
 def program_config(config: Config) -> Config:
   """``config`` with the fields that do not change the compiled program
-  (where outputs go, how often, which data) set to their defaults."""
+  (where outputs go, how often, which data, the MFU peak) set to their defaults."""
   train = dataclasses.replace(config.train, run_dir=TrainConfig.run_dir,
                               checkpoint_every=TrainConfig.checkpoint_every,
-                              log_every=TrainConfig.log_every)
+                              log_every=TrainConfig.log_every,
+                              peak_tflops=TrainConfig.peak_tflops)
   return dataclasses.replace(config, train=train, data=DataConfig())
 
 
@@ -258,7 +260,7 @@ def peak_memory_bytes(compiled) -> int:
   return int(max(buffers, getattr(stats, "peak_memory_in_bytes", 0)))
 
 
-def global_batch(corpus, step: int, sharding: NamedSharding, shape: tuple) -> jax.Array:
+def global_batch(corpus, step: int, *, sharding: NamedSharding, shape: tuple) -> jax.Array:
   """Step ``step``'s ``[B, S + 1]`` batch, each process making only its own rows."""
   indices = sharding.addressable_devices_indices_map(shape).values()
   start = min(index[0].start or 0 for index in indices)
@@ -278,12 +280,45 @@ def _read_records(path: pathlib.Path, up_to_step: int) -> list[dict]:
   return [r for r in records if r["step"] <= up_to_step]
 
 
+def device_peak_tflops(config: Config, device) -> float | None:
+  """The peak MFU is reported against: ``train.peak_tflops``, else the
+  dense bf16 peak of ``device``'s kind (None where unknown, e.g. CPUs)."""
+  if config.train.peak_tflops is not None:
+    return config.train.peak_tflops
+  return flops.device_peak_tflops(device.device_kind)
+
+
+def _si(value: float) -> str:
+  """``2.75e9`` -> ``"2.75 G"``, ``940032`` -> ``"940 k"``."""
+  for exponent, prefix in ((12, "T"), (9, "G"), (6, "M"), (3, "k")):
+    if value >= 10**exponent:
+      return f"{value / 10**exponent:.3g} {prefix}"
+  return f"{value:.3g} "
+
+
+def parameter_count(abstract_state: dict) -> int:
+  """Parameters (``nnx.Param`` elements) of the model in a :class:`Setup`'s state."""
+  params = nnx.filter_state(abstract_state["model"], nnx.Param)
+  return sum(leaf.size for leaf in jax.tree.leaves(params))
+
+
 def summarize(records: list[dict], *, config: Config, mesh, compile_s: float, wall_s: float,
               peak_memory: int, interrupted: bool = False) -> dict:
-  """The run's headline numbers (step times exclude compilation)."""
+  """The run's headline numbers (step times exclude compilation).
+
+  Throughput: ``tokens_per_s`` (global, from the median step),
+  ``flops_per_token`` (:func:`examples.flops.training_flops_per_token`),
+  ``model_tflops_per_device`` (the model TFLOP/s each device achieves),
+  ``peak_tflops`` (:func:`device_peak_tflops`), ``mfu`` (their ratio; None
+  where the peak is unknown and ``train.peak_tflops`` unset) and ``device_kind``.
+  """
   step_times = [r["step_time_s"] for r in records[1:]] or [r["step_time_s"] for r in records]
   median_step = statistics.median(step_times)
   last = records[-FINAL_LOSS_WINDOW:]
+  tokens_per_s = config.train.batch_size * config.train.seq_len / median_step
+  flops_per_token = flops.training_flops_per_token(config)
+  device = mesh.devices.flat[0]
+  peak = device_peak_tflops(config, device)
   return {
       "steps": records[-1]["step"],
       "steps_this_run": len(records),
@@ -292,7 +327,12 @@ def summarize(records: list[dict], *, config: Config, mesh, compile_s: float, wa
       "final_total_loss": statistics.fmean(r["loss"] for r in last),
       "dropped_fraction": statistics.fmean(r["dropped_fraction"] for r in records),
       "median_step_s": median_step,
-      "tokens_per_s": config.train.batch_size * config.train.seq_len / median_step,
+      "tokens_per_s": tokens_per_s,
+      "flops_per_token": flops_per_token,
+      "model_tflops_per_device": tokens_per_s / mesh.size * flops_per_token / 1e12,
+      "mfu": flops.mfu(tokens_per_s / mesh.size, flops_per_token, peak),
+      "peak_tflops": peak,
+      "device_kind": device.device_kind,
       "compile_s": compile_s,
       "wall_s": wall_s,
       "peak_memory_bytes": peak_memory,
@@ -439,6 +479,13 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
   setup, train_step = build_program(program_config(config), tuple(devices))
   compile_s = time.perf_counter() - compile_start
   mesh = setup.mesh
+  flops_per_token = flops.training_flops_per_token(config)
+  peak = device_peak_tflops(config, devices[0])
+  say(f"model: {_si(parameter_count(setup.abstract_state))} parameters, "
+      f"{_si(flops_per_token)}FLOP per token (6 x active matmul parameters + causal "
+      "attention); " + (f"MFU against {peak:g} TFLOP/s per device" if peak is not None else
+                        f"no MFU: no known peak for {devices[0].device_kind!r} "
+                        "(set train.peak_tflops)"))
   if resume:
     state, start = checkpoints.restore(start, setup.abstract_state)
   else:
@@ -451,6 +498,8 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
     (run_dir / "config.yaml").write_text(config_to_yaml(config))
     metrics_path.write_text("".join(json.dumps(r) + "\n" for r in previous))
   batch_shape = (train_config.batch_size, train_config.seq_len + 1)
+  make_batch = functools.partial(global_batch, corpus, sharding=setup.batch_sharding,
+                                 shape=batch_shape)
   tokens_per_step = train_config.batch_size * train_config.seq_len
 
   records = []
@@ -460,16 +509,26 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
                               log_every=train_config.log_every)
   with reporter, contextlib.ExitStack() as files, StopOnCtrlC() as ctrl_c:
     metrics_file = files.enter_context(metrics_path.open("a")) if is_main else None
-    tick = time.perf_counter()
     try:
+      batch = make_batch(start)
+      tick = time.perf_counter()
       for step in range(start, end):
-        state, metrics = train_step(state, global_batch(corpus, step, setup.batch_sharding,
-                                                        batch_shape))
+        state, metrics = train_step(state, batch)
         state_step = step + 1
+        # The next batch is made while the device runs this step (dispatch is
+        # asynchronous); a Ctrl-C meanwhile stops the run once this step is
+        # recorded.
+        stop = None
+        if step + 1 < end:
+          try:
+            batch = make_batch(step + 1)
+          except KeyboardInterrupt as error:
+            stop = error
         record = {"step": step + 1, **_host(metrics)}
         now = time.perf_counter()
         record["step_time_s"], tick = now - tick, now
         record["tokens_per_s"] = tokens_per_step / record["step_time_s"]
+        record["mfu"] = flops.mfu(record["tokens_per_s"] / len(devices), flops_per_token, peak)
         records.append(record)
         if metrics_file:
           metrics_file.write(json.dumps(record) + "\n")
@@ -478,6 +537,8 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
           checkpoints.save(step + 1, state, data_step=step + 1)
           checkpoint_step = step + 1
         reporter.update(record)
+        if stop is not None:
+          raise stop
         if ctrl_c.requested:
           interrupted = True
           break
@@ -586,9 +647,10 @@ def main(argv=None) -> int:
     return fail(error)
   if is_main:
     summary = result.summary
+    mfu = "" if summary["mfu"] is None else f" (MFU {summary['mfu']:.1%})"
     print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.3f} "
           f"(mean of the last {min(FINAL_LOSS_WINDOW, summary['steps_this_run'])}), "
-          f"{summary['tokens_per_s']:,.0f} tokens/s, wall {summary['wall_s']:.0f} s "
+          f"{summary['tokens_per_s']:,.0f} tokens/s{mfu}, wall {summary['wall_s']:.0f} s "
           f"(compile {summary['compile_s']:.0f} s); outputs in {result.run_dir}/")
   return 0
 

@@ -15,12 +15,17 @@ import dataclasses
 import pathlib
 import typing
 
+import jax.numpy as jnp
 import yaml
 
 from moe_ep import MoEConfig
 from moe_ep.config import from_dict, to_dict
 
 MESH_AXES = ("dp", "ep")
+# ModelConfig.attention -> jax.nn.dot_product_attention(implementation=...).
+ATTENTION_IMPLEMENTATIONS = {"auto": None, "xla": "xla", "cudnn": "cudnn"}
+# ModelConfig.remat_policy values (examples/model.py maps them to policies).
+REMAT_POLICIES = ("moe", "save_dots", "full")
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
 
@@ -58,11 +63,24 @@ class ModelConfig:
       dense one (1: all blocks are MoE); divides ``num_layers``.
     scan_layers: stack the repeating blocks and run them with ``nnx.scan``
       (one compiled body whatever the depth) instead of a Python loop.
-    remat_blocks: checkpoint each repeating unit with the policy of
-      ``moe.remat`` (recompute attention and dense FFNs in the backward pass,
-      keep the MoE's named values it saves).
+    remat_blocks: checkpoint each repeating unit (``jax.checkpoint``) with
+      the policy ``remat_policy`` names; False: no rematerialisation.
+    remat_policy: what a checkpointed unit saves for the backward pass (the
+      rest is recomputed); ignored without ``remat_blocks``:
+      ``"moe"``: only the MoE's named values ``moe.remat.save`` lists (e.g.
+      the dispatched rows: attention, dense FFNs and experts recompute);
+      ``"save_dots"``: those and every matmul output without batch
+      dimensions (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``:
+      the qkv, output and dense-MLP projections and the router; not the
+      attention scores or the expert GEMMs, batched over experts; MaxText's
+      ``minimal``); ``"full"``: nothing, everything is recomputed
+      (``nothing_saveable``, the dispatch exchange included).
     rope_base: rotary position embedding base.
     dtype: compute dtype of attention and dense layers (``moe.dtype`` for the MoE).
+    attention: ``jax.nn.dot_product_attention``'s implementation:
+      ``"auto"`` (JAX chooses; XLA in JAX 0.10), ``"xla"`` or ``"cudnn"``
+      (cuDNN flash attention: CUDA GPUs only, ``dtype`` bfloat16 or float16,
+      head size ``d_model / num_heads`` a multiple of 8 and <= 256).
   """
 
   vocab_size: int = 256
@@ -73,8 +91,10 @@ class ModelConfig:
   moe_every: int = 1
   scan_layers: bool = True
   remat_blocks: bool = False
+  remat_policy: str = "moe"
   rope_base: float = 10000.0
   dtype: str = "float32"
+  attention: str = "auto"
 
   def __post_init__(self):
     for field in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_size", "moe_every"):
@@ -88,10 +108,34 @@ class ModelConfig:
       if not isinstance(getattr(self, field), bool):
         _fail(self, field, "must be a bool")
     _check_number(self, "rope_base", 1.0)
+    if self.remat_policy not in REMAT_POLICIES:
+      _fail(self, "remat_policy", f"must be one of {REMAT_POLICIES}")
+    try:
+      dtype = jnp.dtype(self.dtype).name
+    except TypeError:
+      _fail(self, "dtype", "is not a dtype name")
+    if self.attention not in tuple(ATTENTION_IMPLEMENTATIONS):
+      _fail(self, "attention", f"must be one of {tuple(ATTENTION_IMPLEMENTATIONS)}")
+    if self.attention == "cudnn":
+      if dtype not in ("bfloat16", "float16"):
+        _fail(self, "attention", "needs dtype bfloat16 or float16 (cuDNN flash "
+              f"attention), got dtype={self.dtype!r}")
+      if self.head_dim % 8 or self.head_dim > 256:
+        _fail(self, "attention", "needs a head size d_model / num_heads that is a "
+              f"multiple of 8 and <= 256 (cuDNN flash attention), got {self.head_dim}")
 
   @property
   def num_moe_layers(self) -> int:
     return self.num_layers // self.moe_every
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  @property
+  def attention_implementation(self) -> str | None:
+    """The ``implementation=`` argument of ``jax.nn.dot_product_attention``."""
+    return ATTENTION_IMPLEMENTATIONS[self.attention]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +159,10 @@ class TrainConfig:
       the end (0: never).
     log_every: print a plain progress line every this many steps when the
       output is not a terminal (logs of multi-process jobs, CI).
+    peak_tflops: the per-device peak (TFLOP/s) that MFU is reported
+      against; None: the dense bf16 peak of the device kind from
+      ``examples/flops.py``'s table (no MFU where the kind is unknown, e.g.
+      on CPU).
     run_dir: config.yaml, checkpoints, metrics.jsonl, metrics.png and
       summary.json go here. None: a new folder per run,
       ``runs/<config name>-<YYYYmmdd-HHMMSS>``, with ``runs/<config name>-latest``
@@ -132,6 +180,7 @@ class TrainConfig:
   grad_clip_norm: float | None = 1.0
   checkpoint_every: int = 100
   log_every: int = 25
+  peak_tflops: float | None = None
   run_dir: str | None = None
 
   def __post_init__(self):
@@ -143,6 +192,10 @@ class TrainConfig:
     _check_number(self, "learning_rate", 0.0)
     _check_number(self, "weight_decay", 0.0)
     _check_number(self, "grad_clip_norm", 0.0, optional=True)
+    peak = self.peak_tflops
+    if peak is not None and (not isinstance(peak, (int, float)) or isinstance(peak, bool)
+                             or not peak > 0):
+      _fail(self, "peak_tflops", "must be a number > 0 (TFLOP/s per device) or null")
     if not 0.0 <= self.final_lr_fraction <= 1.0:
       _fail(self, "final_lr_fraction", "must be in [0, 1]")
     if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):

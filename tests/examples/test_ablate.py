@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from tiny_run import FAST_OVERRIDES, TINY_YAML, skip_unless_devices_fit
-from examples.ablate import COLUMNS, Sweep, ablate, parse_args
+from examples.ablate import COLUMNS, NOT_AVAILABLE, Sweep, ablate, markdown_table, parse_args
 from examples.train_config import load_config
 
 pytestmark = pytest.mark.slow
@@ -43,7 +43,8 @@ def test_two_variant_sweep_writes_table_csv_and_png(tmp_path):
                (item.split("=", 1) for item in FAST_OVERRIDES)}
   sweep = write_sweep(tmp_path / "sweep.yaml",
                       # The program of test_pretrain's run: compiled once per session.
-                      overrides={**overrides, "train.steps": 6, "train.checkpoint_every": 0},
+                      overrides={**overrides, "train.steps": 6, "train.checkpoint_every": 0,
+                                 "train.peak_tflops": 0.01},
                       variants={"scan": {"model.scan_layers": True},
                                 "loop": {"model.scan_layers": False}})
   skip_unless_devices_fit(load_config(TINY_YAML, FAST_OVERRIDES))
@@ -59,12 +60,21 @@ def test_two_variant_sweep_writes_table_csv_and_png(tmp_path):
     records = list(csv.DictReader(file))
   assert [r["variant"] for r in records] == ["scan", "loop"]
   assert list(records[0]) == list(COLUMNS)
-  for record in records:
+  for record, result, row in zip(records, results, rows[1:]):
     assert float(record["median_step_ms"]) > 0 and float(record["peak_memory_mib"]) > 0
     assert float(record["final_loss"]) > 0 and float(record["tokens_per_s"]) > 0
+    assert result.summary["mfu"] > 0
+    assert float(record["mfu"]) == pytest.approx(result.summary["mfu"])
+    assert f"| {result.summary['mfu']:.1%} |" in row
   assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   for name in ("scan", "loop"):
     assert json.loads((out / name / "summary.json").read_text())["steps"] == 6
+
+
+def test_mfu_without_a_known_peak_shows_as_not_available():
+  row = {key: 1.0 for key in COLUMNS} | {"variant": "cpu", "mfu": None}
+  assert markdown_table([row]).splitlines()[-1].split(" | ")[list(COLUMNS).index("mfu")] == (
+      NOT_AVAILABLE)
 
 
 def test_command_line_takes_overrides_before_and_after_the_sweep_file_and_flags():

@@ -13,14 +13,16 @@ import numpy as np
 import pytest
 
 from tiny_run import TINY_YAML, fast_overrides, skip_unless_devices_fit
-from examples import pretrain
+from examples import flops, pretrain
 from examples.checkpoints import held_steps
 from examples.data import ByteCorpus, SyntheticCorpus, make_corpus
+from examples.progress import progress_line
 from examples.train_config import load_config
 
 pytestmark = pytest.mark.slow
 
 STEPS = 6
+PEAK_TFLOPS = 0.01  # the uninterrupted run's MFU is against this
 
 
 def argv(run_dir, *extra) -> list[str]:
@@ -40,7 +42,8 @@ def losses(run_dir) -> list[float]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
   run_dir = tmp_path_factory.mktemp("uninterrupted")
-  return run_dir, pretrain.train(config(run_dir), progress=False)
+  return run_dir, pretrain.train(config(run_dir, f"train.peak_tflops={PEAK_TFLOPS}"),
+                                 progress=False)
 
 
 def test_loss_falls_below_the_first_step(uninterrupted):
@@ -69,6 +72,25 @@ def test_run_writes_metrics_per_step_plot_summary_and_checkpoints(uninterrupted)
   dp, ep = summary["mesh"]["dp"], summary["mesh"]["ep"]
   assert dp * ep == jax.device_count() and num_experts % ep == 0
   assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["3", "6"]
+
+
+def test_summary_and_records_report_model_flops_and_mfu_against_the_peak(uninterrupted):
+  run_dir, _ = uninterrupted
+  summary = json.loads((run_dir / "summary.json").read_text())
+  flops_per_token = flops.training_flops_per_token(config(run_dir))
+  assert summary["flops_per_token"] == flops_per_token
+  assert (summary["peak_tflops"], summary["device_kind"]) == (PEAK_TFLOPS,
+                                                              jax.devices()[0].device_kind)
+  # Tokens/s per device: the global rate over every device of the mesh.
+  per_device = summary["tokens_per_s"] / jax.device_count()
+  assert summary["model_tflops_per_device"] == pytest.approx(per_device * flops_per_token / 1e12)
+  assert summary["mfu"] == pytest.approx(summary["model_tflops_per_device"] / PEAK_TFLOPS)
+  for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    record = json.loads(line)
+    assert record["mfu"] == pytest.approx(
+        record["tokens_per_s"] / jax.device_count() * flops_per_token / (PEAK_TFLOPS * 1e12))
+    assert f"| MFU {record['mfu']:.1%} |" in progress_line(record)
+  assert "MFU" not in progress_line({**record, "mfu": None})  # no known peak: no MFU
 
 
 def test_expert_bias_moves_per_layer_outside_the_optimizer(uninterrupted):
@@ -184,7 +206,7 @@ def test_ctrl_c_saves_the_last_step_and_resume_continues_as_if_uninterrupted(
 def test_sigint_lets_the_step_in_progress_finish_then_saves_it(tmp_path, monkeypatch, capsys):
   config(tmp_path)  # skips where the devices cannot split the batch
   handler = signal.getsignal(signal.SIGINT)
-  interrupt_at(monkeypatch, 1, "signal")  # arrives during step 2
+  interrupt_at(monkeypatch, 2, "signal")  # batch 2 is made while step 2 runs
   assert pretrain.main(argv(tmp_path)) == 130
   assert interrupted_line(capsys.readouterr().out).startswith(
       "interrupted at step 2: saved a checkpoint; resume with:")

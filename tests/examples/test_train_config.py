@@ -66,6 +66,16 @@ def test_unknown_yaml_key_is_an_error_naming_it(tmp_path):
      r"ModelConfig.num_layers=3 must be a multiple of moe_every=2"),
     (["moe.top_k=9"], r"MoEConfig.top_k=9 must be <= num_experts=8"),
     (["model.vocab_size=128", "data.path=x.txt"], r"vocab_size=128 must be >= 256"),
+    (["model.attention=flash"],
+     r"ModelConfig.attention='flash' must be one of \('auto', 'xla', 'cudnn'\)"),
+    (["model.attention=cudnn"], r"ModelConfig.attention='cudnn' needs dtype bfloat16 or "
+                                r"float16 \(cuDNN flash attention\), got dtype='float32'"),
+    (["model.attention=cudnn", "model.dtype=bfloat16", "model.num_heads=16"],
+     r"ModelConfig.attention='cudnn' needs a head size .* multiple of 8 .* got 4"),
+    (["model.dtype=floaty"], r"ModelConfig.dtype='floaty' is not a dtype name"),
+    (["model.remat_policy=dots"], r"ModelConfig.remat_policy='dots' must be one of \('moe', "),
+    (["train.peak_tflops=0"], r"TrainConfig.peak_tflops=0 must be a number > 0"),
+    (["train.peak_tflops=fast"], r"TrainConfig.peak_tflops='fast' must be a number > 0"),
 ])
 def test_invalid_values_name_the_field_and_the_rule(overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -74,12 +84,13 @@ def test_invalid_values_name_the_field_and_the_rule(overrides, message):
 
 # (config, devices) -> the automatic (dp, ep): ep is the largest divisor of the
 # device count that divides num_experts (tiny: 8 experts, batch 32;
-# small_gpu: 32 experts, batch 64).
+# small_gpu: 32 experts, batch 64; h200: 8 experts, batch 8).
 AUTO_MESHES = [
     ("tiny.yaml", 1, (1, 1)), ("tiny.yaml", 2, (1, 2)), ("tiny.yaml", 4, (1, 4)),
     ("tiny.yaml", 8, (1, 8)), ("tiny.yaml", 16, (2, 8)),
     ("small_gpu.yaml", 1, (1, 1)), ("small_gpu.yaml", 2, (1, 2)),
     ("small_gpu.yaml", 4, (1, 4)), ("small_gpu.yaml", 8, (1, 8)),
+    ("h200.yaml", 1, (1, 1)), ("h200.yaml", 2, (1, 2)), ("h200.yaml", 8, (1, 8)),
 ]
 
 
