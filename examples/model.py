@@ -49,6 +49,7 @@ class CausalSelfAttention(nnx.Module):
     self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, dtype=dtype, rngs=rngs)
     self.out = nnx.Linear(d_model, d_model, use_bias=False, dtype=dtype, rngs=rngs)
 
+  @jax.named_scope("attention")  # profiles attribute time by scope
   def __call__(self, x: jax.Array) -> jax.Array:
     batch, seq, d_model = x.shape
     qkv = self.qkv(self.norm(x)).reshape(batch, seq, 3, self.num_heads, -1)
@@ -74,8 +75,9 @@ class DenseBlock(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = self.attention(x)
-    gate, up = jnp.split(self.w_in(self.norm(x)), 2, axis=-1)
-    return x + self.w_out(jax.nn.silu(gate) * up)
+    with jax.named_scope("dense_mlp"):
+      gate, up = jnp.split(self.w_in(self.norm(x)), 2, axis=-1)
+      return x + self.w_out(jax.nn.silu(gate) * up)
 
 
 class MoEBlock(nnx.Module):
@@ -169,4 +171,5 @@ class TransformerLM(nnx.Module):
     else:
       for group in self.groups:
         x = run_group(group, x)
-    return self.unembed(self.norm(x)).astype(jnp.float32)
+    with jax.named_scope("unembed"):
+      return self.unembed(self.norm(x)).astype(jnp.float32)

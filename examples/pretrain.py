@@ -186,15 +186,18 @@ def make_train_step(config: Config, setup: Setup):
 
   def loss_fn(model, tokens):
     logits = model(tokens[:, :-1])
-    ce_loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    with jax.named_scope("loss"):
+      ce_loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
     return ce_loss + moe_ep.total_aux_loss(model), ce_loss
 
   def step(state, tokens):
     model = nnx.merge(setup.model_def, state["model"])
     optimizer = nnx.merge(setup.optimizer_def, state["optimizer"])
     (loss, ce_loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, tokens)
-    optimizer.update(model, grads)
-    moe_ep.update_expert_biases(model)
+    with jax.named_scope("optimizer"):  # scopes: profiles attribute time by them
+      optimizer.update(model, grads)
+    with jax.named_scope("expert_bias"):
+      moe_ep.update_expert_biases(model)
     aux = _stacked_aux(moe_ep.collect_aux(model))
     routes = jnp.maximum(aux.tokens_per_expert.sum(axis=-1, keepdims=True), 1)
     metrics = {
