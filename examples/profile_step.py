@@ -1,0 +1,969 @@
+"""Profiles the train step of examples/pretrain.py and writes where the step goes.
+
+    python examples/profile_step.py configs/h200.yaml                  # 5 traced steps
+    python examples/profile_step.py configs/tiny.yaml model.remat_blocks=true --steps 3
+    python examples/profile_step.py configs/h200.yaml train.batch_size=16 --out /tmp/p
+
+Builds the program ``examples/pretrain.py`` trains (:func:`pretrain.build_program`:
+same mesh, shardings and compiled step), runs ``--warmup`` steps, times
+``--steps`` steps without the profiler, then as many again under
+``jax.profiler.trace``. Every device op of the trace is mapped to the
+instruction of the compiled step it ran (the events' ``hlo_op`` /
+``hlo_module`` args; on GPUs the kernels of the CUDA streams, on CPUs the thunk
+events of each ``device_ordinal``) and classified by that instruction's
+``metadata={op_name=...}`` (see :class:`Classifier`). Time where several ops of
+one device run at once (other streams, other threads) is split evenly
+between them, so the categories add up to the device's busy time, and
+``idle / host gaps`` (the wall time per step less the busy time) completes the
+step.
+
+Writes ``<out>/profile-<config stem>-<device kind>-<N>dev.md`` (the table)
+and ``.json`` (the same numbers, the top ops, the environment, the overrides
+and the git commit); ``--trace-dir`` keeps the raw trace for Perfetto or XProf.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+# `python examples/profile_step.py` puts examples/ on sys.path, not the repository.
+_REPO = pathlib.Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+  sys.path.insert(0, str(_REPO))
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import gzip  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import NamedTuple  # noqa: E402
+
+# Imported first: on a machine without accelerators it asks for the eight
+# virtual CPU devices before JAX starts its backends.
+from examples import flops, pretrain  # noqa: E402, I001
+import jax  # noqa: E402
+from examples.data import make_corpus  # noqa: E402
+from examples.train_config import (DEFAULT_CONFIG, Config, config_to_yaml,  # noqa: E402
+                                   load_config, split_config_path)
+from moe_ep import distributed  # noqa: E402
+from moe_ep.transport import NAMED_SCOPES as TRANSPORT_SCOPES  # noqa: E402
+
+DEFAULT_OUT = _REPO / "benchmarks" / "results"
+TOP_OPS = 20
+
+# Rows of the table, in order; they sum to the step.
+ATTENTION, EXPERTS, DISPATCH, COLLECTIVES = ("attention", "expert GEMMs",
+                                             "dispatch/combine", "collectives")
+ROUTER, DENSE_MLP, LOSS, OPTIMIZER = "router", "dense MLP", "unembed + loss", "optimizer"
+REMAT, OTHER, IDLE = "remat recompute", "other", "idle / host gaps"
+CATEGORIES = (ATTENTION, EXPERTS, DISPATCH, COLLECTIVES, ROUTER, DENSE_MLP, LOSS, OPTIMIZER,
+              REMAT, OTHER)
+# Where in the step an op runs: the forward pass, the backward pass (the
+# gradient, remat recompute included), or neither (optimizer update, metrics).
+FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
+
+# jax.named_scope names: the transport's (moe_ep.transport.NAMED_SCOPES), the
+# CuPy and peer launches', the layer's (moe_ep.layer.NAMED_SCOPES) and the
+# example's. A scope matches one whole component of op_name.
+DISPATCH_SCOPES = frozenset(TRANSPORT_SCOPES.values())
+DISPATCH_SCOPE_PREFIXES = ("moe_cupy_", "moe_peer_")
+SCOPES = {
+    ROUTER: ("moe_router", "expert_bias"),
+    EXPERTS: ("moe_experts", "moe_shared_experts"),
+    ATTENTION: ("attention",),
+    DENSE_MLP: ("dense_mlp",),
+    LOSS: ("unembed", "loss"),
+    OPTIMIZER: ("optimizer",),
+}
+# Instructions that only move tuples and loop state around: no neighbour to
+# borrow an op_name from (they lead out of the op's own region).
+PLUMBING_OPCODES = frozenset({"parameter", "tuple", "get-tuple-element", "while",
+                              "conditional", "call", "constant"})
+NEIGHBOUR_HOPS = 3
+REMAT_SCOPE = "rematted_computation"  # jax.checkpoint's recompute in the backward pass
+COLLECTIVE_OPCODES = frozenset(
+    f"{op}{suffix}" for op in ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
+                               "collective-permute", "collective-broadcast",
+                               "ragged-all-to-all")
+    for suffix in ("", "-start", "-done"))
+# Fallbacks where the example has no "attention" scope: cuDNN flash attention
+# custom calls, and the two einsums of jax.nn.dot_product_attention's XLA path.
+ATTENTION_TARGETS = re.compile(r"cudnn\$fmha|fmha|flash", re.IGNORECASE)
+ATTENTION_OP_NAMES = re.compile(r"dot_product_attention|BTNH,BSNH->BNTS|BNTS,BSNH->BTNH")
+# Kernels of kernels/*.cu by name, for a GPU kernel event without an hlo_op.
+TRANSPORT_KERNELS = re.compile(r"^(route_|slab_|peer_|expand_rows_|gather_sum_rows_|"
+                               r"quantize_pack_|unpack_dequantize_expand_)")
+
+
+# --- the compiled program ------------------------------------------------------------------------
+
+class Instruction(NamedTuple):
+  """One instruction of the compiled HLO text.
+
+  Attributes:
+    name: e.g. ``"fusion.12"``: what the trace events name in ``hlo_op``.
+    opcode: e.g. ``"fusion"``, ``"all-to-all"``, ``"custom-call"``.
+    op_name: the ``metadata={op_name=...}`` JAX wrote (``""`` if none), e.g.
+      ``"jit(step)/transpose(jvp())/while/body/.../moe_dispatch_bwd/gather"``.
+    target: a custom call's ``custom_call_target``, else ``""``.
+    calls: the computations it calls (``calls=``), e.g. a fusion's body.
+    operands: the instructions it reads.
+  """
+
+  name: str
+  opcode: str
+  op_name: str
+  target: str
+  calls: tuple[str, ...]
+  operands: tuple[str, ...]
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"([\w\-]+)\(")
+_OPERAND = re.compile(r"%?([A-Za-z_][\w.\-]*)")  # type names too: they match no instruction
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_TARGET = re.compile(r'custom_call_target="((?:[^"\\]|\\.)*)"')
+_CALLS = re.compile(r"\bcalls=([%\w.\-, ]+?)(?:,\s*\w+=|$|\})")
+
+
+def _parenthesised(text: str) -> tuple[str, str]:
+  """``("(a, (b))", rest)`` of ``text`` starting with ``(``."""
+  depth = 0
+  for index, char in enumerate(text):
+    depth += {"(": 1, ")": -1}.get(char, 0)
+    if depth == 0:
+      return text[:index + 1], text[index + 1:]
+  return text, ""
+
+
+def _opcode_and_operands(rest: str) -> tuple[str, tuple[str, ...]]:
+  """The opcode and operand names of an instruction's right-hand side
+  ``shape opcode(operands), attributes`` (a tuple shape is parenthesised and
+  may hold spaces)."""
+  if rest.startswith("("):
+    rest = _parenthesised(rest)[1]
+  else:
+    rest = rest.split(" ", 1)[-1]
+  rest = rest.lstrip()
+  match = _OPCODE.match(rest)
+  if match is None:
+    return "", ()
+  operands = _parenthesised(rest[match.end() - 1:])[0]
+  return match.group(1), tuple(_OPERAND.findall(operands))
+
+
+def parse_hlo(text: str) -> tuple[str, dict[str, Instruction], dict[str, list[str]]]:
+  """``(module name, {instruction name: Instruction}, {computation: its
+  instruction names})`` of ``compiled.as_text()``."""
+  module = re.search(r"^HloModule\s+([^\s,]+)", text, re.MULTILINE)
+  instructions, computations, current = {}, {}, None
+  for line in text.splitlines():
+    match = _INSTRUCTION.match(line)
+    if match is None:
+      computation = _COMPUTATION.match(line)
+      if computation is not None:
+        current = computation.group(1)
+        computations[current] = []
+      continue
+    name, rest = match.groups()
+    op_name = _OP_NAME.search(rest)
+    target = _TARGET.search(rest)
+    calls = _CALLS.search(rest)
+    opcode, operands = _opcode_and_operands(rest)
+    instructions[name] = Instruction(
+        name, opcode, op_name.group(1).replace("\\'", "'") if op_name else "",
+        target.group(1) if target else "",
+        tuple(c.strip().lstrip("%") for c in calls.group(1).split(",")) if calls else (),
+        operands)
+    if current is not None:
+      computations[current].append(name)
+  return (module.group(1) if module else ""), instructions, computations
+
+
+def _scope_tokens(op_name: str) -> set[str]:
+  """The components of ``op_name`` a named scope can be: split at ``/``, at
+  the parentheses of transformations (``transpose(jvp())``, ``jit(f)``) and at
+  the separators XLA uses where it merged several ops' names (``;`` ``:``)."""
+  return {token for token in re.split(r"[/;:()]", op_name) if token}
+
+
+class Classified(NamedTuple):
+  """Where an instruction's time goes.
+
+  Attributes:
+    category: a row of the table (:data:`CATEGORIES`).
+    step_pass: ``forward``, ``backward`` or ``update``; ``""`` where unknown.
+    recomputes: for ``remat recompute``, the category of what it recomputes.
+    inferred: whether the op_name it was classified by is a neighbour's.
+  """
+
+  category: str
+  step_pass: str
+  recomputes: str = ""
+  inferred: bool = False
+
+
+class Classifier:
+  """Classifies the instructions of the compiled step (:class:`Classified`).
+
+  Rules, first match wins (scopes are whole components of op_name):
+
+  1. ``remat recompute``: under ``rematted_computation`` (jax.checkpoint's
+     recompute, in the backward pass); :meth:`classify` also says what it
+     recomputes (the category rules 2-9 would give).
+  2. ``dispatch/combine``: under a transport scope (``moe_dispatch_fwd``,
+     ``moe_dispatch_bwd``, ``moe_combine_fwd``, ``moe_combine_bwd``) or a
+     ``moe_cupy_*`` / ``moe_peer_*`` launch, collectives included.
+  3. ``collectives``: any other collective opcode (gradient all-reduces,
+     the aux statistics' psums, XLA's resharding).
+  4. ``router``: ``moe_router``, ``expert_bias`` (the bias update).
+  5. ``expert GEMMs``: ``moe_experts``, ``moe_shared_experts`` (their
+     activations and the combine weights' multiply too).
+  6. ``attention``: the ``attention`` scope where the program has one, else
+     cuDNN flash-attention custom calls and jax.nn.dot_product_attention's
+     two einsums (``BTNH,BSNH->BNTS``, ``BNTS,BSNH->BTNH``).
+  7. ``dense MLP`` (``dense_mlp``), 8. ``unembed + loss`` (``unembed``,
+     ``loss``).
+  9. ``optimizer``: the ``optimizer`` scope where the program has one, else
+     every op of ``jit(step)`` outside the gradient (neither ``jvp(`` nor
+     ``transpose(``: the AdamW update, gradient clipping, metrics).
+  10. ``other``.
+
+  Pass: ``backward`` where op_name has ``transpose(`` (or a ``*_bwd``
+  transport scope), ``forward`` where it has ``jvp(``, else ``update``.
+
+  The op_name is the instruction's own; for a fusion without one, those of
+  the instructions it fuses; for an instruction without any (XLA's rewrites of
+  a dot's batch dimensions, e.g. of the expert GEMMs at one expert per device,
+  drop the metadata on CPU), the nearest named users' (else operands'), and
+  the result says it was inferred.
+
+  Args:
+    instructions: the compiled step's, from :func:`parse_hlo`.
+    computations: its computations' instruction names.
+  """
+
+  def __init__(self, instructions: dict[str, Instruction],
+               computations: dict[str, list[str]] | None = None):
+    self.instructions = instructions
+    self.computations = computations or {}
+    tokens = set().union(*(_scope_tokens(i.op_name) for i in instructions.values()))
+    self.kernel_scopes = sorted(t for t in tokens if t.startswith(DISPATCH_SCOPE_PREFIXES))
+    self.scopes_present = {category: [s for s in scopes if s in tokens]
+                           for category, scopes in SCOPES.items()}
+    self.entry_prefix = self._entry_prefix()
+    self._user_map = None
+
+  def _entry_prefix(self) -> str:
+    """``"jit(step)/"``: the first component most op_names share."""
+    heads = collections.Counter(i.op_name.split("/", 1)[0] for i in self.instructions.values()
+                                if i.op_name.startswith("jit("))
+    return heads.most_common(1)[0][0] + "/" if heads else "jit("
+
+  def rules(self) -> dict[str, str]:
+    """How each scope-based category was found in this program (for the report)."""
+    described = {}
+    for category, present in self.scopes_present.items():
+      if present:
+        described[category] = "scope " + ", ".join(f"'{s}'" for s in present)
+      elif category == ATTENTION:
+        described[category] = ("no 'attention' scope: cuDNN fmha custom calls and the "
+                               "dot_product_attention einsums only (softmax, projections "
+                               "and rotary count as other)")
+      elif category == OPTIMIZER:
+        described[category] = (f"no 'optimizer' scope: every op of {self.entry_prefix.rstrip('/')}"
+                               " outside jvp/transpose (AdamW, clipping, metrics, bias update)")
+      else:
+        described[category] = f"no {' / '.join(repr(s) for s in SCOPES[category])} scope: none"
+    return described
+
+  def own_op_name(self, instruction: Instruction) -> str:
+    """``instruction``'s op_name, or for a fusion without one, the op_names
+    of the instructions it fuses joined by ``;``."""
+    if instruction.op_name or not instruction.calls:
+      return instruction.op_name
+    inner = [self.instructions[n].op_name for c in instruction.calls
+             for n in self.computations.get(c, ()) if n in self.instructions]
+    return ";".join(dict.fromkeys(n for n in inner if n))
+
+  def _users(self) -> dict[str, list[str]]:
+    if self._user_map is None:
+      self._user_map = collections.defaultdict(list)
+      for instruction in self.instructions.values():
+        for operand in instruction.operands:
+          self._user_map[operand].append(instruction.name)
+    return self._user_map
+
+  def neighbour_op_name(self, instruction: Instruction) -> str:
+    """The most common op_name of the nearest users of ``instruction`` that
+    have one (through unnamed ones, up to :data:`NEIGHBOUR_HOPS` away), else
+    of its nearest operands'; ``""`` if none. Names XLA merged from several ops (``:``,
+    ``;``) and tuple plumbing are passed over: they say little about one op."""
+    users = self._users()
+    for edges in (lambda n: users.get(n, ()), lambda n: self.instructions[n].operands):
+      frontier, seen = [instruction.name], {instruction.name}
+      for _ in range(NEIGHBOUR_HOPS):
+        found, unnamed = [], []
+        for name in frontier:
+          for neighbour in edges(name):
+            if neighbour in seen or neighbour not in self.instructions:
+              continue
+            seen.add(neighbour)
+            other = self.instructions[neighbour]
+            if other.opcode in PLUMBING_OPCODES:
+              continue
+            op_name = self.own_op_name(other)
+            if not op_name:
+              unnamed.append(neighbour)
+            elif ":" not in op_name and ";" not in op_name:
+              found.append(op_name)
+        if found:
+          return collections.Counter(found).most_common(1)[0][0]
+        frontier = unnamed
+    return ""
+
+  def op_name(self, instruction: Instruction) -> tuple[str, bool]:
+    """``(op_name, whether it is a neighbour's)``: :meth:`own_op_name`, else
+    :meth:`neighbour_op_name` (XLA's rewrites, e.g. of a dot's batch
+    dimensions, can leave an instruction without metadata)."""
+    own = self.own_op_name(instruction)
+    if own:
+      return own, False
+    return self.neighbour_op_name(instruction), True
+
+  def category(self, instruction: Instruction, op_name: str) -> str:
+    """Rules 2-10 of the class docstring."""
+    tokens = _scope_tokens(op_name)
+    if tokens & DISPATCH_SCOPES or any(t.startswith(DISPATCH_SCOPE_PREFIXES) for t in tokens):
+      return DISPATCH
+    if instruction.opcode in COLLECTIVE_OPCODES:
+      return COLLECTIVES
+    for category in (ROUTER, EXPERTS):
+      if tokens.intersection(SCOPES[category]):
+        return category
+    if self.scopes_present[ATTENTION]:
+      if tokens.intersection(SCOPES[ATTENTION]):
+        return ATTENTION
+    elif ATTENTION_TARGETS.search(instruction.target) or ATTENTION_OP_NAMES.search(op_name):
+      return ATTENTION
+    for category in (DENSE_MLP, LOSS):
+      if tokens.intersection(SCOPES[category]):
+        return category
+    if self.scopes_present[OPTIMIZER]:
+      if tokens.intersection(SCOPES[OPTIMIZER]):
+        return OPTIMIZER
+    elif (op_name.startswith(self.entry_prefix) and "jvp(" not in op_name
+          and "transpose(" not in op_name):
+      return OPTIMIZER
+    return OTHER
+
+  def classify(self, name: str) -> Classified | None:
+    """The :class:`Classified` of the instruction ``name``; None where the
+    program has no such instruction or neither it nor a neighbour carries an
+    op_name."""
+    instruction = self.instructions.get(name)
+    if instruction is None:
+      return None
+    op_name, inferred = self.op_name(instruction)
+    if not op_name:
+      return None
+    tokens = _scope_tokens(op_name)
+    category = self.category(instruction, op_name)
+    if "transpose(" in op_name or TRANSPORT_SCOPES["dispatch_bwd"] in tokens \
+        or TRANSPORT_SCOPES["combine_bwd"] in tokens:
+      step_pass = BACKWARD
+    elif "jvp(" in op_name:
+      step_pass = FORWARD
+    else:
+      step_pass = UPDATE
+    if REMAT_SCOPE in tokens:
+      return Classified(REMAT, BACKWARD, category, inferred)
+    return Classified(category, step_pass, "", inferred)
+
+
+# --- the trace -----------------------------------------------------------------------------------
+
+class OpEvent(NamedTuple):
+  """A device op of the trace: ``[start, end)`` in microseconds."""
+
+  device: str
+  line: tuple
+  start: float
+  end: float
+  hlo_module: str
+  hlo_op: str
+  kernel: str  # the event's own name: a GPU kernel's, or the op's on CPU
+  run_id: str
+
+
+def read_trace(trace_dir: pathlib.Path) -> dict:
+  """The Chrome-trace JSON jax.profiler.trace wrote under ``trace_dir``
+  (``plugins/profile/<run>/*.trace.json.gz``, or the
+  ``perfetto_trace.json.gz`` copy), of the newest run."""
+  runs = sorted((trace_dir / "plugins" / "profile").glob("*"), key=os.path.getmtime)
+  for run in reversed(runs):
+    files = sorted(run.glob("*.trace.json.gz")) or sorted(run.glob("perfetto_trace.json.gz"))
+    if files:
+      with gzip.open(files[0], "rt") as stream:
+        return json.load(stream)
+  raise FileNotFoundError(f"no *.trace.json.gz or perfetto_trace.json.gz under "
+                          f"{trace_dir}/plugins/profile/")
+
+
+_ANNOTATED = {key: re.compile(rf"\b{key}=([^,#\s]+)") for key in ("hlo_op", "hlo_module")}
+
+
+def _hlo_names(args: dict) -> tuple[str, str]:
+  """``(hlo_op, hlo_module)`` of an event: its args of those names, else
+  parsed from an annotation arg (XLA's ``"fusion.3:#hlo_op=fusion.3,
+  hlo_module=jit_step,program_id=7#"``); ``""`` where absent. A module name's
+  appended program id (``"jit_step(42)"``) is dropped."""
+  names = {}
+  for key, pattern in _ANNOTATED.items():
+    value = args.get(key)
+    if value is None:
+      for text in args.values():
+        match = pattern.search(text) if isinstance(text, str) else None
+        if match:
+          value = match.group(1)
+          break
+    names[key] = re.sub(r"\(\d+\)$", "", str(value or "").strip())
+  return names["hlo_op"], names["hlo_module"]
+
+
+def op_events(trace: dict) -> list[OpEvent]:
+  """The device op events of a Chrome trace from jax.profiler.
+
+  GPU: the events of a ``/device:...`` process's CUDA stream lines
+  (``thread_name`` starting with "Stream"), every kernel and memcpy of them,
+  with ``args.hlo_op`` where XLA annotated the launch; where a device has no
+  stream lines, its lines whose events carry ``hlo_op`` (e.g. "XLA Ops").
+  CPU: the host events carrying ``args.hlo_op`` and ``args.device_ordinal``
+  (the thunk executor's, on its worker threads; a while loop's event
+  encloses its body's). See :func:`_hlo_names` for where the op comes from.
+  """
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  process_names, thread_names = {}, {}
+  for event in events:
+    if event.get("ph") == "M" and event.get("name") == "process_name":
+      process_names[event.get("pid")] = str(event.get("args", {}).get("name", ""))
+    elif event.get("ph") == "M" and event.get("name") == "thread_name":
+      thread_names[(event.get("pid"), event.get("tid"))] = str(event.get("args", {}).get("name", ""))
+  device_pids = {pid for pid, name in process_names.items() if "/device:" in name}
+  stream_lines = {key for key, name in thread_names.items()
+                  if key[0] in device_pids and name.lower().startswith("stream")}
+  pids_with_streams = {pid for pid, _ in stream_lines}
+  found = []
+  for event in events:
+    if event.get("ph") != "X" or "dur" not in event:
+      continue
+    args = event.get("args") or {}
+    pid, line = event.get("pid"), (event.get("pid"), event.get("tid"))
+    hlo_op, hlo_module = _hlo_names(args)
+    if pid in device_pids:
+      if pid in pids_with_streams:
+        if line not in stream_lines:
+          continue
+      elif not hlo_op:
+        continue
+      device = process_names[pid]
+    elif hlo_op and "device_ordinal" in args:
+      device = f"{process_names.get(pid, pid)} device_ordinal {args['device_ordinal']}"
+    else:
+      continue
+    start = float(event["ts"])
+    found.append(OpEvent(device, line, start, start + float(event["dur"]), hlo_module, hlo_op,
+                         str(event.get("name", "")), str(args.get("run_id", ""))))
+  return found
+
+
+def _innermost_segments(line_events: list[int], events: list[OpEvent]) -> list[tuple]:
+  """``(start, end, event index)`` pieces of one line's time, each owned by
+  the innermost event running then (a while loop's event owns only the gaps
+  between its body's ops)."""
+  order = sorted(line_events, key=lambda i: (events[i].start, -events[i].end))
+  segments, stack, cursor = [], [], 0.0
+  for index in order:
+    start, end = events[index].start, events[index].end
+    while stack and stack[-1][1] <= start:
+      top, top_end = stack.pop()
+      if top_end > cursor:
+        segments.append((cursor, top_end, top))
+      cursor = max(cursor, top_end)
+    if stack and start > cursor:
+      segments.append((cursor, start, stack[-1][0]))
+    cursor = start
+    if stack:
+      end = min(end, stack[-1][1])  # overlapping but not nested: clip to the parent
+    stack.append((index, end))
+  while stack:
+    top, top_end = stack.pop()
+    if top_end > cursor:
+      segments.append((cursor, top_end, top))
+    cursor = max(cursor, top_end)
+  return segments
+
+
+def attribute(events: list[OpEvent]) -> tuple[list[float], list[float], dict[str, float]]:
+  """Splits each device's busy time between its ops.
+
+  Returns:
+    ``(attributed, own, busy)``: per event, its share of the device's time
+    (where ``k`` ops run at once each gets ``1/k``) and its own time (its
+    duration less its children's on its line), both in microseconds; per
+    device, the busy time (the union of its ops' intervals).
+  """
+  attributed, own = [0.0] * len(events), [0.0] * len(events)
+  busy = collections.defaultdict(float)
+  lines = collections.defaultdict(list)
+  for index, event in enumerate(events):
+    lines[(event.device, event.line)].append(index)
+  by_device = collections.defaultdict(list)
+  for (device, _), indices in lines.items():
+    for start, end, index in _innermost_segments(indices, events):
+      own[index] += end - start
+      by_device[device].append((start, end, index))
+  for device, segments in by_device.items():
+    points = sorted([(s, 1, i) for s, _, i in segments] + [(e, 0, i) for _, e, i in segments])
+    active, previous = collections.Counter(), None
+    for time_us, is_start, index in points:
+      if active and previous is not None and time_us > previous:
+        share = (time_us - previous) / sum(active.values())
+        for event_index, count in active.items():
+          attributed[event_index] += share * count
+        busy[device] += time_us - previous
+      previous = time_us
+      if is_start:
+        active[index] += 1
+      else:
+        active[index] -= 1
+        if not active[index]:
+          del active[index]
+  return attributed, own, dict(busy)
+
+
+# --- the breakdown -------------------------------------------------------------------------------
+
+def breakdown(events: list[OpEvent], classifier: Classifier, module: str, *, steps: int,
+              wall_s: float) -> dict:
+  """Milliseconds per step by category and pass, and the top ops.
+
+  Args:
+    events: the traced steps' device ops (:func:`op_events`).
+    classifier: over the compiled step's instructions.
+    module: the compiled step's HLO module name (events of other programs
+      count as ``other``, unmapped).
+    steps: how many steps the trace holds.
+    wall_s: their wall time.
+
+  Returns:
+    ``rows`` (category -> ms per step, share, per pass, own op time), the
+    step and busy times, unmapped time (by why), time classified by a
+    neighbour's op_name (by category), remat recompute by what it
+    recomputes, per-device busy time, the step executions seen per device
+    (from ``run_id``, where the events have one) and ``top_ops``.
+  """
+  attributed, own, busy = attribute(events)
+  devices = sorted(busy) or ["none"]
+  per_step = 1e-3 / (steps * len(devices))  # us summed over devices -> ms per step and device
+  rows = {c: {"ms": 0.0, FORWARD: 0.0, BACKWARD: 0.0, UPDATE: 0.0, "op_ms": 0.0}
+          for c in CATEGORIES}
+  remat_parts = collections.Counter()
+  unmapped, inferred = collections.Counter(), collections.Counter()
+  ops = {}
+  runs = collections.defaultdict(set)
+  cache = {}
+  for index, event in enumerate(events):
+    key = (event.hlo_module, event.hlo_op)
+    in_step = event.hlo_module == module or (not event.hlo_module
+                                             and event.hlo_op in classifier.instructions)
+    if key not in cache:
+      cache[key] = classifier.classify(event.hlo_op) if in_step and event.hlo_op else None
+    found = cache[key]
+    if found is None and not event.hlo_op and TRANSPORT_KERNELS.match(event.kernel):
+      found = Classified(DISPATCH, "")
+    if found is None:
+      reason = ("no hlo_op" if not event.hlo_op else
+                "other program" if not in_step else
+                "not in the compiled step" if event.hlo_op not in classifier.instructions
+                else "no op_name")
+      unmapped[reason] += attributed[index]
+      found = Classified(OTHER, "")
+    category, step_pass, recomputes, was_inferred = found
+    row = rows[category]
+    row["ms"] += attributed[index]
+    row["op_ms"] += own[index]
+    if step_pass:
+      row[step_pass] += attributed[index]
+    if recomputes:
+      remat_parts[recomputes] += attributed[index]
+    if was_inferred:
+      inferred[category] += attributed[index]
+    if event.run_id and in_step:
+      runs[event.device].add(event.run_id)
+    name = event.hlo_op or event.kernel
+    op = ops.setdefault(name, {"op": name, "ms": 0.0, "events": 0, "category": category,
+                               "pass": step_pass, "recomputes": recomputes,
+                               "inferred": was_inferred, "kernels": collections.Counter()})
+    op["ms"] += attributed[index]
+    op["events"] += 1
+    op["kernels"][event.kernel] += 1
+  wall_ms = wall_s * 1e3 / steps
+  busy_ms = sum(busy.values()) * 1e-3 / (steps * len(devices))
+  for row in rows.values():
+    for field in row:
+      row[field] *= per_step
+    row["share"] = row["ms"] / wall_ms
+  idle_ms = wall_ms - busy_ms
+  rows[IDLE] = {"ms": idle_ms, "share": idle_ms / wall_ms}
+  top = sorted(ops.values(), key=lambda op: -op["ms"])[:TOP_OPS]
+  for op in top:
+    instruction = classifier.instructions.get(op["op"])
+    op.update(ms=op["ms"] * per_step, events_per_step=op.pop("events") / (steps * len(devices)),
+              kernels=[k for k, _ in op["kernels"].most_common(3)],
+              opcode=instruction.opcode if instruction else "",
+              target=instruction.target if instruction else "",
+              op_name=classifier.op_name(instruction)[0] if instruction else "")
+  return {
+      "step_ms": wall_ms,
+      "busy_ms": busy_ms,
+      "rows": rows,
+      "remat_recomputes": {c: ms * per_step for c, ms in remat_parts.most_common()},
+      "unmapped_ms": {reason: ms * per_step for reason, ms in unmapped.most_common()},
+      "inferred_ms": {c: ms * per_step for c, ms in inferred.most_common()},
+      "device_busy_ms": {d: busy.get(d, 0.0) * 1e-3 / steps for d in devices},
+      "executions_seen": {d: len(r) for d, r in sorted(runs.items())},
+      "op_events": len(events),
+      "top_ops": top,
+  }
+
+
+def xla_instruction_profile(trace_dir: pathlib.Path, classifier: Classifier) -> dict | None:
+  """A cross-check from XLA's own reading of the trace: the per-instruction
+  times its profile-guided latency estimator takes from the GPU planes
+  (``get_instructions_profile``, a private jaxlib API; empty on CPUs), as
+  shares by category. None where it gives nothing.
+
+  Shares only: the times are per instruction as XLA aggregates them (not per
+  step), so they weigh a loop body's op once, not once per iteration.
+  """
+  try:
+    from jax._src.lib import _profiler  # noqa: PLC0415
+    profiled = _profiler.get_instructions_profile(str(trace_dir))
+  except Exception:  # noqa: BLE001 - a private API: any failure means no cross-check
+    return None
+  if not profiled:
+    return None
+  by_category = collections.Counter()
+  for name, cost in profiled:
+    found = classifier.classify(name)
+    by_category[found.category if found else OTHER] += cost
+  total = sum(by_category.values()) or 1.0
+  return {"share_by_category": {c: t / total for c, t in by_category.most_common()},
+          "instructions": len(profiled)}
+
+
+# --- running the step ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Measured:
+  """What :func:`run_steps` measured."""
+
+  compiled: object  # the compiled train step
+  mesh: jax.sharding.Mesh
+  untraced_s: float  # wall time of `steps` steps without the profiler
+  traced_s: float  # wall time of `steps` steps under jax.profiler.trace
+
+
+def _profile_options():
+  """No Python tracer (its events slow the host and bloat the trace); where
+  this JAX has ProfileOptions."""
+  if not hasattr(jax.profiler, "ProfileOptions"):
+    return None
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0
+  return options
+
+
+def run_steps(config: Config, *, steps: int, warmup: int, trace_dir: pathlib.Path,
+              perfetto: bool = False) -> Measured:
+  """Compiles the train step as examples/pretrain.py does, runs ``warmup``
+  steps, times ``steps`` steps, then traces ``steps`` more into ``trace_dir``
+  (with a ``perfetto_trace.json.gz`` copy for ui.perfetto.dev if
+  ``perfetto``). Each wall time runs from the first step's dispatch to the
+  last step's outputs being ready; the next batch is made while a step runs,
+  as in training."""
+  setup, train_step = pretrain.build_program(pretrain.program_config(config),
+                                             tuple(jax.devices()))
+  corpus = make_corpus(config)
+  shape = (config.train.batch_size, config.train.seq_len + 1)
+  make_batch = lambda step: pretrain.global_batch(corpus, step, sharding=setup.batch_sharding,
+                                                  shape=shape)
+  state = setup.create()
+  step_index = 0
+
+  def run(count: int) -> float:
+    nonlocal state, step_index
+    if count == 0:
+      return 0.0
+    batch = make_batch(step_index)
+    jax.block_until_ready((state, batch))
+    start = time.perf_counter()
+    for _ in range(count):
+      state, metrics = train_step(state, batch)
+      step_index += 1
+      batch = make_batch(step_index)
+    jax.block_until_ready((state, metrics))
+    return time.perf_counter() - start
+
+  run(warmup)
+  untraced_s = run(steps)
+  options = _profile_options()
+  kwargs = {"profiler_options": options} if options is not None else {}
+  with jax.profiler.trace(str(trace_dir), create_perfetto_trace=perfetto, **kwargs):
+    traced_s = run(steps)
+  return Measured(train_step, setup.mesh, untraced_s, traced_s)
+
+
+def git_commit() -> str | None:
+  """``HEAD``'s hash, ``+dirty`` where tracked files differ from it."""
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO,
+                           capture_output=True, text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return head + ("+dirty" if dirty else "")
+
+
+def profile(config: Config, *, steps: int = 5, warmup: int = 3, name: str = "run",
+            overrides: tuple[str, ...] = (), trace_dir: pathlib.Path | None = None) -> dict:
+  """Runs, traces and classifies ``steps`` train steps of ``config``;
+  ``trace_dir`` keeps the trace (default: a temporary directory).
+
+  Returns:
+    the report :func:`write_report` writes: the :func:`breakdown`, the
+    measurements, MFU and the environment.
+  """
+  if steps < 1 or warmup < 0:
+    raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
+  with _trace_directory(trace_dir) as directory:
+    measured = run_steps(config, steps=steps, warmup=warmup, trace_dir=directory,
+                         perfetto=trace_dir is not None)
+    events = op_events(read_trace(directory))
+    module, instructions, computations = parse_hlo(measured.compiled.as_text())
+    classifier = Classifier(instructions, computations)
+    cross_check = xla_instruction_profile(directory, classifier)
+  result = breakdown(events, classifier, module, steps=steps, wall_s=measured.traced_s)
+  devices = list(measured.mesh.devices.flat)
+  tokens_per_step = config.train.batch_size * config.train.seq_len
+  untraced_step_s = measured.untraced_s / steps
+  flops_per_token = flops.training_flops_per_token(config)
+  tokens_per_s = tokens_per_step / untraced_step_s
+  peak = pretrain.device_peak_tflops(config, devices[0])
+  return {
+      "config": name,
+      "overrides": list(overrides),
+      "steps": steps,
+      "warmup": warmup,
+      "untraced_step_ms": untraced_step_s * 1e3,
+      "tokens_per_step": tokens_per_step,
+      "tokens_per_s": tokens_per_s,
+      "mfu": flops.mfu(tokens_per_s / len(devices), flops_per_token, peak),
+      "peak_tflops": peak,
+      **result,
+      "classification": classifier.rules(),
+      "xla_instruction_profile": cross_check,
+      "hlo_module": module,
+      "environment": {
+          "jax": jax.__version__,
+          "jaxlib": _jaxlib_version(),
+          "python": platform.python_version(),
+          "backend": jax.default_backend(),
+          "device_kind": devices[0].device_kind,
+          "device_count": len(devices),
+          "process_count": jax.process_count(),
+          "mesh": dict(measured.mesh.shape),
+          "transport": config.moe.transport,
+          # which kernels the compiled step launches: moe_cupy_* (CuPy), moe_peer_* (peer exchange)
+          "transport_kernel_scopes": classifier.kernel_scopes,
+          "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      },
+      "git_commit": git_commit(),
+      "date": datetime.datetime.now().isoformat(timespec="seconds"),
+      "config_yaml": config_to_yaml(config),
+  }
+
+
+def _jaxlib_version() -> str | None:
+  try:
+    import jaxlib  # noqa: PLC0415
+    return jaxlib.__version__
+  except (ImportError, AttributeError):
+    return None
+
+
+@contextlib.contextmanager
+def _trace_directory(path: pathlib.Path | None):
+  """``path`` (created and kept), or a temporary directory removed afterwards."""
+  if path is not None:
+    path.mkdir(parents=True, exist_ok=True)
+    yield path
+    return
+  with tempfile.TemporaryDirectory(prefix="profile_step-") as temporary:
+    yield pathlib.Path(temporary)
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+def _ms(value: float) -> str:
+  return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+
+
+def markdown(report: dict) -> str:
+  """The report as markdown: a header, the breakdown table, notes, top ops."""
+  env, rows = report["environment"], report["rows"]
+  step, busy = report["step_ms"], report["busy_ms"]
+  mfu = "" if report["mfu"] is None else f", MFU {report['mfu']:.1%} (untraced)"
+  lines = [
+      f"# Step profile: {report['config']} on {env['device_count']} x {env['device_kind']}",
+      "",
+      f"- overrides: {' '.join(report['overrides']) or 'none'}",
+      f"- mesh {' x '.join(f'{k}={v}' for k, v in env['mesh'].items())}, "
+      f"transport {env['transport']} ("
+      f"{', '.join(env['transport_kernel_scopes']) or 'pure JAX: no moe_cupy_* / moe_peer_* launch'}"
+      f"), {report['steps']} traced steps after "
+      f"{report['warmup']} warm-up steps",
+      f"- jax {env['jax']}, {env['backend']}, commit {report['git_commit']}, {report['date']}",
+      f"- step {_ms(step)} ms traced, {_ms(report['untraced_step_ms'])} ms untraced "
+      f"({report['tokens_per_s']:,.0f} tokens/s{mfu}); device busy {_ms(busy)} ms "
+      f"({busy / step:.1%} of the traced step)",
+      "",
+      "| category | ms / step | share of step | forward ms | backward ms | op time ms |",
+      "|---|---:|---:|---:|---:|---:|",
+  ]
+  for category in (*CATEGORIES, IDLE):
+    row = rows[category]
+    passes = ([_ms(row[FORWARD]), _ms(row[BACKWARD]), _ms(row["op_ms"])]
+              if category != IDLE else ["", "", ""])
+    lines.append(f"| {category} | {_ms(row['ms'])} | {row['share']:.1%} | " + " | ".join(passes)
+                 + " |")
+  total = sum(row["ms"] for row in rows.values())
+  lines += [f"| **step** | **{_ms(total)}** | **{total / step:.1%}** | | | |", ""]
+  unmapped = sum(report["unmapped_ms"].values())
+  inferred = sum(report["inferred_ms"].values())
+  listed = lambda values: ", ".join(f"{key} {_ms(ms)} ms" for key, ms in values.items())
+  notes = [
+      "ms / step: per device (the mean over devices); where ops of one device overlap (other "
+      "streams or threads) each gets an equal part of the overlap, so the rows add up to the "
+      "busy time and, with idle, to the step. op time: the ops' own time, overlaps counted in "
+      "full. The rest of a row's forward + backward runs outside the gradient (update) or "
+      "is unmapped.",
+      "remat recompute recomputes: " + (listed(report["remat_recomputes"]) or "nothing"),
+      f"unmapped (in other): {_ms(unmapped)} ms / step ({unmapped / max(busy, 1e-12):.1%} of "
+      "busy)" + (": " + listed(report["unmapped_ms"]) if unmapped else ""),
+      f"classified by a neighbour's op_name (the op had none): {_ms(inferred)} ms / step"
+      + (": " + listed(report["inferred_ms"]) if inferred else ""),
+  ]
+  device_busy = report["device_busy_ms"]
+  if len(device_busy) > 1:
+    notes.append(f"busy per device: {_ms(min(device_busy.values()))} to "
+                 f"{_ms(max(device_busy.values()))} ms / step")
+  if rows[IDLE]["ms"] < 0:
+    notes.append("busy exceeds the wall time: device and host clocks disagree in this trace")
+  cross_check = report.get("xla_instruction_profile")
+  if cross_check:
+    notes.append("XLA's per-instruction profile (cross-check, shares of its total): " + ", ".join(
+        f"{c} {share:.1%}" for c, share in cross_check["share_by_category"].items()))
+  lines += [f"- {note}" for note in notes]
+  lines += ["- classified by:"] + [f"  - {category}: {how}"
+                                   for category, how in report["classification"].items()]
+  lines += ["", f"## Top {len(report['top_ops'])} ops", "",
+            "| op | ms / step | events / step | category | pass | kind | op_name |",
+            "|---|---:|---:|---|---|---|---|"]
+  for op in report["top_ops"]:
+    kind = op["target"] or op["opcode"] or ", ".join(op["kernels"])
+    op_name = op["op_name"]
+    if len(op_name) > 120:
+      op_name = "..." + op_name[-117:]
+    lines.append(f"| {op['op']} | {_ms(op['ms'])} | {op['events_per_step']:g} | {op['category']} "
+                 f"| {op['pass']} | {kind} | `{op_name}` |")
+  return "\n".join(lines) + "\n"
+
+
+def report_stem(report: dict) -> str:
+  """``profile-<config>-<device kind>-<N>dev``."""
+  env = report["environment"]
+  kind = re.sub(r"[^a-z0-9]+", "-", env["device_kind"].lower()).strip("-")
+  return f"profile-{report['config']}-{kind}-{env['device_count']}dev"
+
+
+def write_report(report: dict, out_dir: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+  """Writes ``<stem>.md`` and ``<stem>.json`` into ``out_dir``; returns their paths."""
+  out_dir.mkdir(parents=True, exist_ok=True)
+  stem = report_stem(report)
+  md_path, json_path = out_dir / f"{stem}.md", out_dir / f"{stem}.json"
+  md_path.write_text(markdown(report))
+  json_path.write_text(json.dumps(report, indent=2) + "\n")
+  return md_path, json_path
+
+
+def parse_args(argv=None) -> tuple[Config, argparse.Namespace, str, list[str]]:
+  """``(config, flags, name, overrides)`` from the command line."""
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      usage="%(prog)s [-h] [CONFIG.yaml] [key=value ...] [--steps N] [--warmup N] "
+            "[--out DIR] [--trace-dir DIR]",
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("args", nargs="*", metavar="CONFIG.yaml key=value",
+                      help="a config file (default configs/tiny.yaml) and overrides, as "
+                           "examples/pretrain.py takes them")
+  parser.add_argument("--steps", type=int, default=5, help="steps timed and traced (default 5)")
+  parser.add_argument("--warmup", type=int, default=3, help="steps run first (default 3)")
+  parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT,
+                      help="where the .md and .json go (default benchmarks/results/)")
+  parser.add_argument("--trace-dir", type=pathlib.Path, default=None,
+                      help="keep the raw trace here (default: a temporary directory)")
+  args = parser.parse_intermixed_args(argv)
+  if args.steps < 1:
+    parser.error(f"--steps={args.steps} must be >= 1")
+  if args.warmup < 0:
+    parser.error(f"--warmup={args.warmup} must be >= 0")
+  try:
+    config_path, overrides = split_config_path(args.args)
+    config = load_config(config_path, overrides)
+  except (ValueError, FileNotFoundError) as error:
+    parser.error(str(error))
+  return config, args, pathlib.Path(config_path or DEFAULT_CONFIG).stem, overrides
+
+
+def main(argv=None) -> int:
+  distributed.initialize_from_env()  # before any JAX computation (moe_ep.launch jobs)
+  config, args, name, overrides = parse_args(argv)
+  try:
+    config.mesh_shape(jax.device_count())
+  except ValueError as error:
+    print(f"profile_step.py: error: {error}", file=sys.stderr)
+    return 2
+  report = profile(config, steps=args.steps, warmup=args.warmup, name=name,
+                   overrides=tuple(overrides), trace_dir=args.trace_dir)
+  if jax.process_index() == 0:
+    md_path, json_path = write_report(report, args.out)
+    print(markdown(report), end="")
+    print(f"wrote {md_path} and {json_path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
