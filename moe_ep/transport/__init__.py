@@ -259,22 +259,11 @@ def _rows_to_slabs_fp8(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> j
   XLA: a remat policy that saves the dispatch then keeps the FP8 slabs (about
   half the bf16 residual) and backward recomputes only the dequantize, never
   the exchange. Both give bitwise the same slabs (the dequantize is exact
-  before its one rounding). On the peer exchange's fused row kernels the
-  tokens are quantized once into ``[T, W]`` wire rows, which the kernels
-  store straight into the peers' FP8 slabs, dequantized by XLA (named or not)."""
-  from moe_ep.transport import fp8
+  before its one rounding)."""
   ops = spec.ops
   hidden = rows.shape[-1]
   slab_shape = handle.slab_row.shape + (hidden,)
   slab_row = handle.slab_row.reshape(-1)
-  if spec.ep_size > 1 and _fused_peer_rows(spec, jnp.uint8, fp8.wire_bytes(hidden),
-                                            handle.top_k, sums=False):
-    # The peer exchange's fused row kernels move the uint8 wire rows like any
-    # rows, straight into the peers' FP8 slabs; XLA dequantizes them.
-    fp8_slabs = _rows_to_slabs(spec, ops.quantize_pack_expand(rows), handle)
-    fp8_slabs = _name(spec, "tokens", fp8_slabs.reshape(-1, fp8_slabs.shape[-1]))
-    return fp8.dequantize_rows(*fp8.unpack_wire(fp8_slabs, hidden),
-                               rows.dtype).reshape(slab_shape)
   if spec.ep_size == 1:
     wire = ops.quantize_pack_expand(rows)
     targets = _token_member_pos(handle)
@@ -290,6 +279,7 @@ def _rows_to_slabs_fp8(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> j
     slabs = ops.unpack_dequantize_expand(wire, targets, sources, hidden=hidden,
                                          dtype=rows.dtype)
     return slabs.reshape(slab_shape)
+  from moe_ep.transport import fp8
   fp8_slabs = _name(spec, "tokens", ops.expand_rows(wire, targets, sources))
   return fp8.dequantize_rows(*fp8.unpack_wire(fp8_slabs, hidden), rows.dtype).reshape(slab_shape)
 

@@ -349,39 +349,6 @@ def test_cuda_lowering_fuses_quantize_and_dequantize_into_the_row_passes(pretend
     assert any(f"x{fp8.wire_bytes(HIDDEN)}xui8>" in line for line in exchanges), exchanges
 
 
-@pytest.mark.parametrize("named", [False, True])
-def test_fp8_on_the_fused_peer_rows_is_the_all_to_all_path_bitwise(monkeypatch, pretend_cupy,
-                                                                   named):
-  """The peer path (its checks stubbed on CPU devices) moves the uint8 wire
-  rows with the fused row kernels: lowered for CUDA, tokens are quantized
-  once and the rows cross in one fused peer callback (no unpack kernel, no
-  row all_to_all); run on the CPUs (the fused call's all_to_all branch),
-  slabs and gradients are the all_to_all FP8 path's bits."""
-  from moe_ep.transport import peer
-  monkeypatch.setattr(peer, "unsupported_reason", lambda mesh, axis: None)
-  name = "moe.dispatch" if named else None
-  tokens, idx, weights = problem(0, 4, jnp.bfloat16)
-  mesh = make_mesh((4,), ("ep",))
-  body = lambda x, i, w: dispatch(
-      x, i, w, num_experts=NUM_EXPERTS, expert_capacity=64, axis_name="ep", exchange="peer",
-      mesh=mesh, wire_dtype=FP8, checkpoint_name=name).tokens
-  fn = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
-  text = jax.jit(fn).trace(tokens, idx, weights).lower(
-      lowering_platforms=("cuda",)).as_text(debug_info=True)
-  names = set(re.findall(r'loc\("([^"]*(?:moe_cupy|moe_peer)\w*)', text))
-  assert any("moe_cupy_fp8_quantize_pack" in n for n in names), names
-  assert not any("unpack" in n or "expand_rows" in n for n in names), names
-  assert any(f"{ROWS}/" in n and "moe_peer_exchange" in n for n in names), names
-  assert not any(f"x{fp8.wire_bytes(HIDDEN)}xui8>" in line
-                 for line in re.findall(r'"stablehlo.all_to_all"\(.*', text))
-  args = arguments(7, 4, jnp.bfloat16)
-  got = dispatch_with_grads(4, FP8, "xla", "peer", checkpoint_name=name)(*args)
-  want = dispatch_with_grads(4, FP8, "xla", "all_to_all")(*args)
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    a, b = np.asarray(a), np.asarray(b)
-    np.testing.assert_array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("exchange", ["all_to_all", "auto"])  # auto: peer where it runs
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
