@@ -124,3 +124,9 @@ def mfu(tokens_per_s_per_device: float, flops_per_token: float,
   if peak_tflops is None:
     return None
   return tokens_per_s_per_device * flops_per_token / (peak_tflops * 1e12)
+
+
+def format_mfu(value: float) -> str:
+  """``0.482`` -> ``"48.2%"``; below 1% two significant digits, so a tiny
+  model on a big GPU does not read as zero: ``0.000253`` -> ``"0.025%"``."""
+  return f"{value:.1%}" if value >= 0.01 else f"{100 * value:.2g}%"

@@ -650,7 +650,7 @@ def main(argv=None) -> int:
     return fail(error)
   if is_main:
     summary = result.summary
-    mfu = "" if summary["mfu"] is None else f" (MFU {summary['mfu']:.1%})"
+    mfu = "" if summary["mfu"] is None else f" (MFU {flops.format_mfu(summary['mfu'])})"
     print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.3f} "
           f"(mean of the last {min(FINAL_LOSS_WINDOW, summary['steps_this_run'])}), "
           f"{summary['tokens_per_s']:,.0f} tokens/s{mfu}, wall {summary['wall_s']:.0f} s "

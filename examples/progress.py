@@ -9,11 +9,14 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
+from examples import flops
+
 
 def progress_line(record: dict) -> str:
   """``loss 2.314 | ce 2.301 | 41,200 tok/s | MFU 38.2% | dropped 1.2%`` from a
   metrics record (the MFU where the record has one: a known device peak)."""
-  mfu = f"MFU {record['mfu']:.1%} | " if record.get("mfu") is not None else ""
+  mfu = (f"MFU {flops.format_mfu(record['mfu'])} | " if record.get("mfu") is not None
+         else "")
   return (f"loss {record['loss']:.3f} | ce {record['ce_loss']:.3f} | "
           f"{record['tokens_per_s']:,.0f} tok/s | {mfu}dropped {record['dropped_fraction']:.1%}")
 

@@ -204,3 +204,9 @@ def test_mfu_is_model_flops_per_second_over_the_peak():
   # 40,000 tokens/s of 5 GFLOP each = 200 TFLOP/s, a fifth of a 1000 TFLOP/s peak.
   assert flops.mfu(40_000, 5e9, 1000.0) == pytest.approx(0.2)
   assert flops.mfu(40_000, 5e9, None) is None
+
+
+def test_mfu_prints_one_decimal_and_small_values_by_two_digits():
+  assert flops.format_mfu(0.4823) == "48.2%"
+  assert flops.format_mfu(0.0100) == "1.0%"
+  assert flops.format_mfu(0.000253) == "0.025%"  # not "0.0%" for a tiny model on an H200

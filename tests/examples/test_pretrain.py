@@ -89,7 +89,7 @@ def test_summary_and_records_report_model_flops_and_mfu_against_the_peak(uninter
     record = json.loads(line)
     assert record["mfu"] == pytest.approx(
         record["tokens_per_s"] / jax.device_count() * flops_per_token / (PEAK_TFLOPS * 1e12))
-    assert f"| MFU {record['mfu']:.1%} |" in progress_line(record)
+    assert f"| MFU {flops.format_mfu(record['mfu'])} |" in progress_line(record)
   assert "MFU" not in progress_line({**record, "mfu": None})  # no known peak: no MFU
 
 

@@ -135,6 +135,9 @@ def test_rows_add_up_to_the_traced_step(profiled):
 
 
 def test_dispatch_experts_and_remat_are_found_in_both_passes(profiled):
+  if jax.default_backend() == "gpu" and not ps.command_buffers_off():
+    pytest.skip("kernels replayed from CUDA graphs are not attributed to ops; run as a "
+                "program, profile_step.py turns command buffers off")
   _, report, _ = profiled
   rows = report["rows"]
   for category in ("dispatch/combine", "expert GEMMs", "collectives", "attention", "router"):
