@@ -35,3 +35,29 @@ __device__ __forceinline__ u32 lanemask_lt() {
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
   return mask;
 }
+
+// Element types of 16-bit and 32-bit float rows: load to float32, store with
+// one rounding (round to nearest even). Shared by the sums (rows.cu, peer.cu)
+// and the FP8 passes (fp8.cu), so all of them round alike.
+struct F32 {
+  typedef float Elem;
+  static __device__ __forceinline__ float load(float v) { return v; }
+  static __device__ __forceinline__ float store(float v) { return v; }
+};
+struct BF16 {
+  typedef u16 Elem;
+  static __device__ __forceinline__ float load(u16 v) { return bf16_to_f32(v); }
+  static __device__ __forceinline__ u16 store(float v) { return f32_to_bf16(v); }
+};
+struct F16 {
+  typedef u16 Elem;
+  static __device__ __forceinline__ float load(u16 v) { return f16_to_f32(v); }
+  static __device__ __forceinline__ u16 store(float v) { return f32_to_f16(v); }
+};
+
+// One 16-byte vector seen as its elements of type T.
+template <typename T>
+union Pack16 {
+  uint4 raw;
+  typename T::Elem elems[16 / sizeof(typename T::Elem)];
+};

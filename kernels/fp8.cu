@@ -57,22 +57,6 @@ __device__ __forceinline__ void e4m3x2_to_f32x2(u32 codes, float* lo, float* hi)
   *hi = f16_to_f32((u16)(halves >> 16));
 }
 
-struct Fp8F32 {
-  typedef float Elem;
-  static __device__ __forceinline__ float load(float v) { return v; }
-  static __device__ __forceinline__ float store(float v) { return v; }
-};
-struct Fp8BF16 {
-  typedef u16 Elem;
-  static __device__ __forceinline__ float load(u16 v) { return bf16_to_f32(v); }
-  static __device__ __forceinline__ u16 store(float v) { return f32_to_bf16(v); }
-};
-struct Fp8F16 {
-  typedef u16 Elem;
-  static __device__ __forceinline__ float load(u16 v) { return f16_to_f32(v); }
-  static __device__ __forceinline__ u16 store(float v) { return f32_to_f16(v); }
-};
-
 __device__ __forceinline__ int fp8_code_bytes(int hidden) { return (hidden + 15) & ~15; }
 
 // Zero-fills the output rows n of zero-fill group `group` whose source is
@@ -215,9 +199,9 @@ __device__ __forceinline__ void quantize_pack(const typename T::Elem* __restrict
                         wire_bytes);                                                           \
   }
 
-DEFINE_QUANTIZE_PACK(quantize_pack_f32, Fp8F32)
-DEFINE_QUANTIZE_PACK(quantize_pack_bf16, Fp8BF16)
-DEFINE_QUANTIZE_PACK(quantize_pack_f16, Fp8F16)
+DEFINE_QUANTIZE_PACK(quantize_pack_f32, F32)
+DEFINE_QUANTIZE_PACK(quantize_pack_bf16, BF16)
+DEFINE_QUANTIZE_PACK(quantize_pack_f16, F16)
 
 // ---------------------------------------------------------------------------
 // unpack_dequantize_expand_{f32,bf16,f16}: out[n] = dequantize(wire[m]) for
@@ -304,6 +288,6 @@ __device__ __forceinline__ void unpack_dequantize_expand(
                                    num_out_rows, hidden, wire_bytes);                           \
   }
 
-DEFINE_UNPACK_DEQUANTIZE_EXPAND(unpack_dequantize_expand_f32, Fp8F32)
-DEFINE_UNPACK_DEQUANTIZE_EXPAND(unpack_dequantize_expand_bf16, Fp8BF16)
-DEFINE_UNPACK_DEQUANTIZE_EXPAND(unpack_dequantize_expand_f16, Fp8F16)
+DEFINE_UNPACK_DEQUANTIZE_EXPAND(unpack_dequantize_expand_f32, F32)
+DEFINE_UNPACK_DEQUANTIZE_EXPAND(unpack_dequantize_expand_bf16, BF16)
+DEFINE_UNPACK_DEQUANTIZE_EXPAND(unpack_dequantize_expand_f16, F16)

@@ -577,33 +577,11 @@ extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch_recv(
   chunk_read(own, peers, rank, ep_size, src, parity, step, blocks_per_peer);
 }
 
-// The element types of the sums: float32 accumulate, one rounding at the end,
-// exactly as rows.cu's F32 / BF16 / F16 (so the results are gather_sum_rows').
-struct SumF32 {
-  typedef float Elem;
-  static __device__ __forceinline__ float load(float v) { return v; }
-  static __device__ __forceinline__ float store(float v) { return v; }
-};
-struct SumBF16 {
-  typedef u16 Elem;
-  static __device__ __forceinline__ float load(u16 v) { return bf16_to_f32(v); }
-  static __device__ __forceinline__ u16 store(float v) { return f32_to_bf16(v); }
-};
-struct SumF16 {
-  typedef u16 Elem;
-  static __device__ __forceinline__ float load(u16 v) { return f16_to_f32(v); }
-  static __device__ __forceinline__ u16 store(float v) { return f32_to_f16(v); }
-};
-
-template <typename T>
-union SumPack {
-  uint4 raw;
-  typename T::Elem elems[16 / sizeof(typename T::Elem)];
-};
-
+// The sums accumulate in float32 and round once at the end, with
+// common.cuh's F32 / BF16 / F16 (so the results are rows.cu's gather_sum_rows').
 template <typename T>
 __device__ __forceinline__ void add_vector(uint4 raw, float (&acc)[16 / sizeof(typename T::Elem)]) {
-  SumPack<T> pack;
+  Pack16<T> pack;
   pack.raw = raw;
 #pragma unroll
   for (int e = 0; e < 16 / (int)sizeof(typename T::Elem); ++e) acc[e] += T::load(pack.elems[e]);
@@ -647,7 +625,7 @@ __device__ __forceinline__ void store_sums(const float (&acc)[U][16 / sizeof(typ
   uint4 values[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    SumPack<T> pack;
+    Pack16<T> pack;
 #pragma unroll
     for (int e = 0; e < 16 / (int)sizeof(typename T::Elem); ++e)
       pack.elems[e] = T::store(acc[u][e]);
@@ -837,6 +815,6 @@ __device__ __forceinline__ void peer_combine_recv(
                             slot_bytes, data_offset, failed, record, timeout_ns, site);         \
   }
 
-DEFINE_PEER_COMBINE_KERNELS(f32, SumF32)
-DEFINE_PEER_COMBINE_KERNELS(bf16, SumBF16)
-DEFINE_PEER_COMBINE_KERNELS(f16, SumF16)
+DEFINE_PEER_COMBINE_KERNELS(f32, F32)
+DEFINE_PEER_COMBINE_KERNELS(bf16, BF16)
+DEFINE_PEER_COMBINE_KERNELS(f16, F16)

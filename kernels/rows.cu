@@ -87,28 +87,6 @@ DEFINE_EXPAND_ROWS(expand_rows_v2, unsigned short)
 //   bounds: out-of-range indices are skipped (read as zero); 16-byte vector
 //           access only when row_elems * sizeof(elem) is a multiple of 16.
 // ---------------------------------------------------------------------------
-struct F32 {
-  typedef float Elem;
-  static __device__ __forceinline__ float load(float v) { return v; }
-  static __device__ __forceinline__ float store(float v) { return v; }
-};
-struct BF16 {
-  typedef u16 Elem;
-  static __device__ __forceinline__ float load(u16 v) { return bf16_to_f32(v); }
-  static __device__ __forceinline__ u16 store(float v) { return f32_to_bf16(v); }
-};
-struct F16 {
-  typedef u16 Elem;
-  static __device__ __forceinline__ float load(u16 v) { return f16_to_f32(v); }
-  static __device__ __forceinline__ u16 store(float v) { return f32_to_f16(v); }
-};
-
-template <typename T>
-union Pack16 {
-  uint4 raw;
-  typename T::Elem elems[16 / sizeof(typename T::Elem)];
-};
-
 template <typename T>
 __device__ __forceinline__ void gather_sum_rows(const typename T::Elem* __restrict__ table,
                                                 const int* __restrict__ index,
