@@ -64,6 +64,21 @@ def require_cupy() -> None:
 # --- compilation ---------------------------------------------------------------
 
 
+def compile_module(kernel_file: str):
+  """``kernels/<kernel_file>`` compiled by NVRTC for the current CUDA device:
+  a ``cupy.RawModule``. Where NVRTC fails, RuntimeError naming the file, with
+  the compiler's log. (This backend's, the peer exchange's and the FP8
+  kernels all compile through it.)"""
+  import cupy
+  module = cupy.RawModule(code=kernel_source.source(kernel_file),
+                          options=kernel_source.COMPILE_OPTIONS)
+  try:
+    module.compile()
+  except cupy.cuda.compiler.CompileException as error:
+    raise RuntimeError(f"compiling kernels/{kernel_file} failed:\n{error}") from error
+  return module
+
+
 def compile_kernels(device_ordinal: int) -> dict[str, object]:
   """Compiles every kernel file for one CUDA device (cached)."""
   with _compile_lock:
@@ -73,12 +88,7 @@ def compile_kernels(device_ordinal: int) -> dict[str, object]:
     functions = {}
     with cupy.cuda.Device(device_ordinal):
       for kernel_file, names in KERNELS.items():
-        module = cupy.RawModule(code=kernel_source.source(kernel_file),
-                                options=kernel_source.COMPILE_OPTIONS)
-        try:
-          module.compile()
-        except cupy.cuda.compiler.CompileException as error:
-          raise RuntimeError(f"compiling kernels/{kernel_file} failed:\n{error}") from error
+        module = compile_module(kernel_file)
         for name in names:
           functions[name] = module.get_function(name)
     _compiled[device_ordinal] = functions

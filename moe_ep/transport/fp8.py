@@ -57,7 +57,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_ep.transport import cupy as cupy_backend
-from moe_ep.transport import kernel_source
 from moe_ep.transport import xla
 
 BLOCK = 128
@@ -276,12 +275,7 @@ def compile_kernels(device_ordinal: int) -> dict[str, object]:
         raise RuntimeError(
             f"float8_e4m3fn dispatch needs a GPU of compute capability >= 8.9; cuda:"
             f"{device_ordinal} has {capability // 10}.{capability % 10}")
-      module = cupy.RawModule(code=kernel_source.source(_KERNEL_FILE),
-                              options=kernel_source.COMPILE_OPTIONS)
-      try:
-        module.compile()
-      except cupy.cuda.compiler.CompileException as error:
-        raise RuntimeError(f"compiling kernels/{_KERNEL_FILE} failed:\n{error}") from error
+      module = cupy_backend.compile_module(_KERNEL_FILE)
       _compiled[device_ordinal] = {name: module.get_function(name) for name in _KERNEL_NAMES}
     return _compiled[device_ordinal]
 

@@ -67,7 +67,6 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from moe_ep.transport import cupy as cupy_backend
-from moe_ep.transport import kernel_source
 
 __all__ = [
     "ChannelLayout",
@@ -484,12 +483,7 @@ def _kernels(ordinal: int) -> dict:
   if ordinal not in _modules:
     import cupy
     with cupy.cuda.Device(ordinal):
-      module = cupy.RawModule(code=kernel_source.source(_KERNEL_FILE),
-                              options=kernel_source.COMPILE_OPTIONS)
-      try:
-        module.compile()
-      except cupy.cuda.compiler.CompileException as error:
-        raise RuntimeError(f"compiling kernels/{_KERNEL_FILE} failed:\n{error}") from error
+      module = cupy_backend.compile_module(_KERNEL_FILE)
       functions = {f"{kind}_v{v}": module.get_function(f"peer_{kind}_v{v}")
                    for kind in ("send", "recv") for v in _VECTOR_BYTES}
       functions.update({name: module.get_function(f"peer_{name}") for name in _ROW_KERNELS})
