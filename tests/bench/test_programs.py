@@ -1,0 +1,81 @@
+"""The benchmark programs run (``python -m moe_ep.bench --smoke``: tiny shapes,
+pure-JAX transport, the 8 CPU devices) and what they report holds: FP8
+dispatch leaves routing alone, the remat variants re-run the dispatch
+exchange exactly when they should, and every path agrees bitwise. A program
+that breaks is found here rather than on the GPU machine."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+import background
+
+pytestmark = pytest.mark.slow
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+PROGRAMS = ("transport", "experts", "layer", "ep", "remat")
+
+
+def run_smoke() -> tuple[subprocess.CompletedProcess, dict]:
+  """All smoke benchmarks in one process; ``(process, {name: result JSON})``."""
+  out = pathlib.Path(tempfile.mkdtemp(prefix="bench-smoke-"))
+  # conftest's XLA_FLAGS: 8 CPU devices (and its compile settings).
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  process = subprocess.run([sys.executable, "-m", "moe_ep.bench", *PROGRAMS, "--smoke",
+                            "--out", str(out)], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=900)
+  results = {path.name.split("-smoke-")[0]: json.loads(path.read_text())
+             for path in out.glob("*-smoke-*.json")}
+  return process, results
+
+
+def background_jobs(item) -> dict:
+  return {"bench-smoke": run_smoke}
+
+
+@pytest.fixture(scope="module")
+def smoke():
+  process, results = background.result("bench-smoke", run_smoke)
+  assert process.returncode == 0, process.stderr[-3000:]
+  assert sorted(results) == sorted(PROGRAMS)
+  return results
+
+
+def test_every_program_writes_its_environment_and_summary(smoke):
+  for name, result in smoke.items():
+    assert result["benchmark"] == f"{name}-smoke"
+    assert result["environment"]["device_count"] == 8, name
+
+
+def test_fp8_dispatch_leaves_routing_and_drops_unchanged_in_the_layer(smoke):
+  variants = smoke["layer"]["variants"]
+  # The router sees the unquantized tokens: the same routes, the same drops.
+  assert variants["ep1_cf1.0_fp8"]["dropped_fraction"] == variants["ep1_cf1.0"]["dropped_fraction"]
+  assert variants["ep1_cf1.0_fp8"]["dispatch_dtype"] == "float8_e4m3fn"
+
+
+def test_remat_variants_rerun_the_dispatch_exchange_only_when_nothing_is_saved(smoke):
+  variants = smoke["remat"]["variants"]
+  assert smoke["remat"]["shapes"]["mesh"]["ep"] > 1
+  for name in ("no_checkpoint", "save_dispatch", "save_dispatch_fp8"):
+    assert variants[name]["forward_row_exchanges"] == 1, name
+  assert variants["nothing_saveable"]["forward_row_exchanges"] == 2
+  # Saving the dispatch keeps less than saving everything.
+  assert variants["save_dispatch"]["temp_size_in_bytes"] < variants["no_checkpoint"]["temp_size_in_bytes"]
+
+
+def test_ep_cases_agree_bitwise_and_time_fp8(smoke):
+  result = smoke["ep"]
+  assert result["ep_size"] == 8
+  for case in result["cases"]:
+    timings = case["all_to_all"]
+    assert timings["bitwise_equal_to_all_to_all"]
+    assert timings["fp8_bitwise_equal_to_all_to_all"]
+    # The named receive (FP8 slabs dequantized by XLA) gives the fused one's bits.
+    assert timings["dispatch_fp8_named"]["same_slabs_as_fused"]
+    assert timings["dispatch_fp8"]["speedup_vs_bf16"] > 0
