@@ -138,3 +138,22 @@ def reference_moe_layer(params, x, config):
   lse = jnp.log(jnp.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
   z_loss = config.z_loss_coeff * jnp.mean(lse ** 2)
   return y.reshape(x.shape), aux_loss, z_loss, counts
+
+
+def permutation_maps(rng, num_table_rows, fanout, num_out_rows):
+  """A random partial one-to-one map (table row, copy) -> out row, in both
+  directions, plus out-of-range entries on unmapped slots that must be
+  ignored (targets) or read as "zero row" (sources)."""
+  slots = rng.permutation(num_out_rows)[:min(num_out_rows, num_table_rows * fanout)]
+  targets = np.full(num_table_rows * fanout, -1, np.int32)
+  chosen = rng.choice(num_table_rows * fanout, len(slots), replace=False)
+  keep = rng.random(len(slots)) < 0.8
+  targets[chosen[keep]] = slots[keep]
+  sources = np.full(num_out_rows, -1, np.int32)
+  sources[targets[targets >= 0]] = np.nonzero(targets >= 0)[0] // fanout
+  unmapped = np.nonzero(targets < 0)[0]
+  targets[unmapped[::2]] = num_out_rows + 3
+  targets[unmapped[1::4]] = -9
+  empty = np.nonzero(sources < 0)[0]
+  sources[empty[::2]] = num_table_rows + 11
+  return targets.reshape(num_table_rows, fanout), sources

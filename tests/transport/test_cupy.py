@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import gpu_devices
+from reference import permutation_maps
 from moe_ep.transport import combine, dispatch, expert_capacity_for, meta as meta_layout, xla
 
 pytestmark = pytest.mark.gpu
@@ -64,25 +65,6 @@ def test_slab_layout_matches_xla_exactly(ep_size, send_capacity, top_k, local_ex
   got = on_gpu(functools.partial(cupy_backend.slab_layout, **kwargs), meta)
   want = on_gpu(functools.partial(reference.slab_layout, **kwargs), meta)
   assert_same(got, want, "slab_layout")
-
-
-def permutation_maps(rng, num_table_rows, fanout, num_out_rows):
-  """A random partial one-to-one map (table row, copy) -> out row, in both
-  directions, plus out-of-range entries on unmapped slots that must be
-  ignored (targets) or read as "zero row" (sources)."""
-  slots = rng.permutation(num_out_rows)[:min(num_out_rows, num_table_rows * fanout)]
-  targets = np.full(num_table_rows * fanout, -1, np.int32)
-  chosen = rng.choice(num_table_rows * fanout, len(slots), replace=False)
-  keep = rng.random(len(slots)) < 0.8
-  targets[chosen[keep]] = slots[keep]
-  sources = np.full(num_out_rows, -1, np.int32)
-  sources[targets[targets >= 0]] = np.nonzero(targets >= 0)[0] // fanout
-  unmapped = np.nonzero(targets < 0)[0]
-  targets[unmapped[::2]] = num_out_rows + 3
-  targets[unmapped[1::4]] = -9
-  empty = np.nonzero(sources < 0)[0]
-  sources[empty[::2]] = num_table_rows + 11
-  return targets.reshape(num_table_rows, fanout), sources
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16, jnp.int8])

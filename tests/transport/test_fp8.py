@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import gpu_devices
+from reference import permutation_maps
 from moe_ep.transport import fp8, xla
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -258,24 +259,6 @@ def test_all_zero_wire_row_dequantizes_to_zeros():
   wire = jnp.zeros((2, fp8.wire_bytes(200)), jnp.uint8)
   out = dequantize_rows(*fp8.unpack_wire(wire, 200), jnp.bfloat16)
   np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
-
-
-def permutation_maps(rng, num_in_rows, fanout, num_out_rows):
-  """A random partial one-to-one map (input row, copy) -> output row in both
-  directions, with out-of-range entries that must be skipped (targets) or
-  read as "zero row" (sources)."""
-  slots = rng.permutation(num_out_rows)[:min(num_out_rows, num_in_rows * fanout)]
-  targets = np.full(num_in_rows * fanout, -1, np.int32)
-  chosen = rng.choice(num_in_rows * fanout, len(slots), replace=False)
-  keep = rng.random(len(slots)) < 0.8
-  targets[chosen[keep]] = slots[keep]
-  sources = np.full(num_out_rows, -1, np.int32)
-  sources[targets[targets >= 0]] = np.nonzero(targets >= 0)[0] // fanout
-  unmapped = np.nonzero(targets < 0)[0]
-  targets[unmapped[::2]] = num_out_rows + 3
-  empty = np.nonzero(sources < 0)[0]
-  sources[empty[::2]] = num_in_rows + 11
-  return targets.reshape(num_in_rows, fanout), sources
 
 
 def test_fused_ops_equal_quantize_then_expand():
