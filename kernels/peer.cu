@@ -5,32 +5,39 @@
 // Each device holds one "channel" allocation per (group, chunk size), written
 // by its peers; `peers[r]` is rank r's allocation as mapped on this device
 // (`peers[rank]` is this device's own). Byte offsets inside one allocation,
-// with R = ep_size (moe_ep/transport/peer.py's ChannelLayout computes the same):
-//   flags    u64[2][R]   at 0:      flags[p][src] = last step whose chunk src
-//                                   has fully delivered into this device's
-//                                   parity-p slot (stored by src).
-//   acks     u64[2][R]   at 16R:    acks[p][dst] = last step at which dst
-//                                   finished reading what this device put in
-//                                   dst's parity-p slot (stored by dst).
-//   step     u64         at 32R:    exchanges completed on this channel.
-//   counters u32[2R + 2] at 32R+8:  send_done[R], recv_done[R], recv_sources,
-//                                   blocks_done (the token-major row kernels).
-//   data     at data_offset:        slots [2][R - 1] of slot_bytes; source
-//                                   src's chunk lands in slot
-//                                   (p, src < me ? src : src - 1).
+// with R = ep_size and M = PEER_MAX_CHUNKS (moe_ep/transport/peer.py's
+// ChannelLayout computes the same):
+//   flags    u64[2][R][M] at 0:       flags[p][src][q] = last step whose piece
+//                                     q src has fully delivered into this
+//                                     device's parity-p slot (stored by src).
+//                                     The drop-in exchange uses piece 0 only;
+//                                     the fused row kernels one per chunk of
+//                                     rows, so the receiver starts on the
+//                                     first chunks while later ones travel.
+//   acks     u64[2][R]    at 16RM:    acks[p][dst] = last step at which dst
+//                                     finished reading what this device put
+//                                     in dst's parity-p slot (stored by dst).
+//   step     u64          at 16RM+16R: exchanges completed on this channel.
+//   counters u32[2R + 2]  after step: send_done[R], recv_done[R],
+//                                     recv_sources, blocks_done.
+//   data     at data_offset:           slots [2][R - 1] of slot_bytes; source
+//                                     src's chunk lands in slot
+//                                     (p, src < me ? src : src - 1).
 //
-// One exchange = peer_send then peer_recv on the same stream, or one of the
-// fused row pairs at the end of this file (peer_dispatch_send/recv,
-// peer_combine_send/recv: the same protocol, rows moved straight between
-// dispatch's and combine's XLA buffers and the slots). Both kernels read
-// s = step + 1 and parity p = s & 1; the receiver's last block stores step = s,
-// so every launch has the same arguments (CUDA-graph replayable) and the
-// counters agree because every rank runs the same sequence of exchanges.
+// One exchange = peer_send then peer_recv on the same stream, or one launch
+// of a fused row kernel at the end of this file (peer_dispatch,
+// peer_combine_*: the same protocol, rows moved straight between dispatch's
+// and combine's XLA buffers and the slots, sender and receiver blocks in one
+// grid). Every kernel reads s = step + 1 and parity p = s & 1; the last block
+// of the exchange to finish stores step = s, so every launch has the same
+// arguments (CUDA-graph replayable) and the counters agree because every rank
+// runs the same sequence of exchanges.
 // Every spin-wait is bounded: on timeout the first waiter of the device sets
 // `failed` and writes a PeerFailure into host-mapped memory; later waits on
 // the device return at once (the results are then garbage, and Python raises).
 
 #define PEER_UNROLL 4
+#define PEER_MAX_CHUNKS 1024  // flags per (parity, source): chunks of one fused exchange
 
 // What a timed-out wait was waiting for (PeerFailure::kind).
 #define PEER_WAIT_ACK 1   // sender: for the peer to acknowledge step - 2
@@ -53,33 +60,44 @@ __device__ __forceinline__ u64 global_ns() {
   return ns;
 }
 
-__device__ __forceinline__ u64* flags_of(u64 base, int ep_size) { return (u64*)base; }
+// flags[parity][src][piece] of the channel at `base`.
+__device__ __forceinline__ u64* flag_of(u64 base, int ep_size, int parity, int src, int piece) {
+  return (u64*)base + ((i64)(parity * ep_size + src) * PEER_MAX_CHUNKS + piece);
+}
 __device__ __forceinline__ u64* acks_of(u64 base, int ep_size) {
-  return (u64*)(base + 16ull * ep_size);
+  return (u64*)(base + 16ull * PEER_MAX_CHUNKS * ep_size);
 }
 __device__ __forceinline__ u64* step_of(u64 base, int ep_size) {
-  return (u64*)(base + 32ull * ep_size);
+  return (u64*)(base + 16ull * PEER_MAX_CHUNKS * ep_size + 16ull * ep_size);
 }
 __device__ __forceinline__ u32* counters_of(u64 base, int ep_size) {
-  return (u32*)(base + 32ull * ep_size + 8ull);
+  return (u32*)(base + 16ull * PEER_MAX_CHUNKS * ep_size + 16ull * ep_size + 8ull);
 }
 
 // The slot index source `src` writes on destination `dst` (src != dst).
 __device__ __forceinline__ int slot_of(int src, int dst) { return src < dst ? src : src - 1; }
 
-// Waits until *word >= target. Returns 0 when it is, 1 when this device has
-// already failed (no wait), 2 on timeout. The deadline is wall time from
+// A load with acquire semantics at system scope: what the storing GPU wrote
+// before its release (fence, then this word) is visible to loads after it.
+__device__ __forceinline__ u64 load_acquire(const u64* word) {
+  u64 value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(word) : "memory");
+  return value;
+}
+
+// Waits until *word >= target (read with acquire semantics). Returns 0 when
+// it is, 1 when this device has already failed (no wait), 2 on timeout. The deadline is wall time from
 // %globaltimer (clock64 ticks at the SM clock, which moves between ~0.3 and
 // ~2 GHz); a clock64 bound of 2 cycles per nanosecond backs it up in case the
 // global timer does not advance.
-__device__ int wait_at_least(const volatile u64* word, u64 target, const volatile u32* failed,
+__device__ int wait_at_least(const u64* word, u64 target, const volatile u32* failed,
                              u64 timeout_ns, u64* waited_ns) {
-  if (*word >= target) return 0;
+  if (load_acquire(word) >= target) return 0;
   const u64 start_ns = global_ns();
   const long long start_cycles = clock64();
   const long long max_cycles = (long long)(2 * timeout_ns);
   while (true) {
-    if (*word >= target) return 0;
+    if (load_acquire(word) >= target) return 0;
     if (*failed != 0u) return 1;
     const u64 waited = global_ns() - start_ns;
     if (waited > timeout_ns || clock64() - start_cycles > max_cycles) {
@@ -103,15 +121,16 @@ __device__ void record_timeout(u32* failed, PeerFailure* record, u32 kind, int p
   __threadfence_system();
 }
 
-// One thread waits for *word >= target, or records the timeout; then fences
-// (acquire side: the peer's stores before its flag). The caller syncs the block.
+// One thread waits for *word >= target, or records the timeout. The wait's
+// acquire load orders this thread's later loads after the peer's stores
+// before its flag; the caller's barrier (__syncthreads, __syncwarp) extends
+// that to the threads it syncs.
 __device__ __forceinline__ void thread_wait(const u64* word, u64 target, u32* failed,
                                             PeerFailure* record, u64 timeout_ns, u32 kind,
                                             int peer, int site, int rank, u64 step) {
   u64 waited_ns = 0;
   if (wait_at_least(word, target, failed, timeout_ns, &waited_ns) == 2)
     record_timeout(failed, record, kind, peer, site, rank, step, waited_ns);
-  __threadfence_system();
 }
 
 // Thread 0 waits for *word >= target (or records the timeout); then the block.
@@ -134,7 +153,7 @@ __device__ __forceinline__ void chunk_sent(u64 own, u64 peer, int rank, int ep_s
     if (atomicAdd(send_done + dest, 1u) == (u32)(blocks_per_peer - 1)) {
       send_done[dest] = 0u;  // every block for dest has counted: rearm for the next launch
       __threadfence_system();
-      atomicExch(flags_of(peer, ep_size) + parity * ep_size + rank, step);
+      atomicExch(flag_of(peer, ep_size, parity, rank, 0), step);
     }
   }
 }
@@ -267,7 +286,7 @@ __device__ __forceinline__ void peer_recv(Vec* __restrict__ out, const u64* __re
   const u64 own = peers[rank];
   const u64 step = *(volatile u64*)step_of(own, ep_size) + 1;
   const int parity = (int)(step & 1ull);
-  block_wait(flags_of(own, ep_size) + parity * ep_size + src, step, failed, record, timeout_ns,
+  block_wait(flag_of(own, ep_size, parity, src, 0), step, failed, record, timeout_ns,
              PEER_WAIT_FLAG, src, site, rank, step);
   const Vec* slot = (const Vec*)(own + data_offset +
                                  (u64)(parity * (ep_size - 1) + nth) * slot_bytes);
@@ -315,27 +334,42 @@ extern "C" __global__ void peer_drain_v16(uint4* out, const u64* peers, int rank
 // _rows_to_slabs / _slabs_to_rows in moe_ep/transport/__init__.py). Same
 // channel and protocol as peer_send / peer_recv, a slot holding the [S, H]
 // rows one rank sends another, but rows move straight between XLA's buffers
-// and the slots, with no [R, S, H] buffer on either side:
-//   dispatch: tokens --peer_dispatch_send--> the other ranks' slots, and this
-//             rank's own rows (and zero padding) straight into its slabs;
-//             slots --peer_dispatch_recv--> slabs.
-//   combine:  slabs --peer_combine_send--> each source rank's slot: per wire
-//             row the fixed-order sum of its members, as gather_sum_rows;
-//             slots + own slabs --peer_combine_recv--> y, per token the
-//             fixed-order sum over ranks, as gather_sum_rows.
+// and the slots, with no [R, S, H] buffer on either side, and each exchange is
+// one launch whose grid has two kinds of blocks:
+//   sender blocks   [0, send_blocks): fill the other ranks' slots chunk by
+//                   chunk (chunk q = slot rows [q * Q, q * Q + Q) for one
+//                   destination), raising flags[p][rank][q] on the
+//                   destination after each chunk;
+//   receiver blocks [send_blocks, grid): everything that stays on this GPU
+//                   (first the work that waits for nobody), and the rows the
+//                   other ranks send, each chunk as soon as its flag is up.
+// So the NVLink transfer overlaps the local memory traffic instead of
+// preceding it. Sender blocks come first in the grid and never wait for a
+// peer's progress in this exchange (only for the acknowledgement of step s - 2),
+// so a receiver never waits on a block that cannot be scheduled.
+//   dispatch: tokens --senders--> the other ranks' slots; receivers: zero the
+//             padding rows, copy this rank's own rows straight into its slabs,
+//             then expand each arriving chunk from the slots into the slabs.
+//   combine:  senders: per row another rank sent here, the fixed-order sum of
+//             its members (as gather_sum_rows) into that rank's slot;
+//             receivers: per token the fixed-order sum over ranks of the
+//             returned rows (its own rank's member sum computed in place), as
+//             gather_sum_rows, waiting per chunk.
 // One warp moves one unit: a row, or a segment of segment_vecs 16-byte vectors
 // of a row when rows are few (decode), so that they still spread over the
-// grid (rows are a multiple of 16 bytes). ep_size <= 32 and top_k <= 32, so
-// lane d holds rank d's entry of a token and lane k member k's slab row. The maps (RoutingHandle in
-// moe_ep/transport/layout.py):
+// warps (rows are a multiple of 16 bytes). ep_size <= 32 and top_k <= 32, so
+// lane d holds rank d's entry of a token and lane k member k's slab row. The
+// maps (RoutingHandle in moe_ep/transport/layout.py):
+//   send_token [R * S] int32: token in slot s of the chunk to rank d, or -1.
 //   wire_rows [T, R] int32: d * S + s, the slot s of token t's row to rank d, or -1.
 //   recv_pos [R * S, K] int32: slab row l * C + c of member k of the row rank
 //     src put in slot s (row src * S + s), or -1.
 //   slab_row [L * C] int32: src * S + s feeding slab row n, or -1 (zero row).
-// Bounds: every map entry is checked against its range (a wire row of rank d
-// against [d * S, d * S + S), a slab row against [0, L * C)); outside it
-// means "no row". Launch sizes are checked on entry: a kernel that returns
-// there moves nothing, and the peers' bounded waits then fail by name.
+// Bounds: every map entry is checked against its range (a token against
+// [0, T), a wire row of rank d against [d * S, d * S + S), a slab row against
+// [0, L * C)); outside it means "no row". Launch sizes are checked on entry: a
+// kernel that returns there moves nothing, and the peers' bounded waits then
+// fail by name.
 // ===========================================================================
 
 #define ROW_COPY_UNROLL 4  // 16-byte vectors in flight per lane in the copies
@@ -419,164 +453,6 @@ __device__ __forceinline__ void store_step(const uint4 (&values)[U], uint4* __re
   }
 }
 
-// Zeroes slab rows n whose slab_row[n] is outside [0, num_wire_rows): the
-// padding rows, which no received row feeds (expand_rows' zero rows).
-__device__ __forceinline__ void zero_padding_rows(const int* __restrict__ slab_row,
-                                                  uint4* __restrict__ slabs, int num_slab_rows,
-                                                  i64 num_wire_rows, int row_vecs,
-                                                  int segment_vecs) {
-  const int segments = (row_vecs + segment_vecs - 1) / segment_vecs;
-  const i64 units = (i64)num_slab_rows * segments;
-  for (i64 unit = grid_warp(); unit < units; unit += grid_warps()) {
-    const RowUnit u = row_unit(unit, segments, segment_vecs, row_vecs);
-    const int m = __ldg(slab_row + u.row);
-    if (m >= 0 && m < num_wire_rows) continue;
-    for (int v = u.begin + lane_index(); v < u.end; v += 32)
-      slabs[u.row * row_vecs + v] = make_uint4(0u, 0u, 0u, 0u);
-  }
-}
-
-// ---------------------------------------------------------------------------
-// peer_dispatch_send: reads each token row once and stores it into the
-// parity-p slot of every other rank it goes to, and into this rank's slab rows
-// of the members it has here; raises the flags; then zeroes the padding rows.
-//   grid:   any number of blocks of 32 * w threads; grid warp i moves units
-//           (token row segments) i, i + warps, ..., then zeroes slab rows likewise.
-//   inputs: rows [T, row_vecs] uint4, wire_rows [T, R], recv_pos [R * S, K],
-//           slab_row [L * C] int32; peers [R] channel bases.
-//   output: slabs [L * C, row_vecs] uint4: the rows fed by this rank's own
-//           tokens and the padding rows (peer_dispatch_recv writes the rest).
-//   waits:  thread 0 of each block, before any store: acks[p][d] >= s - 2 of
-//           every other rank d (d has read that slot's last use).
-//   signal: the last block to finish raises flags[p][rank] = s on every d.
-//   bounds: see the section comment.
-// ---------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch_send(
-    const uint4* __restrict__ rows, const int* __restrict__ wire_rows,
-    const int* __restrict__ recv_pos, const int* __restrict__ slab_row,
-    uint4* __restrict__ slabs, const u64* __restrict__ peers, int rank, int ep_size,
-    int num_tokens, int send_capacity, int top_k, int num_slab_rows, int row_vecs,
-    int segment_vecs, i64 slot_bytes, i64 data_offset, u32* failed, PeerFailure* record,
-    u64 timeout_ns, int site) {
-  if (!row_args_ok(rank, ep_size, send_capacity, top_k, num_slab_rows, row_vecs, segment_vecs))
-    return;
-  const u64 own = peers[rank];
-  const u64 step = *(volatile u64*)step_of(own, ep_size) + 1;
-  const int parity = (int)(step & 1ull);
-  if (threadIdx.x == 0 && step > 2) {
-    for (int dest = 0; dest < ep_size; ++dest)
-      if (dest != rank)
-        thread_wait(acks_of(own, ep_size) + parity * ep_size + dest, step - 2, failed, record,
-                    timeout_ns, PEER_WAIT_ACK, dest, site, rank, step - 2);
-  }
-  __syncthreads();
-  const int lane = lane_index();
-  // Lane d: the slot this rank fills on rank d, as mapped here.
-  const u64 slot_base = (lane < ep_size && lane != rank)
-      ? slot_address(peers[lane], data_offset, parity, ep_size, slot_of(rank, lane), slot_bytes)
-      : 0ull;
-  const int segments = (row_vecs + segment_vecs - 1) / segment_vecs;
-  const i64 units = (i64)num_tokens * segments;
-  for (i64 unit = grid_warp(); unit < units; unit += grid_warps()) {
-    const RowUnit u = row_unit(unit, segments, segment_vecs, row_vecs);
-    const int slot = wire_slot(wire_rows, u.row, ep_size, send_capacity);
-    const int own_slot = __shfl_sync(MOE_EP_FULL_MASK, slot, rank);
-    const int member = own_slot < 0 ? -1
-        : member_row(recv_pos, (i64)rank * send_capacity + own_slot, top_k, num_slab_rows);
-    const u32 remote = __ballot_sync(MOE_EP_FULL_MASK, slot >= 0 && lane != rank);
-    const u32 local = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
-    if ((remote | local) == 0u) continue;
-    const uint4* row = rows + u.row * row_vecs;
-    for (int base = u.begin; base < u.end; base += 32 * ROW_COPY_UNROLL) {
-      uint4 values[ROW_COPY_UNROLL];
-      load_step<ROW_COPY_UNROLL, false>(row, base, u.end, values);
-      for (u32 m = remote; m != 0u; m &= m - 1u) {
-        const int dest = __ffs(m) - 1;
-        uint4* out = (uint4*)__shfl_sync(MOE_EP_FULL_MASK, slot_base, dest) +
-                     (i64)__shfl_sync(MOE_EP_FULL_MASK, slot, dest) * row_vecs;
-        store_step<ROW_COPY_UNROLL>(values, out, base, u.end);
-      }
-      for (u32 m = local; m != 0u; m &= m - 1u) {
-        const int k = __ffs(m) - 1;
-        store_step<ROW_COPY_UNROLL>(
-            values, slabs + (i64)__shfl_sync(MOE_EP_FULL_MASK, member, k) * row_vecs, base,
-            u.end);
-      }
-    }
-  }
-  __threadfence_system();  // this thread's slot stores reach the peers before the count
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    u32* blocks_done = counters_of(own, ep_size) + 2 * ep_size + 1;
-    if (atomicAdd(blocks_done, 1u) == gridDim.x - 1) {
-      *blocks_done = 0u;  // rearm for the next launch
-      __threadfence_system();
-      for (int dest = 0; dest < ep_size; ++dest)
-        if (dest != rank)
-          atomicExch(flags_of(peers[dest], ep_size) + parity * ep_size + rank, step);
-    }
-  }
-  zero_padding_rows(slab_row, slabs, num_slab_rows, (i64)ep_size * send_capacity, row_vecs,
-                    segment_vecs);
-}
-
-// ---------------------------------------------------------------------------
-// peer_dispatch_recv: waits for each other rank's rows, reads each received
-// row once from its slot and stores it into the slab rows of its members;
-// acknowledges each source; the last block advances the step.
-//   grid:   (ep_size - 1) * blocks_per_peer blocks of 32 * w threads; block b
-//           moves part b % blocks_per_peer of the units (row segments) of
-//           the slots of the (b / blocks_per_peer)-th other rank, one warp a unit.
-//   inputs: recv_pos [R * S, K] int32; peers [R] (this device's own slots).
-//   output: slabs [L * C, row_vecs] uint4: the rows fed by the other ranks.
-//   waits:  thread 0: flags[p][src] >= s.
-//   bounds: see the section comment.
-// ---------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch_recv(
-    const int* __restrict__ recv_pos, uint4* __restrict__ slabs, const u64* __restrict__ peers,
-    int rank, int ep_size, int send_capacity, int top_k, int num_slab_rows, int row_vecs,
-    int segment_vecs, i64 slot_bytes, i64 data_offset, int blocks_per_peer, u32* failed,
-    PeerFailure* record, u64 timeout_ns, int site) {
-  if (!row_args_ok(rank, ep_size, send_capacity, top_k, num_slab_rows, row_vecs, segment_vecs) ||
-      blocks_per_peer < 1)
-    return;
-  const int block = blockIdx.x;
-  if (block >= (ep_size - 1) * blocks_per_peer) return;
-  const int nth = block / blocks_per_peer;
-  const int src = nth < rank ? nth : nth + 1;
-  const u64 own = peers[rank];
-  const u64 step = *(volatile u64*)step_of(own, ep_size) + 1;
-  const int parity = (int)(step & 1ull);
-  block_wait(flags_of(own, ep_size) + parity * ep_size + src, step, failed, record, timeout_ns,
-             PEER_WAIT_FLAG, src, site, rank, step);
-  const uint4* slot =
-      (const uint4*)slot_address(own, data_offset, parity, ep_size, nth, slot_bytes);
-  const int segments = (row_vecs + segment_vecs - 1) / segment_vecs;
-  i64 begin, end;
-  part_range((i64)send_capacity * segments, block % blocks_per_peer, blocks_per_peer, &begin,
-             &end);
-  const int warps = (int)(blockDim.x >> 5);
-  for (i64 unit = begin + (threadIdx.x >> 5); unit < end; unit += warps) {
-    const RowUnit u = row_unit(unit, segments, segment_vecs, row_vecs);
-    const int member =
-        member_row(recv_pos, (i64)src * send_capacity + u.row, top_k, num_slab_rows);
-    const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
-    if (members == 0u) continue;
-    const uint4* row = slot + u.row * row_vecs;
-    for (int base = u.begin; base < u.end; base += 32 * ROW_COPY_UNROLL) {
-      uint4 values[ROW_COPY_UNROLL];
-      load_step<ROW_COPY_UNROLL, true>(row, base, u.end, values);
-      for (u32 m = members; m != 0u; m &= m - 1u) {
-        const int k = __ffs(m) - 1;
-        store_step<ROW_COPY_UNROLL>(
-            values, slabs + (i64)__shfl_sync(MOE_EP_FULL_MASK, member, k) * row_vecs, base,
-            u.end);
-      }
-    }
-  }
-  chunk_read(own, peers, rank, ep_size, src, parity, step, blocks_per_peer);
-}
-
 // The sums accumulate in float32 and round once at the end, with
 // common.cuh's F32 / BF16 / F16 (so the results are rows.cu's gather_sum_rows').
 template <typename T>
@@ -634,187 +510,395 @@ __device__ __forceinline__ void store_sums(const float (&acc)[U][16 / sizeof(typ
   store_step<U>(values, row, base, end);
 }
 
-// ---------------------------------------------------------------------------
-// peer_combine_send_{f32,bf16,f16}: for each row rank `dest` sent here, the
-// float32 sum of its members' slab rows in member order, rounded once, stored
-// into dest's parity-p slot (gather_sum_rows over recv_pos, delivered).
-//   grid:   (ep_size - 1) * blocks_per_peer blocks of 32 * w threads; block b
-//           sums part b % blocks_per_peer of the units (row segments) of the
-//           rows of the (b / blocks_per_peer)-th other rank, one warp a unit.
-//   inputs: slabs [L * C, row_elems], recv_pos [R * S, K] int32; peers [R].
-//   output: the slots (every row of dest's chunk, zero where no member is kept).
-//   waits:  thread 0: acks[p][dest] >= s - 2.   signal: flags[p][rank] = s on dest.
-//   bounds: see the section comment; row_elems * sizeof(Elem) % 16 == 0.
-// ---------------------------------------------------------------------------
-template <typename T>
-__device__ __forceinline__ void peer_combine_send(
-    const typename T::Elem* __restrict__ slabs, const int* __restrict__ recv_pos,
-    const u64* __restrict__ peers, int rank, int ep_size, int send_capacity, int top_k,
-    int num_slab_rows, int row_elems, int segment_vecs, i64 slot_bytes, i64 data_offset,
-    int blocks_per_peer, u32* failed, PeerFailure* record, u64 timeout_ns, int site) {
-  constexpr int kPerVec = 16 / sizeof(typename T::Elem);
-  const int row_vecs = row_elems / kPerVec;
-  if (!row_args_ok(rank, ep_size, send_capacity, top_k, num_slab_rows, row_vecs, segment_vecs) ||
-      row_elems % kPerVec != 0 || blocks_per_peer < 1)
-    return;
-  const int block = blockIdx.x;
-  if (block >= (ep_size - 1) * blocks_per_peer) return;
-  const int nth = block / blocks_per_peer;
-  const int dest = nth < rank ? nth : nth + 1;
-  const u64 own = peers[rank];
-  const u64 step = *(volatile u64*)step_of(own, ep_size) + 1;
-  const int parity = (int)(step & 1ull);
-  if (step > 2)
-    block_wait(acks_of(own, ep_size) + parity * ep_size + dest, step - 2, failed, record,
-               timeout_ns, PEER_WAIT_ACK, dest, site, rank, step - 2);
-  const u64 peer = peers[dest];
-  uint4* slot = (uint4*)slot_address(peer, data_offset, parity, ep_size, slot_of(rank, dest),
-                                     slot_bytes);
-  const uint4* table = (const uint4*)slabs;
-  const int segments = (row_vecs + segment_vecs - 1) / segment_vecs;
-  i64 begin, end;
-  part_range((i64)send_capacity * segments, block % blocks_per_peer, blocks_per_peer, &begin,
-             &end);
-  const int warps = (int)(blockDim.x >> 5);
-  for (i64 unit = begin + (threadIdx.x >> 5); unit < end; unit += warps) {
-    const RowUnit u = row_unit(unit, segments, segment_vecs, row_vecs);
-    const int member =
-        member_row(recv_pos, (i64)dest * send_capacity + u.row, top_k, num_slab_rows);
-    const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
-    uint4* row = slot + u.row * row_vecs;
-    for (int base = u.begin; base < u.end; base += 32 * ROW_SUM_UNROLL) {
-      float acc[ROW_SUM_UNROLL][kPerVec];
-#pragma unroll
-      for (int i = 0; i < ROW_SUM_UNROLL; ++i)
-#pragma unroll
-        for (int e = 0; e < kPerVec; ++e) acc[i][e] = 0.0f;
-      add_members<T, ROW_SUM_UNROLL>(table, row_vecs, member, members, base, u.end, acc);
-      store_sums<T, ROW_SUM_UNROLL>(acc, row, base, u.end);
-    }
-  }
-  chunk_sent(own, peer, rank, ep_size, dest, parity, step, blocks_per_peer);
+
+// One launch's view of its channel: this device's step and parity, and what
+// a timed-out wait records.
+struct Exchange {
+  u64 own;
+  const u64* peers;
+  int rank;
+  int ep_size;
+  u64 step;
+  int parity;
+  i64 slot_bytes;
+  i64 data_offset;
+  u32* failed;
+  PeerFailure* record;
+  u64 timeout_ns;
+  int site;
+};
+
+__device__ __forceinline__ Exchange open_exchange(const u64* peers, int rank, int ep_size,
+                                                  i64 slot_bytes, i64 data_offset, u32* failed,
+                                                  PeerFailure* record, u64 timeout_ns, int site) {
+  Exchange ex;
+  ex.own = peers[rank];
+  ex.peers = peers;
+  ex.rank = rank;
+  ex.ep_size = ep_size;
+  ex.step = *(volatile u64*)step_of(ex.own, ep_size) + 1;
+  ex.parity = (int)(ex.step & 1ull);
+  ex.slot_bytes = slot_bytes;
+  ex.data_offset = data_offset;
+  ex.failed = failed;
+  ex.record = record;
+  ex.timeout_ns = timeout_ns;
+  ex.site = site;
+  return ex;
 }
 
-// ---------------------------------------------------------------------------
-// peer_combine_recv_{f32,bf16,f16}: y[t] = the float32 sum over ranks d = 0,
-// 1, ... of the row t sent to d as it came back: from d's slot for d != rank,
-// and for d == rank this rank's own member sum, rounded to Elem and widened
-// again (what gather_sum_rows over wire_rows reads); rounded once at the end.
-// Then acknowledges every source; the last block advances the step.
-//   grid:   any number of blocks of 32 * w threads; grid warp i sums units
-//           (token row segments) i, i + warps, ...
-//   inputs: slabs [L * C, row_elems], recv_pos [R * S, K], wire_rows [T, R];
-//           peers [R] (this device's own slots hold the other ranks' sums).
-//   output: y [T, row_elems].
-//   waits:  thread 0 of each block: flags[p][src] >= s of every other rank.
-//   bounds: see the section comment; row_elems * sizeof(Elem) % 16 == 0.
-// ---------------------------------------------------------------------------
-template <typename T>
-__device__ __forceinline__ void peer_combine_recv(
-    const typename T::Elem* __restrict__ slabs, const int* __restrict__ recv_pos,
-    const int* __restrict__ wire_rows, typename T::Elem* __restrict__ y,
-    const u64* __restrict__ peers, int rank, int ep_size, int num_tokens, int send_capacity,
-    int top_k, int num_slab_rows, int row_elems, int segment_vecs, i64 slot_bytes,
-    i64 data_offset, u32* failed, PeerFailure* record, u64 timeout_ns, int site) {
-  constexpr int kPerVec = 16 / sizeof(typename T::Elem);
-  const int row_vecs = row_elems / kPerVec;
-  if (!row_args_ok(rank, ep_size, send_capacity, top_k, num_slab_rows, row_vecs, segment_vecs) ||
-      row_elems % kPerVec != 0)
-    return;
-  const u64 own = peers[rank];
-  const u64 step = *(volatile u64*)step_of(own, ep_size) + 1;
-  const int parity = (int)(step & 1ull);
-  if (threadIdx.x == 0) {
-    for (int src = 0; src < ep_size; ++src)
-      if (src != rank)
-        thread_wait(flags_of(own, ep_size) + parity * ep_size + src, step, failed, record,
-                    timeout_ns, PEER_WAIT_FLAG, src, site, rank, step);
+// The chunking of one fused exchange: S slot rows per destination in chunks
+// of chunk_rows, each row split into `segments` units of segment_vecs vectors.
+struct Chunks {
+  int send_capacity;
+  int chunk_rows;
+  int num_chunks;
+  int send_blocks;
+};
+
+__device__ __forceinline__ bool chunks_ok(const Chunks& c) {
+  return c.chunk_rows >= 1 && c.num_chunks >= 1 && c.num_chunks <= PEER_MAX_CHUNKS &&
+         (i64)c.num_chunks * c.chunk_rows >= c.send_capacity &&
+         (i64)(c.num_chunks - 1) * c.chunk_rows < c.send_capacity && c.send_blocks >= 1 &&
+         c.send_blocks < (int)gridDim.x;
+}
+
+// The slot `ex`'s rank fills on rank `dest` (dest's memory), or the slot rank
+// `src` fills here (this device's memory): same formula, seen from each side.
+__device__ __forceinline__ uint4* slot_on(const Exchange& ex, u64 base, int writer, int owner) {
+  return (uint4*)slot_address(base, ex.data_offset, ex.parity, ex.ep_size, slot_of(writer, owner),
+                              ex.slot_bytes);
+}
+
+// Sender blocks: chunks (q, dest) in q-major order, block b taking chunks b,
+// b + send_blocks, ...; each warp of the block produces units of the chunk's
+// rows with `fill(dest, s, unit, slot_row)` (slot_row: row s of this rank's
+// slot on dest), then the block raises flags[p][rank][q] on dest. Waits first
+// for every destination's acknowledgement of step s - 2 (its slots are free).
+template <typename Fill>
+__device__ __forceinline__ void send_chunks(const Exchange& ex, const Chunks& c, int segments,
+                                            int segment_vecs, int row_vecs, Fill fill) {
+  if (threadIdx.x == 0 && ex.step > 2) {
+    for (int dest = 0; dest < ex.ep_size; ++dest)
+      if (dest != ex.rank)
+        thread_wait(acks_of(ex.own, ex.ep_size) + ex.parity * ex.ep_size + dest, ex.step - 2,
+                    ex.failed, ex.record, ex.timeout_ns, PEER_WAIT_ACK, dest, ex.site, ex.rank,
+                    ex.step - 2);
   }
   __syncthreads();
-  const int lane = lane_index();
-  // Lane d: the slot rank d's sums of this rank's rows arrive in.
-  const u64 slot_base = (lane < ep_size && lane != rank)
-      ? slot_address(own, data_offset, parity, ep_size, slot_of(lane, rank), slot_bytes)
-      : 0ull;
-  const uint4* table = (const uint4*)slabs;
-  const int segments = (row_vecs + segment_vecs - 1) / segment_vecs;
-  const i64 units = (i64)num_tokens * segments;
-  for (i64 unit = grid_warp(); unit < units; unit += grid_warps()) {
-    const RowUnit u = row_unit(unit, segments, segment_vecs, row_vecs);
-    const int slot = wire_slot(wire_rows, u.row, ep_size, send_capacity);
-    const int own_slot = __shfl_sync(MOE_EP_FULL_MASK, slot, rank);
-    const int member = own_slot < 0 ? -1
-        : member_row(recv_pos, (i64)rank * send_capacity + own_slot, top_k, num_slab_rows);
-    const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
-    // Ranks whose wire row of t is absent add +0.0 in gather_sum_rows: skipped
-    // here, the same bits (see add_members).
-    const u32 ranks = __ballot_sync(MOE_EP_FULL_MASK, slot >= 0);
-    uint4* out = (uint4*)y + u.row * row_vecs;
-    for (int base = u.begin; base < u.end; base += 32 * ROW_SUM_UNROLL) {
-      float acc[ROW_SUM_UNROLL][kPerVec];
-#pragma unroll
-      for (int i = 0; i < ROW_SUM_UNROLL; ++i)
-#pragma unroll
-        for (int e = 0; e < kPerVec; ++e) acc[i][e] = 0.0f;
-      for (u32 m = ranks; m != 0u; m &= m - 1u) {
-        const int d = __ffs(m) - 1;
-        if (d == rank) {
-          float part[ROW_SUM_UNROLL][kPerVec];
-#pragma unroll
-          for (int i = 0; i < ROW_SUM_UNROLL; ++i)
-#pragma unroll
-            for (int e = 0; e < kPerVec; ++e) part[i][e] = 0.0f;
-          add_members<T, ROW_SUM_UNROLL>(table, row_vecs, member, members, base, u.end, part);
-#pragma unroll
-          for (int i = 0; i < ROW_SUM_UNROLL; ++i)
-#pragma unroll
-            for (int e = 0; e < kPerVec; ++e) acc[i][e] += T::load(T::store(part[i][e]));
-        } else {
-          const uint4* row = (const uint4*)__shfl_sync(MOE_EP_FULL_MASK, slot_base, d) +
-                             (i64)__shfl_sync(MOE_EP_FULL_MASK, slot, d) * row_vecs;
-          uint4 values[ROW_SUM_UNROLL];
-          load_step<ROW_SUM_UNROLL, true>(row, base, u.end, values);
-#pragma unroll
-          for (int i = 0; i < ROW_SUM_UNROLL; ++i) add_vector<T>(values[i], acc[i]);
-        }
-      }
-      store_sums<T, ROW_SUM_UNROLL>(acc, out, base, u.end);
+  const int others = ex.ep_size - 1;
+  const int warp = (int)(threadIdx.x >> 5), warps = (int)(blockDim.x >> 5);
+  for (i64 chunk = blockIdx.x; chunk < (i64)c.num_chunks * others; chunk += c.send_blocks) {
+    const int q = (int)(chunk / others), nth = (int)(chunk % others);
+    const int dest = nth < ex.rank ? nth : nth + 1;
+    uint4* slot = slot_on(ex, ex.peers[dest], ex.rank, dest);
+    const int first = q * c.chunk_rows;
+    const int rows = min(c.chunk_rows, c.send_capacity - first);
+    for (int unit = warp; unit < rows * segments; unit += warps) {
+      const RowUnit u = row_unit(unit, segments, segment_vecs, row_vecs);
+      const i64 s = first + u.row;
+      fill(dest, s, u, slot + s * row_vecs);
+    }
+    // Release: the barrier orders every thread's stores of the chunk before
+    // thread 0's system fence, which orders them before the flag (the
+    // cooperative-groups grid barrier's pattern; one fence per chunk, not
+    // one per thread).
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      atomicExch(flag_of(ex.peers[dest], ex.ep_size, ex.parity, ex.rank, q), ex.step);
     }
   }
-  __syncthreads();  // every load of this block has returned
+}
+
+// Lane 0 waits until flags[p][src][q] >= s here, unless (src, q) is the chunk
+// it last waited for (*seen); then the warp reads the chunk (ld.cg: the rows
+// were stored by another GPU).
+__device__ __forceinline__ void warp_wait_chunk(const Exchange& ex, int src, int q, int* seen) {
+  const int key = src * PEER_MAX_CHUNKS + q;
+  if (lane_index() == 0 && key != *seen) {
+    thread_wait(flag_of(ex.own, ex.ep_size, ex.parity, src, q), ex.step, ex.failed, ex.record,
+                ex.timeout_ns, PEER_WAIT_FLAG, src, ex.site, ex.rank, ex.step);
+    *seen = key;
+  }
+  __syncwarp();
+}
+
+// The end of every block: once all blocks of the grid are done, acknowledges
+// step s to every other rank (its rows here are read) and advances the step.
+__device__ __forceinline__ void finish_exchange(const Exchange& ex) {
+  __syncthreads();  // every load and store of this block has been issued and returned
   if (threadIdx.x == 0) {
-    u32* blocks_done = counters_of(own, ep_size) + 2 * ep_size + 1;
+    u32* blocks_done = counters_of(ex.own, ex.ep_size) + 2 * ex.ep_size + 1;
     __threadfence();
     if (atomicAdd(blocks_done, 1u) == gridDim.x - 1) {
       *blocks_done = 0u;  // rearm for the next launch
       __threadfence_system();
-      for (int src = 0; src < ep_size; ++src)
-        if (src != rank) atomicExch(acks_of(peers[src], ep_size) + parity * ep_size + rank, step);
-      *(volatile u64*)step_of(own, ep_size) = step;
+      for (int src = 0; src < ex.ep_size; ++src)
+        if (src != ex.rank)
+          atomicExch(acks_of(ex.peers[src], ex.ep_size) + ex.parity * ex.ep_size + ex.rank,
+                     ex.step);
+      *(volatile u64*)step_of(ex.own, ex.ep_size) = ex.step;
     }
   }
 }
 
-#define DEFINE_PEER_COMBINE_KERNELS(SUFFIX, TYPE)                                               \
-  extern "C" __global__ void __launch_bounds__(512, 1) peer_combine_send_##SUFFIX(                 \
-      const TYPE::Elem* slabs, const int* recv_pos, const u64* peers, int rank, int ep_size,    \
-      int send_capacity, int top_k, int num_slab_rows, int row_elems, int segment_vecs,         \
-      i64 slot_bytes, i64 data_offset, int blocks_per_peer, u32* failed, PeerFailure* record,  \
-      u64 timeout_ns, int site) {                                                               \
-    peer_combine_send<TYPE>(slabs, recv_pos, peers, rank, ep_size, send_capacity, top_k,        \
-                            num_slab_rows, row_elems, segment_vecs, slot_bytes, data_offset,    \
-                            blocks_per_peer, failed, record, timeout_ns, site);                 \
-  }                                                                                             \
-  extern "C" __global__ void __launch_bounds__(512, 1) peer_combine_recv_##SUFFIX(                 \
+// Receiver warps: index and count among the receiver blocks.
+__device__ __forceinline__ i64 receiver_warp(int send_blocks) {
+  return ((i64)(blockIdx.x - send_blocks) * blockDim.x + threadIdx.x) >> 5;
+}
+__device__ __forceinline__ i64 receiver_warps(int send_blocks) {
+  return ((i64)(gridDim.x - send_blocks) * blockDim.x) >> 5;
+}
+
+#define RECV_GROUP 4  // consecutive units a receiver warp takes: one flag poll for several rows
+
+// Copies one unit of `row` into the slab rows of the members in `members`
+// (lane k holds member k's slab row).
+template <bool kFromPeerBuffer>
+__device__ __forceinline__ void copy_to_members(const uint4* __restrict__ row,
+                                                uint4* __restrict__ slabs, int row_vecs,
+                                                int member, u32 members, const RowUnit& u) {
+  for (int base = u.begin; base < u.end; base += 32 * ROW_COPY_UNROLL) {
+    uint4 values[ROW_COPY_UNROLL];
+    load_step<ROW_COPY_UNROLL, kFromPeerBuffer>(row, base, u.end, values);
+    for (u32 m = members; m != 0u; m &= m - 1u) {
+      const int k = __ffs(m) - 1;
+      store_step<ROW_COPY_UNROLL>(
+          values, slabs + (i64)__shfl_sync(MOE_EP_FULL_MASK, member, k) * row_vecs, base, u.end);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// peer_dispatch: rows [T, H] -> slabs [L * C, H] of every rank, one exchange.
+//   senders:   chunk (q, d): for slot s of the chunk, token send_token[d * S +
+//              s] (if in [0, T)) stored into row s of this rank's slot on d.
+//   receivers: units in this order, RECV_GROUP consecutive ones per warp,
+//              warps striding: (1) padding slab rows n (slab_row[n] outside
+//              [0, R * S)) zeroed; (2) this rank's own slots s: token
+//              send_token[rank * S + s] copied into its members' slab rows;
+//              (3) the other ranks' slots, chunk by chunk in q-major order:
+//              wait for the chunk's flag, copy row s of src's slot into the
+//              members recv_pos[src * S + s].
+//   grid:      send_blocks + at least one receiver block, 32 * w threads.
+//   inputs:    rows [T, row_vecs] uint4, send_token [R * S], recv_pos [R * S,
+//              K], slab_row [L * C] int32; peers [R] channel bases.
+//   output:    slabs [L * C, row_vecs] uint4, every row written once.
+// ---------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch(
+    const uint4* __restrict__ rows, const int* __restrict__ send_token,
+    const int* __restrict__ recv_pos, const int* __restrict__ slab_row,
+    uint4* __restrict__ slabs, const u64* __restrict__ peers, int rank, int ep_size,
+    int num_tokens, int send_capacity, int top_k, int num_slab_rows, int row_vecs,
+    int chunk_rows, int num_chunks, int send_blocks, int send_segment_vecs,
+    int recv_segment_vecs, i64 slot_bytes, i64 data_offset, u32* failed, PeerFailure* record,
+    u64 timeout_ns, int site) {
+  const Chunks c{send_capacity, chunk_rows, num_chunks, send_blocks};
+  if (!row_args_ok(rank, ep_size, send_capacity, top_k, num_slab_rows, row_vecs,
+                   send_segment_vecs) ||
+      recv_segment_vecs < 1 || num_tokens < 1 || !chunks_ok(c))
+    return;
+  const Exchange ex = open_exchange(peers, rank, ep_size, slot_bytes, data_offset, failed, record,
+                                    timeout_ns, site);
+  const i64 wire_rows = (i64)ep_size * send_capacity;
+  if ((int)blockIdx.x < send_blocks) {
+    const int segments = (row_vecs + send_segment_vecs - 1) / send_segment_vecs;
+    send_chunks(ex, c, segments, send_segment_vecs, row_vecs,
+                [&](int dest, i64 s, const RowUnit& u, uint4* out) {
+                  const int token = __ldg(send_token + (i64)dest * send_capacity + s);
+                  if (token < 0 || token >= num_tokens) return;
+                  const uint4* row = rows + (i64)token * row_vecs;
+                  for (int base = u.begin; base < u.end; base += 32 * ROW_COPY_UNROLL) {
+                    uint4 values[ROW_COPY_UNROLL];
+                    load_step<ROW_COPY_UNROLL, false>(row, base, u.end, values);
+                    store_step<ROW_COPY_UNROLL>(values, out, base, u.end);
+                  }
+                });
+    finish_exchange(ex);
+    return;
+  }
+  const int segments = (row_vecs + recv_segment_vecs - 1) / recv_segment_vecs;
+  const i64 padding_units = (i64)num_slab_rows * segments;
+  const i64 own_units = (i64)send_capacity * segments;
+  const i64 chunk_units = (i64)chunk_rows * segments;
+  const int others = ep_size - 1;
+  const i64 units = padding_units + own_units + (i64)num_chunks * others * chunk_units;
+  const i64 warps = receiver_warps(send_blocks);
+  int seen = -1;
+  for (i64 group = receiver_warp(send_blocks); group * RECV_GROUP < units; group += warps) {
+    for (i64 unit = group * RECV_GROUP; unit < min(units, group * RECV_GROUP + RECV_GROUP);
+         ++unit) {
+      if (unit < padding_units) {  // (1) zero the padding rows
+        const RowUnit u = row_unit(unit, segments, recv_segment_vecs, row_vecs);
+        const int m = __ldg(slab_row + u.row);
+        if (m >= 0 && m < wire_rows) continue;
+        for (int v = u.begin + lane_index(); v < u.end; v += 32)
+          slabs[u.row * row_vecs + v] = make_uint4(0u, 0u, 0u, 0u);
+      } else if (unit < padding_units + own_units) {  // (2) this rank's own rows
+        const RowUnit u =
+            row_unit(unit - padding_units, segments, recv_segment_vecs, row_vecs);
+        const i64 wire = (i64)rank * send_capacity + u.row;
+        const int member = member_row(recv_pos, wire, top_k, num_slab_rows);
+        const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
+        const int token = __ldg(send_token + wire);
+        if (members == 0u || token < 0 || token >= num_tokens) continue;
+        copy_to_members<false>(rows + (i64)token * row_vecs, slabs, row_vecs, member, members, u);
+      } else {  // (3) the other ranks' rows, chunk by chunk
+        const i64 rest = unit - padding_units - own_units;
+        const i64 chunk = rest / chunk_units;
+        const int q = (int)(chunk / others), nth = (int)(chunk % others);
+        const int src = nth < rank ? nth : nth + 1;
+        const RowUnit u = row_unit(rest % chunk_units, segments, recv_segment_vecs, row_vecs);
+        const i64 s = (i64)q * chunk_rows + u.row;
+        if (s >= send_capacity) continue;
+        const int member = member_row(recv_pos, (i64)src * send_capacity + s, top_k,
+                                      num_slab_rows);
+        const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
+        if (members == 0u) continue;
+        warp_wait_chunk(ex, src, q, &seen);
+        copy_to_members<true>(slot_on(ex, ex.own, src, rank) + s * row_vecs, slabs, row_vecs,
+                              member, members, u);
+      }
+    }
+  }
+  finish_exchange(ex);
+}
+
+// ---------------------------------------------------------------------------
+// peer_combine_{f32,bf16,f16}: slabs [L * C, H] of every rank -> y [T, H],
+// one exchange.
+//   senders:   chunk (q, d): for slot s of the chunk (the row d sent here in
+//              slot s), the float32 sum of its members' slab rows in member
+//              order, rounded once, stored into row s of this rank's slot on
+//              d (zero where no member is kept): gather_sum_rows over recv_pos.
+//   receivers: token units, RECV_GROUP consecutive ones per warp, warps
+//              striding: y[t] = the float32 sum over ranks d = 0, 1, ... of
+//              the row t sent to d as it came back: from d's slot for d !=
+//              rank (lane d waits for its chunk's flag first), and for d ==
+//              rank this rank's own member sum, rounded to Elem and widened
+//              again (what gather_sum_rows over wire_rows reads); rounded
+//              once at the end.
+//   grid:      send_blocks + at least one receiver block, 32 * w threads.
+//   inputs:    slabs [L * C, row_elems], recv_pos [R * S, K], wire_rows [T,
+//              R] int32; peers [R] channel bases.
+//   output:    y [T, row_elems].
+//   bounds:    see the section comment; row_elems * sizeof(Elem) % 16 == 0.
+// ---------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ void peer_combine(
+    const typename T::Elem* __restrict__ slabs, const int* __restrict__ recv_pos,
+    const int* __restrict__ wire_rows, typename T::Elem* __restrict__ y,
+    const u64* __restrict__ peers, int rank, int ep_size, int num_tokens, int send_capacity,
+    int top_k, int num_slab_rows, int row_elems, int chunk_rows, int num_chunks,
+    int send_blocks, int send_segment_vecs, int recv_segment_vecs, i64 slot_bytes,
+    i64 data_offset, u32* failed, PeerFailure* record, u64 timeout_ns, int site) {
+  constexpr int kPerVec = 16 / sizeof(typename T::Elem);
+  const int row_vecs = row_elems / kPerVec;
+  const Chunks c{send_capacity, chunk_rows, num_chunks, send_blocks};
+  if (!row_args_ok(rank, ep_size, send_capacity, top_k, num_slab_rows, row_vecs,
+                   send_segment_vecs) ||
+      row_elems % kPerVec != 0 || recv_segment_vecs < 1 || num_tokens < 1 || !chunks_ok(c))
+    return;
+  const Exchange ex = open_exchange(peers, rank, ep_size, slot_bytes, data_offset, failed, record,
+                                    timeout_ns, site);
+  const uint4* table = (const uint4*)slabs;
+  if ((int)blockIdx.x < send_blocks) {
+    const int segments = (row_vecs + send_segment_vecs - 1) / send_segment_vecs;
+    send_chunks(ex, c, segments, send_segment_vecs, row_vecs,
+                [&](int dest, i64 s, const RowUnit& u, uint4* out) {
+                  const int member = member_row(recv_pos, (i64)dest * send_capacity + s, top_k,
+                                                num_slab_rows);
+                  const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
+                  for (int base = u.begin; base < u.end; base += 32 * ROW_SUM_UNROLL) {
+                    float acc[ROW_SUM_UNROLL][kPerVec];
+#pragma unroll
+                    for (int i = 0; i < ROW_SUM_UNROLL; ++i)
+#pragma unroll
+                      for (int e = 0; e < kPerVec; ++e) acc[i][e] = 0.0f;
+                    add_members<T, ROW_SUM_UNROLL>(table, row_vecs, member, members, base, u.end,
+                                                   acc);
+                    store_sums<T, ROW_SUM_UNROLL>(acc, out, base, u.end);
+                  }
+                });
+    finish_exchange(ex);
+    return;
+  }
+  const int lane = lane_index();
+  // Lane d: the slot rank d's sums of this rank's rows arrive in.
+  const u64 slot_base =
+      (lane < ep_size && lane != rank) ? (u64)slot_on(ex, ex.own, lane, rank) : 0ull;
+  int seen = -1;  // lane d: the chunk of d's slot it last waited for
+  const int segments = (row_vecs + recv_segment_vecs - 1) / recv_segment_vecs;
+  const i64 units = (i64)num_tokens * segments;
+  const i64 warps = receiver_warps(send_blocks);
+  for (i64 group = receiver_warp(send_blocks); group * RECV_GROUP < units; group += warps) {
+    for (i64 unit = group * RECV_GROUP; unit < min(units, group * RECV_GROUP + RECV_GROUP);
+         ++unit) {
+      const RowUnit u = row_unit(unit, segments, recv_segment_vecs, row_vecs);
+      const int slot = wire_slot(wire_rows, u.row, ep_size, send_capacity);
+      if (slot >= 0 && lane != rank && slot / chunk_rows != seen) {
+        thread_wait(flag_of(ex.own, ep_size, ex.parity, lane, slot / chunk_rows), ex.step, failed,
+                    record, timeout_ns, PEER_WAIT_FLAG, lane, site, rank, ex.step);
+        seen = slot / chunk_rows;
+      }
+      __syncwarp();
+      const int own_slot = __shfl_sync(MOE_EP_FULL_MASK, slot, rank);
+      const int member = own_slot < 0 ? -1
+          : member_row(recv_pos, (i64)rank * send_capacity + own_slot, top_k, num_slab_rows);
+      const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
+      // Ranks whose wire row of t is absent add +0.0 in gather_sum_rows: skipped
+      // here, the same bits (see add_members).
+      const u32 ranks = __ballot_sync(MOE_EP_FULL_MASK, slot >= 0);
+      uint4* out = (uint4*)y + u.row * row_vecs;
+      for (int base = u.begin; base < u.end; base += 32 * ROW_SUM_UNROLL) {
+        float acc[ROW_SUM_UNROLL][kPerVec];
+#pragma unroll
+        for (int i = 0; i < ROW_SUM_UNROLL; ++i)
+#pragma unroll
+          for (int e = 0; e < kPerVec; ++e) acc[i][e] = 0.0f;
+        for (u32 m = ranks; m != 0u; m &= m - 1u) {
+          const int d = __ffs(m) - 1;
+          if (d == rank) {
+            float part[ROW_SUM_UNROLL][kPerVec];
+#pragma unroll
+            for (int i = 0; i < ROW_SUM_UNROLL; ++i)
+#pragma unroll
+              for (int e = 0; e < kPerVec; ++e) part[i][e] = 0.0f;
+            add_members<T, ROW_SUM_UNROLL>(table, row_vecs, member, members, base, u.end, part);
+#pragma unroll
+            for (int i = 0; i < ROW_SUM_UNROLL; ++i)
+#pragma unroll
+              for (int e = 0; e < kPerVec; ++e) acc[i][e] += T::load(T::store(part[i][e]));
+          } else {
+            const uint4* row = (const uint4*)__shfl_sync(MOE_EP_FULL_MASK, slot_base, d) +
+                               (i64)__shfl_sync(MOE_EP_FULL_MASK, slot, d) * row_vecs;
+            uint4 values[ROW_SUM_UNROLL];
+            load_step<ROW_SUM_UNROLL, true>(row, base, u.end, values);
+#pragma unroll
+            for (int i = 0; i < ROW_SUM_UNROLL; ++i) add_vector<T>(values[i], acc[i]);
+          }
+        }
+        store_sums<T, ROW_SUM_UNROLL>(acc, out, base, u.end);
+      }
+    }
+  }
+  finish_exchange(ex);
+}
+
+#define DEFINE_PEER_COMBINE_KERNEL(SUFFIX, TYPE)                                                \
+  extern "C" __global__ void __launch_bounds__(512, 1) peer_combine_##SUFFIX(                   \
       const TYPE::Elem* slabs, const int* recv_pos, const int* wire_rows, TYPE::Elem* y,        \
       const u64* peers, int rank, int ep_size, int num_tokens, int send_capacity, int top_k,    \
-      int num_slab_rows, int row_elems, int segment_vecs, i64 slot_bytes, i64 data_offset,      \
+      int num_slab_rows, int row_elems, int chunk_rows, int num_chunks, int send_blocks,        \
+      int send_segment_vecs, int recv_segment_vecs, i64 slot_bytes, i64 data_offset,           \
       u32* failed, PeerFailure* record, u64 timeout_ns, int site) {                             \
-    peer_combine_recv<TYPE>(slabs, recv_pos, wire_rows, y, peers, rank, ep_size, num_tokens,    \
-                            send_capacity, top_k, num_slab_rows, row_elems, segment_vecs,       \
-                            slot_bytes, data_offset, failed, record, timeout_ns, site);         \
+    peer_combine<TYPE>(slabs, recv_pos, wire_rows, y, peers, rank, ep_size, num_tokens,         \
+                       send_capacity, top_k, num_slab_rows, row_elems, chunk_rows, num_chunks,  \
+                       send_blocks, send_segment_vecs, recv_segment_vecs, slot_bytes,           \
+                       data_offset, failed, record, timeout_ns, site);                          \
   }
 
-DEFINE_PEER_COMBINE_KERNELS(f32, F32)
-DEFINE_PEER_COMBINE_KERNELS(bf16, BF16)
-DEFINE_PEER_COMBINE_KERNELS(f16, F16)
+DEFINE_PEER_COMBINE_KERNEL(f32, F32)
+DEFINE_PEER_COMBINE_KERNEL(bf16, BF16)
+DEFINE_PEER_COMBINE_KERNEL(f16, F16)

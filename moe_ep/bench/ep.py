@@ -139,21 +139,28 @@ def _row_counts(send_slot: np.ndarray) -> dict:
           "combine_received": per_pair.sum(1).tolist()}
 
 
-class _Blocks:
-  """``peer.configure(blocks_per_peer=...)`` for programs traced inside."""
+class _Grid:
+  """``peer.configure(row_blocks=..., send_blocks=...)`` for programs traced inside."""
 
-  def __init__(self, blocks):
-    self.blocks = blocks
+  def __init__(self, row_blocks, send_blocks):
+    self.row_blocks, self.send_blocks = row_blocks, send_blocks
 
   def __enter__(self):
-    peer.configure(blocks_per_peer=self.blocks)
+    peer.configure(row_blocks=self.row_blocks, send_blocks=self.send_blocks)
 
   def __exit__(self, *exc):
     peer.configure()
 
 
+def _grids(ep_size: int, tokens: int, send_capacity: int, row_vecs: int) -> dict:
+  """The fused row kernels' grids as now configured (dispatch and combine)."""
+  return {kind: dataclasses.asdict(peer.row_grid(kind, ep_size, tokens, send_capacity, row_vecs,
+                                                 _multiprocessors() or 1))
+          for kind in ("dispatch", "combine")}
+
+
 def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_factor,
-         backend: str, iters: int, repeat: int = 10, block_counts=(), with_fp8=False) -> dict:
+         backend: str, iters: int, repeat: int = 10, grids=(), with_fp8=False) -> dict:
   """Dispatch, dispatch rows and combine on each path at one shape; with
   ``with_fp8`` also the dispatch with FP8 wire rows (dequantize fused into
   the receive, and with named FP8 slabs as the layer runs it) and its rows
@@ -233,19 +240,14 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
       timings["fp8_bitwise_equal_to_all_to_all"] = _same_bits(fp8_slabs,
                                                               result["fp8_reference"])
     if path == "peer":
-      grid = peer.row_grid(ep_size, tokens, send_capacity, row_bytes // 16,
-                           _multiprocessors() or 1)
-      timings["default_grid"] = {"token_blocks": grid.token_blocks,
-                                 "slot_blocks": (ep_size - 1) * grid.blocks_per_peer}
-    if path == "peer" and block_counts:
-      timings["blocks"] = []
-      for blocks in block_counts:
-        with _Blocks(blocks):
-          grid = peer.row_grid(ep_size, tokens, send_capacity, row_bytes // 16,
-                               _multiprocessors() or 1)
-          timings["blocks"].append({
-              "requested": blocks, "token_blocks": grid.token_blocks,
-              "slot_blocks": (ep_size - 1) * grid.blocks_per_peer,
+      timings["default_grid"] = _grids(ep_size, tokens, send_capacity, row_bytes // 16)
+    if path == "peer" and grids:
+      timings["grids"] = []
+      for row_blocks, send_blocks in grids:
+        with _Grid(row_blocks, send_blocks):
+          timings["grids"].append({
+              "requested": {"row_blocks": row_blocks, "send_blocks": send_blocks},
+              "grid": _grids(ep_size, tokens, send_capacity, row_bytes // 16),
               "dispatch_rows": _with_gbs(
                   _timed(mesh, rows_fn, (x, dispatched.handle), repeat=repeat, iters=iters),
                   nbytes["dispatch_off_device"], nbytes["dispatch_received"]),
@@ -335,17 +337,19 @@ def decode_case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, ca
 
 def run(token_counts=(4096, 8192), expert_counts=(64, 256), hidden=7168, top_k=8,
         capacity_factor=1.25, backend="auto", iters=5, repeat=10,
-        block_counts=(16, 32, "half"), decode_tokens=128, decode_experts=256,
-        fp8_dispatch=True) -> dict:
-  """Every case over all devices of the job (``block_counts``: blocks per
-  peer for the peer row paths at the first expert count, besides the
-  default of every SM; "half": half the SMs; ``fp8_dispatch``: FP8 dispatch
-  rows against bf16 at the first expert count)."""
+        grids=((None, 16), (None, 44), (None, 66), (None, 88), (16, None), (32, None),
+               ("half", None)),
+        decode_tokens=128, decode_experts=256, fp8_dispatch=True) -> dict:
+  """Every case over all devices of the job (``grids``: ``(row_blocks,
+  send_blocks)`` of the fused peer row kernels to time besides the default,
+  at the first expert count; None: the default, "half": half the SMs;
+  ``fp8_dispatch``: FP8 dispatch rows against bf16 at the first expert
+  count)."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
   sms = _multiprocessors()
-  blocks = tuple((sms or 132) // 2 if b == "half" else b for b in block_counts)
+  grids = tuple(tuple((sms or 132) // 2 if b == "half" else b for b in g) for g in grids)
   cases = [case(mesh, t, hidden, e, top_k, capacity_factor, backend, iters, repeat,
-                blocks if e == expert_counts[0] else (),
+                grids if e == expert_counts[0] else (),
                 with_fp8=fp8_dispatch and e == expert_counts[0])
            for t in token_counts for e in expert_counts]
   raw = [raw_case(mesh, c["send_capacity"], hidden, backend, iters, repeat)
@@ -388,9 +392,12 @@ def summary(result: dict) -> str:
             f"{_gbs(t['dispatch_fp8_named'])} ({t['dispatch_fp8_named']['speedup_vs_bf16']:.2f}x)"
             f" | rows {_gbs(t['dispatch_rows_fp8'])} "
             f"({t['dispatch_rows_fp8']['speedup_vs_bf16']:.2f}x){equal}")
-      for b in t.get("blocks", []):
-        lines.append(f"      {b['slot_blocks']:3d}/{b['token_blocks']:3d} blocks: rows "
-                     f"{_gbs(b['dispatch_rows'])} | combine {_gbs(b['combine'])}")
+      for g in t.get("grids", []):
+        blocks = {k: f"{v['send_blocks']}/{v['send_blocks'] + v['recv_blocks']}"
+                  for k, v in g["grid"].items()}
+        lines.append(f"      send/all blocks {blocks['dispatch']:>7s}: rows "
+                     f"{_gbs(g['dispatch_rows'])} | {blocks['combine']:>7s}: combine "
+                     f"{_gbs(g['combine'])}")
   for r in result["raw"]:
     line = f"  raw {r['shape_per_rank']}: all_to_all {_gbs(r['all_to_all'])}"
     if "peer_exchange" in r:

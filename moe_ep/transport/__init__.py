@@ -198,7 +198,7 @@ def _rows_to_slabs(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.A
     return ops.expand_rows(rows, _token_member_pos(handle), token_of_slab_row).reshape(slab_shape)
   if _fused_peer_rows(spec, rows.dtype, hidden, handle.top_k, sums=False):
     slabs = _peer().dispatch_rows(
-        rows, _wire_rows(handle), handle.recv_pos, slab_row, axis_name=spec.axis_name,
+        rows, handle.send_token, handle.recv_pos, slab_row, axis_name=spec.axis_name,
         mesh=spec.mesh,
         all_to_all_path=lambda r: _exchanged_rows_to_slabs(_on_all_to_all(spec), r, handle))
     return slabs.reshape(slab_shape)

@@ -36,13 +36,15 @@ mesh coordinates, ranked in axis order):
   rearms after all ranks are idle.
 
 :func:`dispatch_rows` and :func:`combine_rows` are the row paths of dispatch
-and combine on the same channels and protocol, fused: each token row is read
-once and stored straight into the slot of every rank it goes to (this rank's
-own rows straight into its slabs), and the receiver expands the slots straight
-into the slabs; combine stores each received row's member sum straight into
-the source rank's slot, and the source sums its returned rows per token. No
-``[R, S, H]`` buffer in XLA on either side; results bitwise those of the
-``all_to_all`` path (:func:`fused_rows_problem` says which rows they take).
+and combine on the same channels and protocol, fused, one launch each: sender
+blocks store each token row straight into the slot of every rank it goes to,
+and combine each received row's member sum straight into the source rank's
+slot, in chunks that each raise their own flag; receiver blocks of the same
+grid meanwhile do this GPU's own rows (its tokens into its slabs, its own
+member sums) and take each arriving chunk as soon as its flag is up, so the
+NVLink transfer overlaps the local memory traffic. No ``[R, S, H]`` buffer in
+XLA on either side; results bitwise those of the ``all_to_all`` path
+(:func:`fused_rows_problem` says which rows they take).
 
 Exchanges on one channel must run in program order on each device. XLA's
 command buffers keep thunk order by default; ``--xla_gpu_command_buffer_
@@ -116,9 +118,15 @@ _SUM_STEP = 32 * 2  # vectors a warp sums per step (ROW_SUM_UNROLL)
 MAX_FUSED_RANKS = 32  # one lane per rank's entry of a token
 MAX_FUSED_TOP_K = 32  # one lane per member of a row
 _SUM_SUFFIX = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-_ROW_KERNELS = ("dispatch_send", "dispatch_recv", "drain_v16",
-                *(f"combine_{kind}_{suffix}" for kind in ("send", "recv")
-                  for suffix in _SUM_SUFFIX.values()))
+_ROW_KERNELS = ("dispatch", "drain_v16",
+                *(f"combine_{suffix}" for suffix in _SUM_SUFFIX.values()))
+MAX_CHUNKS = 1024  # signalled chunks per destination of one fused exchange (PEER_MAX_CHUNKS)
+_CHUNKS_PER_SENDER = 8  # chunks each sender block signals, at most
+_MIN_CHUNK_BYTES = 128 << 10  # smaller chunks only to give every sender block one
+# The share of a fused exchange's blocks that store rows into the other GPUs
+# (on 2 H200s at T=8192, H=7168: dispatch 44 of 132 SMs 493 us, 33 504 us,
+# 66 534 us; combine 66 557 us, 44 566 us: benchmarks/results/ep-20261130-194418.json).
+SEND_SHARE = {"dispatch": 1 / 3, "combine": 0.5}
 
 
 class PeerTimeoutError(RuntimeError):
@@ -142,22 +150,40 @@ class PeerTimeoutError(RuntimeError):
 class _Settings:
   timeout_s: float | None = None  # None: $MOE_EP_PEER_TIMEOUT_S, else DEFAULT_TIMEOUT_S
   blocks_per_peer: int | None = None  # None: half the device's SMs / (R - 1)
+  row_blocks: int | None = None  # None: every SM
+  send_blocks: int | None = None  # None: SEND_SHARE of row_blocks
 
 
 _settings = _Settings()
 
 
-def configure(*, timeout_s: float | None = None, blocks_per_peer: int | None = None) -> None:
-  """Sets the wait bound and the blocks each peer's chunk is split over, for
-  exchanges traced from now on (a compiled program keeps its values).
-  ``None`` restores the default."""
+def configure(*, timeout_s: float | None = None, blocks_per_peer: int | None = None,
+              row_blocks: int | None = None, send_blocks: int | None = None) -> None:
+  """Sets, for exchanges traced from now on (a compiled program keeps its
+  values; ``None`` restores the default):
+
+  * ``timeout_s``: the wait bound;
+  * ``blocks_per_peer``: the blocks each peer's chunk is split over in the
+    drop-in :func:`exchange`;
+  * ``row_blocks``: the blocks (one per SM) of a fused row exchange
+    (:func:`dispatch_rows`, :func:`combine_rows`), by default every SM;
+  * ``send_blocks``: how many of those store rows into the other GPUs (the
+    rest do this GPU's own rows and the arriving ones), by default
+    :data:`SEND_SHARE` of them.
+  """
   global _settings
   if timeout_s is not None:
     _check_timeout("timeout_s", timeout_s)
-  if blocks_per_peer is not None and (not isinstance(blocks_per_peer, int)
-                                      or blocks_per_peer < 1):
-    raise ValueError(f"blocks_per_peer={blocks_per_peer!r} must be an integer >= 1 or None")
-  _settings = _Settings(timeout_s=timeout_s, blocks_per_peer=blocks_per_peer)
+  for name, value, least in (("blocks_per_peer", blocks_per_peer, 1),
+                             ("row_blocks", row_blocks, 2), ("send_blocks", send_blocks, 1)):
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or value < least):
+      raise ValueError(f"{name}={value!r} must be an integer >= {least} or None")
+  if row_blocks is not None and send_blocks is not None and send_blocks >= row_blocks:
+    raise ValueError(f"send_blocks={send_blocks} must be below row_blocks={row_blocks} (at "
+                     f"least one block receives)")
+  _settings = _Settings(timeout_s=timeout_s, blocks_per_peer=blocks_per_peer,
+                        row_blocks=row_blocks, send_blocks=send_blocks)
 
 
 def _check_timeout(name: str, value) -> float:
@@ -192,9 +218,10 @@ def _round_up(value: int, multiple: int) -> int:
 class ChannelLayout:
   """Byte layout of one channel's allocation on one device (as ``kernels/peer.cu``).
 
-  ``flags u64[2][R]`` at 0, ``acks u64[2][R]`` at ``16R``, ``step u64`` at
-  ``32R``, ``counters u32[2R + 2]`` at ``32R + 8``, then ``2 * (R - 1)`` receive
-  slots of ``slot_bytes`` from ``data_offset``.
+  ``flags u64[2][R][M]`` at 0 (``M`` = :data:`MAX_CHUNKS`: one flag per
+  signalled chunk), ``acks u64[2][R]`` at ``16RM``, ``step u64`` after them,
+  ``counters u32[2R + 2]`` after that, then ``2 * (R - 1)`` receive slots of
+  ``slot_bytes`` from ``data_offset``.
   """
 
   ep_size: int
@@ -207,8 +234,24 @@ class ChannelLayout:
       raise ValueError(f"ChannelLayout.chunk_bytes={self.chunk_bytes} must be >= 1")
 
   @property
+  def flags_bytes(self) -> int:
+    return 16 * MAX_CHUNKS * self.ep_size
+
+  @property
+  def acks_offset(self) -> int:
+    return self.flags_bytes
+
+  @property
+  def step_offset(self) -> int:
+    return self.acks_offset + 16 * self.ep_size
+
+  @property
+  def counters_offset(self) -> int:
+    return self.step_offset + 8
+
+  @property
   def control_bytes(self) -> int:
-    return 32 * self.ep_size + 8 + 4 * (2 * self.ep_size + 2)
+    return self.counters_offset + 4 * (2 * self.ep_size + 2)
 
   @property
   def data_offset(self) -> int:
@@ -832,35 +875,63 @@ def fused_rows_problem(dtype, hidden: int, ep_size: int, top_k: int, *,
 
 @dataclasses.dataclass(frozen=True)
 class RowGrid:
-  """Launch sizes of one fused row path on one device (blocks of 512
-  threads, one warp per unit of work: a row, or a segment of one).
+  """Launch sizes of one fused row exchange on one device: one grid of
+  blocks of 512 threads, one warp per unit of work (a row, or a segment of
+  one), one block per SM.
 
   Attributes:
-    token_blocks: blocks of the token-major kernels (dispatch send, combine
-      receive), which touch every other rank at once.
-    blocks_per_peer: blocks per other rank of the slot-major kernels
-      (dispatch receive, combine send).
+    send_blocks: the first blocks, which store rows into the other ranks'
+      slots, one chunk at a time.
+    recv_blocks: the rest, which do this GPU's own rows and then the
+      arriving chunks.
+    chunk_rows: slot rows per signalled chunk.
+    num_chunks: chunks per destination (``ceil(S / chunk_rows)``).
+    send_segment, recv_segment: 16-byte vectors per unit of a sender's and a
+      receiver's warp (:func:`row_segment`).
   """
 
-  token_blocks: int
-  blocks_per_peer: int
+  send_blocks: int
+  recv_blocks: int
+  chunk_rows: int
+  num_chunks: int
+  send_segment: int
+  recv_segment: int
+
+  @property
+  def blocks(self) -> int:
+    return self.send_blocks + self.recv_blocks
 
 
-def row_grid(ep_size: int, num_tokens: int, send_capacity: int, row_vecs: int,
+def row_grid(kind: str, ep_size: int, num_tokens: int, send_capacity: int, row_vecs: int,
              multiprocessors: int) -> RowGrid:
-  """:func:`configure`'s ``blocks_per_peer`` blocks per other rank, by
-  default every SM shared among the R - 1 peers (the row paths are bound by
-  local memory as much as by NVLink: the slabs are K-fold expansions; on 2
-  H200s all 132 SMs beat half of them by 20%: benchmarks/results/ep-*); the
-  token-major kernels take as many in all. Never more blocks than units of
-  work for their warps (``row_vecs``: 16-byte vectors per row)."""
-  wanted = _settings.blocks_per_peer
-  if wanted is None:
-    wanted = max(1, multiprocessors // (ep_size - 1))
-  pieces = -(-row_vecs // _SUM_STEP)  # the most segments a row is split into
-  per_peer = max(1, min(wanted, -(-send_capacity * pieces // _ROW_WARPS)))
-  token_blocks = max(1, min((ep_size - 1) * wanted, -(-num_tokens * pieces // _ROW_WARPS)))
-  return RowGrid(token_blocks=int(token_blocks), blocks_per_peer=int(per_peer))
+  """The grid of a fused ``kind`` (``"dispatch"`` or ``"combine"``) exchange:
+  :func:`configure`'s ``row_blocks`` (default every SM, so that all blocks
+  are resident at once and a receiver never waits on a block not yet
+  running), of which ``send_blocks`` (default :data:`SEND_SHARE`) send.
+  Chunks: at least one per sender block (decode: small chunks, each
+  signalled as soon as one block has stored it), at most
+  :data:`_CHUNKS_PER_SENDER` per sender block and none below 128 KiB beyond
+  that (each flag costs its block a system fence), at most
+  :data:`MAX_CHUNKS`, one row each at least. ``row_vecs``: 16-byte vectors
+  per row."""
+  if kind not in SEND_SHARE:
+    raise ValueError(f"kind={kind!r} is not one of {tuple(SEND_SHARE)}")
+  total = max(2, _settings.row_blocks or multiprocessors)
+  send = _settings.send_blocks or round(SEND_SHARE[kind] * total)
+  send = max(1, min(send, total - 1))
+  others = ep_size - 1
+  per_sender = -(-send // others)
+  by_bytes = -(-send_capacity * row_vecs * 16 // _MIN_CHUNK_BYTES)
+  chunks = max(per_sender, min(_CHUNKS_PER_SENDER * per_sender, by_bytes))
+  chunks = max(1, min(MAX_CHUNKS, send_capacity, chunks))
+  chunk_rows = -(-send_capacity // chunks)
+  step = _COPY_STEP if kind == "dispatch" else _SUM_STEP
+  receiver_rows = send_capacity if kind == "dispatch" else num_tokens
+  return RowGrid(send_blocks=int(send), recv_blocks=int(total - send), chunk_rows=int(chunk_rows),
+                 num_chunks=int(-(-send_capacity // chunk_rows)),
+                 send_segment=row_segment(chunk_rows, row_vecs, _ROW_WARPS, step),
+                 recv_segment=row_segment(receiver_rows, row_vecs, (total - send) * _ROW_WARPS,
+                                          step))
 
 
 def row_segment(rows: int, row_vecs: int, warps: int, step: int) -> int:
@@ -927,56 +998,65 @@ def _fused_call(name: str, launches: dict[int, list[_Kernel]], inputs, out_shape
   return jax.lax.pcast(out, tuple(sorted(axes, key=str)), to="varying")
 
 
-def _check_maps(mesh, axis_name: str, wire_rows, recv_pos, slab_row) -> tuple[int, int, int]:
+def _check_maps(mesh, axis_name: str, recv_pos, *, wire_rows=None, send_token=None,
+                slab_row=None) -> tuple[int, int, int]:
   """``(R, S, K)`` from the maps' shapes, checked against each other and the mesh."""
   _check_axis(mesh, axis_name)
   ep_size = mesh.shape[axis_name]
   if recv_pos.ndim != 3 or recv_pos.shape[0] != ep_size:
     raise ValueError(f"recv_pos shape {recv_pos.shape} must be [R, S, K] with R={ep_size} "
                      f"(the size of axis {axis_name!r})")
-  if wire_rows.ndim != 2 or wire_rows.shape[1] != ep_size:
+  if wire_rows is not None and (wire_rows.ndim != 2 or wire_rows.shape[1] != ep_size):
     raise ValueError(f"wire_rows shape {wire_rows.shape} must be [T, R] with R={ep_size}")
+  if send_token is not None and send_token.shape != recv_pos.shape[:2]:
+    raise ValueError(f"send_token shape {send_token.shape} must be [R, S] = "
+                     f"{list(recv_pos.shape[:2])} (recv_pos' leading axes)")
   if slab_row is not None and slab_row.ndim != 1:
     raise ValueError(f"slab_row shape {slab_row.shape} must be [L * C]")
-  for name, value in (("wire_rows", wire_rows), ("recv_pos", recv_pos), ("slab_row", slab_row)):
+  for name, value in (("wire_rows", wire_rows), ("send_token", send_token),
+                      ("recv_pos", recv_pos), ("slab_row", slab_row)):
     if value is not None and value.dtype != np.int32:
       raise ValueError(f"{name} must be int32; got {value.dtype}")
   return ep_size, recv_pos.shape[1], recv_pos.shape[2]
 
 
-def _fused_dispatch(rows, wire_rows, recv_pos, slab_row, *, axis_name: str, mesh):
+def _fused_launches(kind: str, function_name: str, layout: ChannelLayout, site_what: str,
+                    dtype, mesh, axis_name: str, sizes: tuple, num_tokens: int,
+                    send_capacity: int, row_vecs: int, buffers: tuple) -> dict:
+  """Every local device's one launch of a fused row kernel: ``(peers, rank,
+  ep_size, num_tokens, *sizes, chunking..., slots, tail)`` after the buffer
+  pointers."""
+  ep_size = layout.ep_size
+  channel = _gpu_channel(mesh, axis_name, layout)
+  site = _site(site_what, (ep_size, send_capacity, row_vecs * 16 // np.dtype(dtype).itemsize),
+               dtype, channel.key if channel is not None else "")
+  timeout_ns = int(timeout_s() * 1e9)
+  launches = {}
+  for ordinal, state in (channel.on_device.items() if channel is not None else ()):
+    grid = row_grid(kind, ep_size, num_tokens, send_capacity, row_vecs,
+                    _multiprocessors(ordinal))
+    launches[ordinal] = [_Kernel(
+        _kernels(ordinal)[function_name], grid.blocks, buffers,
+        (np.uint64(state.peers.data.ptr), np.int32(state.rank), np.int32(ep_size),
+         np.int32(num_tokens), *(np.int32(v) for v in sizes), np.int32(grid.chunk_rows),
+         np.int32(grid.num_chunks), np.int32(grid.send_blocks), np.int32(grid.send_segment),
+         np.int32(grid.recv_segment), np.int64(layout.slot_bytes), np.int64(layout.data_offset),
+         *_device_tail(ordinal, site, timeout_ns)))]
+  return launches
+
+
+def _fused_dispatch(rows, send_token, recv_pos, slab_row, *, axis_name: str, mesh):
   num_tokens, hidden = rows.shape
   ep_size, send_capacity, top_k = recv_pos.shape
   num_slab_rows = slab_row.shape[0]
   row_bytes = hidden * rows.dtype.itemsize
   layout = ChannelLayout(ep_size, send_capacity * row_bytes)
-  channel = _gpu_channel(mesh, axis_name, layout)
-  site = _site("dispatch_rows", (ep_size, send_capacity, hidden), rows.dtype,
-               channel.key if channel is not None else "")
-  timeout_ns = int(timeout_s() * 1e9)
-  launches = {}
-  for ordinal, state in (channel.on_device.items() if channel is not None else ()):
-    kernels = _kernels(ordinal)
-    row_vecs = row_bytes // 16
-    grid = row_grid(ep_size, num_tokens, send_capacity, row_vecs, _multiprocessors(ordinal))
-    tail = _device_tail(ordinal, site, timeout_ns)
-    peers, rank = np.uint64(state.peers.data.ptr), np.int32(state.rank)
-    slots = (np.int64(layout.slot_bytes), np.int64(layout.data_offset))
-    sizes = (np.int32(send_capacity), np.int32(top_k), np.int32(num_slab_rows),
-             np.int32(row_vecs))
-    send_segment = row_segment(num_tokens, row_vecs, grid.token_blocks * _ROW_WARPS, _COPY_STEP)
-    recv_segment = row_segment(send_capacity, row_vecs, grid.blocks_per_peer * _ROW_WARPS,
-                               _COPY_STEP)
-    launches[ordinal] = [
-        # buffers: rows 0, wire_rows 1, recv_pos 2, slab_row 3, slabs 4
-        _Kernel(kernels["dispatch_send"], grid.token_blocks, (0, 1, 2, 3, 4),
-                (peers, rank, np.int32(ep_size), np.int32(num_tokens), *sizes,
-                 np.int32(send_segment), *slots, *tail)),
-        _Kernel(kernels["dispatch_recv"], (ep_size - 1) * grid.blocks_per_peer, (2, 4),
-                (peers, rank, np.int32(ep_size), *sizes, np.int32(recv_segment), *slots,
-                 np.int32(grid.blocks_per_peer), *tail)),
-    ]
-  return _fused_call("dispatch rows", launches, (rows, wire_rows, recv_pos, slab_row),
+  launches = _fused_launches(
+      "dispatch", "dispatch", layout, "dispatch_rows", rows.dtype, mesh, axis_name,
+      (send_capacity, top_k, num_slab_rows, row_bytes // 16), num_tokens, send_capacity,
+      row_bytes // 16,
+      (0, 1, 2, 3, 4))  # buffers: rows 0, send_token 1, recv_pos 2, slab_row 3, slabs 4
+  return _fused_call("dispatch rows", launches, (rows, send_token, recv_pos, slab_row),
                      jax.ShapeDtypeStruct((num_slab_rows, hidden), rows.dtype), axis_name)
 
 
@@ -985,53 +1065,32 @@ def _fused_combine(slabs, recv_pos, wire_rows, *, axis_name: str, mesh):
   ep_size, send_capacity, top_k = recv_pos.shape
   num_tokens = wire_rows.shape[0]
   row_bytes = hidden * slabs.dtype.itemsize
-  suffix = _SUM_SUFFIX[np.dtype(slabs.dtype).name]
   layout = ChannelLayout(ep_size, send_capacity * row_bytes)
-  channel = _gpu_channel(mesh, axis_name, layout)
-  site = _site("combine_rows", (ep_size, send_capacity, hidden), slabs.dtype,
-               channel.key if channel is not None else "")
-  timeout_ns = int(timeout_s() * 1e9)
-  launches = {}
-  for ordinal, state in (channel.on_device.items() if channel is not None else ()):
-    kernels = _kernels(ordinal)
-    row_vecs = row_bytes // 16
-    grid = row_grid(ep_size, num_tokens, send_capacity, row_vecs, _multiprocessors(ordinal))
-    tail = _device_tail(ordinal, site, timeout_ns)
-    peers, rank = np.uint64(state.peers.data.ptr), np.int32(state.rank)
-    slots = (np.int64(layout.slot_bytes), np.int64(layout.data_offset))
-    sizes = (np.int32(send_capacity), np.int32(top_k), np.int32(num_slab_rows),
-             np.int32(hidden))
-    send_segment = row_segment(send_capacity, row_vecs, grid.blocks_per_peer * _ROW_WARPS,
-                               _SUM_STEP)
-    recv_segment = row_segment(num_tokens, row_vecs, grid.token_blocks * _ROW_WARPS, _SUM_STEP)
-    launches[ordinal] = [
-        # buffers: slabs 0, recv_pos 1, wire_rows 2, y 3
-        _Kernel(kernels[f"combine_send_{suffix}"], (ep_size - 1) * grid.blocks_per_peer, (0, 1),
-                (peers, rank, np.int32(ep_size), *sizes, np.int32(send_segment), *slots,
-                 np.int32(grid.blocks_per_peer), *tail)),
-        _Kernel(kernels[f"combine_recv_{suffix}"], grid.token_blocks, (0, 1, 2, 3),
-                (peers, rank, np.int32(ep_size), np.int32(num_tokens), *sizes,
-                 np.int32(recv_segment), *slots, *tail)),
-    ]
+  launches = _fused_launches(
+      "combine", f"combine_{_SUM_SUFFIX[np.dtype(slabs.dtype).name]}", layout, "combine_rows",
+      slabs.dtype, mesh, axis_name, (send_capacity, top_k, num_slab_rows, hidden), num_tokens,
+      send_capacity, row_bytes // 16,
+      (0, 1, 2, 3))  # buffers: slabs 0, recv_pos 1, wire_rows 2, y 3
   return _fused_call("combine rows", launches, (slabs, recv_pos, wire_rows),
                      jax.ShapeDtypeStruct((num_tokens, hidden), slabs.dtype), axis_name)
 
 
-def dispatch_rows(rows: jax.Array, wire_rows: jax.Array, recv_pos: jax.Array,
+def dispatch_rows(rows: jax.Array, send_token: jax.Array, recv_pos: jax.Array,
                   slab_row: jax.Array, *, axis_name: str, mesh: jax.sharding.Mesh,
                   all_to_all_path) -> jax.Array:
   """Dispatch's row path, fused: ``rows [T, H]`` -> slabs ``[L * C, H]``
   (call it inside ``shard_map`` over ``mesh``).
 
-  On CUDA one ``buffer_callback``: ``peer_dispatch_send`` reads each token
-  row once and stores it into the slot of every other rank it goes to and
-  into this rank's own slab rows, then ``peer_dispatch_recv`` expands the
-  received rows from the slots into the slabs. Elsewhere
+  On CUDA one ``buffer_callback`` launching ``peer_dispatch`` once: its
+  sender blocks store each token row into the slot of every other rank it
+  goes to, chunk by chunk; its receiver blocks meanwhile zero the padding
+  rows and copy this rank's own rows straight into its slabs, then expand
+  each chunk the other ranks send as soon as it has arrived. Elsewhere
   ``all_to_all_path(rows)``. Check :func:`fused_rows_problem` first.
 
   Args:
     rows: ``[T, H]`` one row per token.
-    wire_rows: ``[T, R]`` int32 ``d * S + slot`` of token t's row to rank d, or -1.
+    send_token: ``[R, S]`` int32 token in slot s of the chunk to rank d, or -1.
     recv_pos: ``[R, S, K]`` int32 slab row of member k of the row received
       from rank src in slot s, or -1.
     slab_row: ``[L * C]`` int32 ``src * S + s`` feeding each slab row, or -1
@@ -1043,13 +1102,12 @@ def dispatch_rows(rows: jax.Array, wire_rows: jax.Array, recv_pos: jax.Array,
   Returns:
     ``[L * C, H]`` in ``rows.dtype``, bitwise ``all_to_all_path(rows)``.
   """
-  _check_maps(mesh, axis_name, wire_rows, recv_pos, slab_row)
-  if rows.ndim != 2 or rows.shape[0] != wire_rows.shape[0]:
-    raise ValueError(f"rows shape {rows.shape} must be [T, H] with T={wire_rows.shape[0]} "
-                     f"(wire_rows' rows)")
+  _check_maps(mesh, axis_name, recv_pos, send_token=send_token, slab_row=slab_row)
+  if rows.ndim != 2:
+    raise ValueError(f"rows shape {rows.shape} must be [T, H]")
   with jax.named_scope("exchange_rows"):
     return jax.lax.platform_dependent(
-        rows, wire_rows, recv_pos, slab_row,
+        rows, send_token, recv_pos, slab_row,
         cuda=functools.partial(_fused_dispatch, axis_name=axis_name, mesh=mesh),
         default=lambda rows, *maps: all_to_all_path(rows))
 
@@ -1059,24 +1117,26 @@ def combine_rows(slabs: jax.Array, recv_pos: jax.Array, wire_rows: jax.Array, *,
   """Combine's row path, fused: slabs ``[L * C, H]`` -> ``[T, H]`` (call it
   inside ``shard_map`` over ``mesh``).
 
-  On CUDA one ``buffer_callback``: ``peer_combine_send`` stores, per row each
-  other rank sent here, the float32 sum of its members' slab rows (in member
-  order, rounded once) into that rank's slot; ``peer_combine_recv`` sums,
-  per token, its returned rows over ranks in rank order in float32 (its own
-  rank's member sum computed in place, rounded as if it had travelled), and
-  rounds once: ``gather_sum_rows`` twice around an ``all_to_all``, bit for
-  bit. Elsewhere ``all_to_all_path(slabs)``. Check :func:`fused_rows_problem`
-  first (``sums=True``).
+  On CUDA one ``buffer_callback`` launching ``peer_combine_<dtype>`` once:
+  its sender blocks store, per row each other rank sent here, the float32 sum
+  of its members' slab rows (in member order, rounded once) into that rank's
+  slot, chunk by chunk; its receiver blocks sum, per token, its returned rows
+  over ranks in rank order in float32 (its own rank's member sum computed in
+  place, rounded as if it had travelled), each as soon as its chunk has
+  arrived, and round once: ``gather_sum_rows`` twice around an
+  ``all_to_all``, bit for bit. Elsewhere ``all_to_all_path(slabs)``. Check
+  :func:`fused_rows_problem` first (``sums=True``).
 
   Args:
     slabs: ``[L * C, H]`` float32, bfloat16 or float16.
-    recv_pos, wire_rows, axis_name, mesh: as :func:`dispatch_rows`.
+    recv_pos, axis_name, mesh: as :func:`dispatch_rows`.
+    wire_rows: ``[T, R]`` int32 ``d * S + slot`` of token t's row to rank d, or -1.
     all_to_all_path: ``slabs -> [T, H]`` through XLA's ``all_to_all``.
 
   Returns:
     ``[T, H]`` in ``slabs.dtype``.
   """
-  _check_maps(mesh, axis_name, wire_rows, recv_pos, None)
+  _check_maps(mesh, axis_name, recv_pos, wire_rows=wire_rows)
   if slabs.ndim != 2:
     raise ValueError(f"slabs shape {slabs.shape} must be [L * C, H]")
   with jax.named_scope("exchange_rows"):

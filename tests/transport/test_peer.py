@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import gpu_devices, make_mesh
 from moe_ep.launch import launch
-from moe_ep.transport import peer
+from moe_ep.transport import kernel_source, peer
 
 BUFFER_CALLBACK = "xla_buffer_python_gpu_callback_cmd_buffer"
 WORKER = Path(__file__).parents[1] / "multiprocess" / "peer_worker.py"
@@ -84,9 +84,14 @@ def test_ep_groups_reject_unknown_axis():
 @pytest.mark.parametrize("ep_size", [2, 3, 8])
 def test_channel_layout_regions_are_disjoint_aligned_and_slots_are_a_bijection(ep_size):
   layout = peer.ChannelLayout(ep_size, 8192 * 7168 * 2)
-  # flags, acks, step, counters as kernels/peer.cu places them
-  regions = [(0, 16 * ep_size), (16 * ep_size, 32 * ep_size), (32 * ep_size, 32 * ep_size + 8),
-             (32 * ep_size + 8, 32 * ep_size + 8 + 4 * (2 * ep_size + 2))]
+  # flags [2][R][M], acks [2][R], step, counters [2R + 2] as kernels/peer.cu places them
+  chunks = int(re.search(r"#define PEER_MAX_CHUNKS (\d+)",
+                         kernel_source.source("peer.cu")).group(1))
+  assert chunks == peer.MAX_CHUNKS
+  flags = 16 * ep_size * chunks
+  acks, step = flags + 16 * ep_size, flags + 16 * ep_size + 8
+  regions = [(0, flags), (flags, acks), (acks, step), (step, step + 4 * (2 * ep_size + 2))]
+  assert (layout.acks_offset, layout.step_offset, layout.counters_offset) == (flags, acks, step)
   assert regions[-1][1] == layout.control_bytes <= layout.data_offset
   assert layout.data_offset % 256 == 0 and layout.slot_bytes % 256 == 0
   assert layout.total_bytes == layout.data_offset + 2 * (ep_size - 1) * layout.slot_bytes
@@ -137,19 +142,36 @@ def test_fused_rows_problem_names_what_the_kernels_cannot_take(dtype, hidden, ep
   assert got == problem if problem is None else problem in got
 
 
-def test_row_grid_takes_every_sm_caps_at_the_units_and_follows_configure():
+def test_row_grid_takes_every_sm_splits_senders_and_chunks_and_follows_configure():
   rows_7168_bf16 = 7168 * 2 // 16
-  assert (peer.row_grid(2, 8192, 8192, rows_7168_bf16, 132)
-          == peer.RowGrid(token_blocks=132, blocks_per_peer=132))
-  assert (peer.row_grid(4, 8192, 4096, rows_7168_bf16, 132)
-          == peer.RowGrid(token_blocks=132, blocks_per_peer=44))
-  # 16 warps a block, one unit a warp: 4-vector rows are one unit each
-  assert peer.row_grid(2, 40, 24, 4, 132) == peer.RowGrid(token_blocks=3, blocks_per_peer=2)
-  peer.configure(blocks_per_peer=16)
-  assert (peer.row_grid(2, 8192, 8192, rows_7168_bf16, 132)
-          == peer.RowGrid(token_blocks=16, blocks_per_peer=16))
-  assert (peer.row_grid(3, 8192, 8192, rows_7168_bf16, 132)
-          == peer.RowGrid(token_blocks=32, blocks_per_peer=16))
+  grid = peer.row_grid("dispatch", 2, 8192, 8192, rows_7168_bf16, 132)
+  # a third of the SMs send, 8 chunks each (rows split over the 16 warps), receivers whole rows
+  assert grid == peer.RowGrid(send_blocks=44, recv_blocks=88, chunk_rows=24, num_chunks=342,
+                              send_segment=512, recv_segment=896)
+  grid = peer.row_grid("combine", 4, 8192, 4096, rows_7168_bf16, 132)
+  assert (grid.send_blocks, grid.recv_blocks) == (66, 66)
+  # 8 chunks per sender block over 3 destinations: 8 * 22 chunks per destination
+  assert (grid.chunk_rows, grid.num_chunks) == (24, 171)
+  # decode (1.8 MB a destination): a chunk per sender block, rows split into copy steps
+  grid = peer.row_grid("dispatch", 2, 128, 128, rows_7168_bf16, 132)
+  assert (grid.chunk_rows, grid.num_chunks, grid.send_segment, grid.recv_segment) == (3, 43,
+                                                                                        128, 128)
+  # never more chunks than the flags hold, and every slot row in one chunk
+  for ep_size, slots in ((2, 100_000), (8, 3), (3, 1)):
+    grid = peer.row_grid("combine", ep_size, slots, slots, 4, 132)
+    assert 1 <= grid.num_chunks <= peer.MAX_CHUNKS
+    assert (grid.num_chunks - 1) * grid.chunk_rows < slots <= grid.num_chunks * grid.chunk_rows
+  peer.configure(row_blocks=32, send_blocks=8)
+  grid = peer.row_grid("dispatch", 2, 8192, 8192, rows_7168_bf16, 132)
+  assert (grid.send_blocks, grid.recv_blocks, grid.blocks) == (8, 24, 32)
+  peer.configure(row_blocks=16)
+  assert peer.row_grid("combine", 2, 8192, 8192, rows_7168_bf16, 132).send_blocks == 8
+  with pytest.raises(ValueError, match="send_blocks=16 must be below row_blocks=16"):
+    peer.configure(row_blocks=16, send_blocks=16)
+  with pytest.raises(ValueError, match="row_blocks=1 must be an integer >= 2"):
+    peer.configure(row_blocks=1)
+  with pytest.raises(ValueError, match="kind='gather' is not one of"):
+    peer.row_grid("gather", 2, 8, 8, 4, 132)
 
 
 @pytest.mark.parametrize("rows, row_vecs, warps, step, want", [
@@ -170,21 +192,26 @@ def test_fused_row_paths_reject_maps_that_do_not_fit_at_trace_time():
   spec = P(("dp", "ep"))
   path = lambda rows: rows  # noqa: E731
 
-  def run(rows, wire_rows, recv_pos, slab_row):
+  def run(rows, send_token, recv_pos, slab_row):
     fn = lambda *a: peer.dispatch_rows(*a, axis_name="ep", mesh=mesh,  # noqa: E731
                                        all_to_all_path=path)
-    return shard_mapped(fn, mesh, spec)(rows, wire_rows, recv_pos, slab_row)
+    return shard_mapped(fn, mesh, spec)(rows, send_token, recv_pos, slab_row)
 
   rows, wire = jnp.zeros((8 * 6, 16)), jnp.zeros((8 * 6, 4), jnp.int32)
+  send_token = jnp.zeros((8 * 4, 5), jnp.int32)
   pos, slab_row = jnp.zeros((8 * 4, 5, 2), jnp.int32), jnp.zeros((8 * 7,), jnp.int32)
   with pytest.raises(ValueError, match=r"recv_pos shape \(2, 5, 2\) must be \[R, S, K\] with R=4"):
-    run(rows, wire, pos[:16], slab_row)
-  with pytest.raises(ValueError, match=r"wire_rows shape \(6, 3\) must be \[T, R\] with R=4"):
-    run(rows, wire[:, :3], pos, slab_row)
+    run(rows, send_token, pos[:16], slab_row)
+  with pytest.raises(ValueError, match=r"send_token shape \(4, 3\) must be \[R, S\] = \[4, 5\]"):
+    run(rows, send_token[:, :3], pos, slab_row)
   with pytest.raises(ValueError, match="recv_pos must be int32"):
-    run(rows, wire, pos.astype(jnp.int16), slab_row)
-  with pytest.raises(ValueError, match=r"rows shape \(5, 16\) must be \[T, H\] with T=6"):
-    run(rows[:40], wire, pos, slab_row)
+    run(rows, send_token, pos.astype(jnp.int16), slab_row)
+  with pytest.raises(ValueError, match=r"rows shape \(6, 2, 8\) must be \[T, H\]"):
+    run(rows.reshape(48, 2, 8), send_token, pos, slab_row)
+  with pytest.raises(ValueError, match=r"wire_rows shape \(6, 3\) must be \[T, R\] with R=4"):
+    shard_mapped(lambda *a: peer.combine_rows(*a, axis_name="ep", mesh=mesh,
+                                              all_to_all_path=path), mesh, spec)(
+        rows, pos, wire[:, :3])
   with pytest.raises(ValueError, match="'tp' is not an axis"):
     peer.combine_rows(rows, pos, wire, axis_name="tp", mesh=mesh, all_to_all_path=path)
 

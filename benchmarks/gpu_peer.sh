@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The peer transport on the device machine (2 GPUs), from the repository
+# root: its GPU tests, then P2 (`moe_ep.bench ep`) in one process with CUDA
+# graphs for the callbacks. JSON goes to $OUT/results.tar.gz, logs to $OUT.
+#   PEER_TESTS=0 skips the tests; EP_ARGS is a Python dict of run() arguments.
+set -u
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/results"
+python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+start=$SECONDS
+if [ "${PEER_TESTS:-1}" = 1 ]; then
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-240}" python -m pytest -q -x -m gpu \
+    tests/transport/test_peer.py tests/test_exchange_paths.py > "$OUT/peer_tests.log" 2>&1
+  echo "== peer tests rc=$? $((SECONDS - start))s: $(tail -n 1 "$OUT/peer_tests.log")"
+fi
+EP_ARGS=${EP_ARGS:-"{}"}
+start=$SECONDS
+XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" timeout "${BENCH_TIMEOUT:-400}" python - > "$OUT/ep.log" 2>&1 <<PY
+import pathlib
+from moe_ep.bench import common, ep
+result = ep.run(**$EP_ARGS)
+print(ep.summary(result))
+print(common.write_result("ep", result, pathlib.Path("$OUT/results")))
+PY
+echo "== ep rc=$? $((SECONDS - start))s"
+grep -v -E "Warning|warn\(|^\s*$" "$OUT/ep.log" | tail -n 40
+grep -E "(FAILED|Error|error)" "$OUT/peer_tests.log" 2>/dev/null | head -20
+tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
