@@ -2,7 +2,8 @@
 # The peer transport on the device machine (2 GPUs), from the repository
 # root: its GPU tests, then P2 (`moe_ep.bench ep`) in one process with CUDA
 # graphs for the callbacks. JSON goes to $OUT/results.tar.gz, logs to $OUT.
-#   PEER_TESTS=0 skips the tests; EP_ARGS is a Python dict of run() arguments.
+#   PEER_TESTS=0 skips the tests; EP_ARGS is a Python dict of run() arguments;
+#   PROCESSES=2 runs P2 as one process per GPU.
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -16,15 +17,27 @@ if [ "${PEER_TESTS:-1}" = 1 ]; then
   echo "== peer tests rc=$? $((SECONDS - start))s: $(tail -n 1 "$OUT/peer_tests.log")"
 fi
 EP_ARGS=${EP_ARGS:-"{}"}
-start=$SECONDS
-XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" timeout "${BENCH_TIMEOUT:-400}" python - > "$OUT/ep.log" 2>&1 <<PY
+PROGRAM="
 import pathlib
+from moe_ep import distributed
 from moe_ep.bench import common, ep
+distributed.initialize_from_env()
 result = ep.run(**$EP_ARGS)
-print(ep.summary(result))
-print(common.write_result("ep", result, pathlib.Path("$OUT/results")))
-PY
+import jax
+if jax.process_index() == 0:
+  print(ep.summary(result))
+  print(common.write_result('ep', result, pathlib.Path('$OUT/results')))
+"
+start=$SECONDS
+if [ "${PROCESSES:-1}" = 1 ]; then  # one process for both GPUs: CUDA graphs need the flag
+  XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" timeout "${BENCH_TIMEOUT:-400}" \
+    python -c "$PROGRAM" > "$OUT/ep.log" 2>&1
+else  # one process per GPU, every GPU visible to each
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python -m moe_ep.launch --num-processes "$PROCESSES" \
+    --gpus-per-process 1 --timeout "${BENCH_TIMEOUT:-400}" -- python -c "$PROGRAM" \
+    > "$OUT/ep.log" 2>&1
+fi
 echo "== ep rc=$? $((SECONDS - start))s"
-grep -v -E "Warning|warn\(|^\s*$" "$OUT/ep.log" | tail -n 40
+grep -v -E "Warning|warn\(|^\s*$|Gloo" "$OUT/ep.log" | tail -n 40
 grep -E "(FAILED|Error|error)" "$OUT/peer_tests.log" 2>/dev/null | head -20
 tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"

@@ -8,14 +8,24 @@ Not a pytest module: run it under the sanitizer on a GPU machine,
 It drives every kernel through dispatch/combine forward and backward on the
 edge cases (invalid ids, slab overflow, wire overflow, K=1, odd row widths
 that take the 8/4/2-byte and scalar paths, many local experts), on one GPU
-and, where there are two, with EP=2 across them.
+and, where there are two, with EP=2 across them on both exchanges: XLA's
+all_to_all and the peer path (the fused row kernels where rows are whole
+16-byte vectors, the drop-in exchange elsewhere). The peer kernels of two
+GPUs wait for each other, so run it as one process per GPU, each under the
+sanitizer (which serializes the kernels of its own process only):
+
+    python -m moe_ep.launch --num-processes 2 --gpus-per-process 1 -- \\
+        compute-sanitizer --tool memcheck --error-exitcode 7 \\
+        python tests/transport/cupy_sanitizer_workload.py
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moe_ep.distributed import initialize_from_env
 from moe_ep.transport import combine, dispatch
 
 CASES = [  # tokens, hidden, dtype, experts, top_k, capacity, send_capacity
@@ -24,15 +34,20 @@ CASES = [  # tokens, hidden, dtype, experts, top_k, capacity, send_capacity
     (97, 3, jnp.float32, 8, 1, 5, None),
     (64, 5, jnp.bfloat16, 300, 2, 3, None),
     (128, 6, jnp.float16, 8, 8, 1000, 17),
+    (256, 1024, jnp.float32, 8, 8, 64, None),  # fused f32 sums
+    (64, 7168, jnp.bfloat16, 256, 8, 16, None),  # decode-like: rows split into segments
 ]
 
 
-def round_trip(tokens, hidden, dtype, experts, top_k, capacity, send_capacity, axis):
+def round_trip(tokens, hidden, dtype, experts, top_k, capacity, send_capacity, axis,
+               exchange="auto", mesh=None):
+  paths = dict(backend="cupy", exchange=exchange, mesh=mesh)
+
   def loss(x, idx, w):
     d = dispatch(x, idx, w, num_experts=experts, expert_capacity=capacity, axis_name=axis,
-                 send_capacity=send_capacity, backend="cupy")
+                 send_capacity=send_capacity, **paths)
     out = (d.tokens.astype(jnp.float32) * d.weights[..., None]).astype(x.dtype)
-    y = combine(out, d.handle, num_tokens=x.shape[0], axis_name=axis, backend="cupy")
+    y = combine(out, d.handle, num_tokens=x.shape[0], axis_name=axis, **paths)
     return jnp.sum(y.astype(jnp.float32) ** 2) + d.counts.sum() * 0.0
   return jax.value_and_grad(loss, argnums=(0, 2))
 
@@ -45,6 +60,7 @@ def inputs(rng, ranks, tokens, hidden, dtype, experts, top_k):
 
 
 def main():
+  initialize_from_env()  # a no-op unless started by moe_ep.launch
   rng = np.random.default_rng(0)
   gpus = jax.devices("gpu")
   for case in CASES:
@@ -55,13 +71,17 @@ def main():
   if len(gpus) >= 2:
     mesh = jax.sharding.Mesh(np.array(gpus[:2]), ("ep",))
     for case in CASES:
-      x, idx, weights = inputs(rng, 2, *case[:2], case[2], *case[3:5])
+      host = [np.asarray(a) for a in inputs(rng, 2, *case[:2], case[2], *case[3:5])]
       if case[3] % 2:
         continue
-      fn = jax.shard_map(round_trip(*case, axis="ep"), mesh=mesh, in_specs=P("ep"),
-                         out_specs=(P(), P("ep")), check_vma=False)
-      jax.block_until_ready(jax.jit(fn)(x, idx, weights))
-  print(f"sanitizer workload done on {min(len(gpus), 2)} GPU(s)")
+      args = [jax.make_array_from_callback(a.shape, NamedSharding(mesh, P("ep")),
+                                           lambda index, a=a: a[index]) for a in host]
+      for exchange in ("all_to_all", "peer"):
+        fn = jax.shard_map(round_trip(*case, axis="ep", exchange=exchange, mesh=mesh),
+                           mesh=mesh, in_specs=P("ep"), out_specs=(P(), P("ep")),
+                           check_vma=False)
+        jax.block_until_ready(jax.jit(fn)(*args))
+  print(f"sanitizer workload done on {min(len(gpus), 2)} GPU(s), process {jax.process_index()}")
 
 
 if __name__ == "__main__":

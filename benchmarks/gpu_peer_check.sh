@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The peer path's safety and the layer on it, on the device machine (2 GPUs),
+# from the repository root: P4 at the DeepSeek-like shape on both exchanges
+# (bf16 and FP8 dispatch), then compute-sanitizer memcheck and racecheck over
+# tests/transport/cupy_sanitizer_workload.py, one process per GPU. JSON goes to
+# $OUT/results.tar.gz, logs to $OUT.
+set -u
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/results"
+python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+start=$SECONDS
+XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" timeout "${LAYER_TIMEOUT:-240}" python - > "$OUT/layer.log" 2>&1 <<PY
+import pathlib
+from moe_ep.bench import common, layer
+result = layer.run(hidden=7168, ffn=2048, num_experts=64, top_k=8, tokens=8192, seq=2048,
+                   capacity_factors=(1.25,))
+print(layer.summary(result))
+print(common.write_result("layer", result, pathlib.Path("$OUT/results")))
+PY
+echo "== layer rc=$? $((SECONDS - start))s"
+grep -E "^P4|^  " "$OUT/layer.log"
+for tool in memcheck racecheck; do
+  start=$SECONDS
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${SANITIZER_TIMEOUT:-150}" python -m moe_ep.launch \
+    --num-processes 2 --gpus-per-process 1 --timeout "${SANITIZER_TIMEOUT:-150}" -- \
+    compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 7 \
+    python tests/transport/cupy_sanitizer_workload.py > "$OUT/$tool.log" 2>&1
+  echo "== $tool rc=$? $((SECONDS - start))s: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|workload done' "$OUT/$tool.log" | tr '\n' ' ')"
+done
+tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
