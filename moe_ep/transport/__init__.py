@@ -93,6 +93,11 @@ def _peer():
   return peer
 
 
+def _fp8():
+  from moe_ep.transport import fp8  # imports this package: a module-level import would cycle
+  return fp8
+
+
 def _exchange(spec: "_Spec", x: jax.Array, what: str) -> jax.Array:
   """``all_to_all`` over the leading [R] axis: row d goes to rank d, and the
   result's row src is what rank src sent here; by direct stores into the
@@ -246,23 +251,30 @@ def _rows_to_slabs_fp8(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> j
   """:func:`_rows_to_slabs` with the rows on the wire in FP8: ``rows [T, H]``
   -> ``[L, C, H]`` in ``rows.dtype``.
 
-  Each token is quantized once, fused with its expand into the send rows
-  (``[W]`` uint8 wire rows: e4m3 codes and power-of-two per-128-channel
-  scales, :mod:`~moe_ep.transport.fp8`); the wire rows cross in one exchange
-  (all_to_all or the peer exchange's drop-in). One rank: quantize, then
-  expand, so the slabs do not depend on ``R``.
+  Each token is quantized once (``[W]`` uint8 wire rows: e4m3 codes and
+  power-of-two per-128-channel scales, :mod:`~moe_ep.transport.fp8`); the
+  wire rows cross in one exchange. One rank: quantize, then expand, so the
+  slabs do not depend on ``R``.
 
   The receiving side depends on ``spec.checkpoint_name``. Without one, each
-  received row is dequantized straight into its slab rows (one fused pass).
-  With one, the received rows are expanded into FP8 slabs ``[L, C, W]``,
-  which carry the name ``"{checkpoint_name}.tokens"``, and dequantized by
-  XLA: a remat policy that saves the dispatch then keeps the FP8 slabs (about
-  half the bf16 residual) and backward recomputes only the dequantize, never
-  the exchange. Both give bitwise the same slabs (the dequantize is exact
-  before its one rounding)."""
-  ops = spec.ops
+  received row is dequantized straight into its slab rows (one fused pass),
+  the quantize fused with the send expand, the wire rows crossing by either
+  exchange's drop-in. With one, the receiver only expands the wire rows into
+  FP8 slabs ``[L, C, W]`` (:func:`_rows_to_fp8_slabs`: on the peer path the
+  fused row kernels move them, as they move bf16 rows), which carry the name
+  ``"{checkpoint_name}.tokens"``, and XLA dequantizes them: a remat policy
+  that saves the dispatch then keeps the FP8 slabs (about half the bf16
+  residual) and backward recomputes only the dequantize, never the exchange.
+  Both give bitwise the same slabs (the dequantize is exact before its one
+  rounding)."""
   hidden = rows.shape[-1]
   slab_shape = handle.slab_row.shape + (hidden,)
+  if spec.checkpoint_name is not None:
+    fp8 = _fp8()
+    fp8_slabs = _name(spec, "tokens", _rows_to_fp8_slabs(spec, rows, handle))
+    return fp8.dequantize_rows(*fp8.unpack_wire(fp8_slabs.reshape(-1, fp8_slabs.shape[-1]),
+                                                hidden), rows.dtype).reshape(slab_shape)
+  ops = spec.ops
   slab_row = handle.slab_row.reshape(-1)
   if spec.ep_size == 1:
     wire = ops.quantize_pack_expand(rows)
@@ -275,13 +287,27 @@ def _rows_to_slabs_fp8(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> j
     wire = _exchange(spec, send_wire.reshape(spec.ep_size, -1, width),
                      "exchange_rows").reshape(-1, width)
     targets, sources = handle.recv_pos.reshape(-1, handle.top_k), slab_row
-  if spec.checkpoint_name is None:
-    slabs = ops.unpack_dequantize_expand(wire, targets, sources, hidden=hidden,
-                                         dtype=rows.dtype)
-    return slabs.reshape(slab_shape)
-  from moe_ep.transport import fp8
-  fp8_slabs = _name(spec, "tokens", ops.expand_rows(wire, targets, sources))
-  return fp8.dequantize_rows(*fp8.unpack_wire(fp8_slabs, hidden), rows.dtype).reshape(slab_shape)
+  slabs = ops.unpack_dequantize_expand(wire, targets, sources, hidden=hidden, dtype=rows.dtype)
+  return slabs.reshape(slab_shape)
+
+
+def _rows_to_fp8_slabs(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """``rows [T, H]`` -> FP8 slabs ``[L, C, W]`` uint8 (the wire rows of the
+  slab rows; all-zero bytes on padding rows). Where the peer path's fused
+  kernels take rows of ``W`` bytes, each token is quantized once and its
+  wire row moved like a bf16 row (:func:`_rows_to_slabs`); elsewhere the
+  quantize is fused with the send expand, the wire rows cross by the
+  exchange's drop-in and are expanded into the slabs."""
+  ops = spec.ops
+  width = _fp8().wire_bytes(rows.shape[-1])
+  if spec.ep_size == 1 or _fused_peer_rows(spec, jnp.uint8, width, handle.top_k, sums=False):
+    return _rows_to_slabs(spec, ops.quantize_pack_expand(rows), handle)
+  send_wire = ops.quantize_pack_expand(rows, _wire_rows(handle), handle.send_token.reshape(-1))
+  wire = _exchange(spec, send_wire.reshape(spec.ep_size, -1, width),
+                   "exchange_rows").reshape(-1, width)
+  slab_row = handle.slab_row.reshape(-1)
+  return ops.expand_rows(wire, handle.recv_pos.reshape(-1, handle.top_k),
+                         slab_row).reshape(handle.slab_row.shape + (width,))
 
 
 def _weights_to_routes(spec: _Spec, slab_values: jax.Array, handle: RoutingHandle) -> jax.Array:
@@ -305,19 +331,25 @@ def _name(spec: _Spec, field: str, value):
   return _attach_name(value, f"{spec.checkpoint_name}.{field}")
 
 
-def _dispatch_forward(spec: _Spec, tokens, topk_idx, topk_weights) -> Dispatched:
+def _routing(spec: _Spec, topk_idx, topk_weights):
+  """Dispatch's routing: ``(handle, slab weights [L, C], counts [L], demand
+  [L])`` from the ids and weights, with the metadata exchange."""
   ops = spec.ops
+  send_slot, send_token, route_slot, meta = ops.route(
+      topk_idx, topk_weights.astype(jnp.float32), num_experts=spec.num_experts,
+      ep_size=spec.ep_size, send_capacity=spec.send_capacity)
+  if spec.ep_size > 1:
+    meta = _exchange(spec, meta, "exchange_meta")
+  recv_pos, slab_row, slab_weights, counts, demand = ops.slab_layout(
+      meta, top_k=topk_idx.shape[1], num_local_experts=spec.num_experts // spec.ep_size,
+      expert_capacity=spec.expert_capacity)
+  return (RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row), slab_weights,
+          counts, demand)
+
+
+def _dispatch_forward(spec: _Spec, tokens, topk_idx, topk_weights) -> Dispatched:
   with jax.named_scope(NAMED_SCOPES["dispatch"]):
-    send_slot, send_token, route_slot, meta = ops.route(
-        topk_idx, topk_weights.astype(jnp.float32), num_experts=spec.num_experts,
-        ep_size=spec.ep_size, send_capacity=spec.send_capacity)
-    if spec.ep_size > 1:
-      meta = _exchange(spec, meta, "exchange_meta")
-    recv_pos, slab_row, slab_weights, counts, demand = ops.slab_layout(
-        meta, top_k=topk_idx.shape[1],
-        num_local_experts=spec.num_experts // spec.ep_size,
-        expert_capacity=spec.expert_capacity)
-    handle = RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row)
+    handle, slab_weights, counts, demand = _routing(spec, topk_idx, topk_weights)
     slabs = (_rows_to_slabs_fp8 if spec.wire_dtype else _rows_to_slabs)(spec, tokens, handle)
   # Names go on the outputs here, inside the forward rule, so they also mark
   # the residual (the handle) that the backward rule reads.

@@ -305,14 +305,14 @@ def test_saved_dispatch_runs_one_forward_fp8_row_exchange():
   for got, want in zip(jax.tree.leaves(saved), jax.tree.leaves(nothing)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
   # What the policy keeps of the tokens is the FP8 slab (codes and scales,
-  # [E * C, W] uint8 over all ranks), not the float32 [E, C, H] slab.
+  # [E, C, W] uint8 over all ranks), not the float32 [E, C, H] slab.
   residuals = [shape for shape, source in saved_residuals(
       jax.checkpoint(loss, policy=RematConfig(save=("dispatch",)).policy()), params, x)
                if not source.startswith("from the argument")]  # parameters and x
   fp8_slabs = [r for r in residuals if r.dtype == jnp.uint8]
-  assert len(fp8_slabs) == 1 and fp8_slabs[0].shape[1] == width, residuals
-  slab_rows = fp8_slabs[0].shape[0]  # E * C
-  assert slab_rows % BASE["num_experts"] == 0
+  assert len(fp8_slabs) == 1 and fp8_slabs[0].shape[-1] == width, residuals
+  assert fp8_slabs[0].shape[0] == BASE["num_experts"], residuals
+  slab_rows = fp8_slabs[0].size // width  # E * C
   assert not [r for r in residuals if r.dtype == jnp.float32
               and r.size >= slab_rows * BASE["hidden_size"]], residuals
 
