@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The peer transport on the device machine (2 GPUs), from the repository
 # root: its GPU tests, then P2 (`moe_ep.bench ep`) in one process with CUDA
-# graphs for the callbacks. JSON goes to $OUT/results.tar.gz, logs to $OUT.
+# graphs for the callbacks. JSON goes to $OUT/ep-results.tar.gz, logs to $OUT.
 #   PEER_TESTS=0 skips the tests; EP_ARGS is a Python dict of run() arguments;
 #   PROCESSES=2 runs P2 as one process per GPU.
 set -u
@@ -13,7 +13,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 start=$SECONDS
 if [ "${PEER_TESTS:-1}" = 1 ]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-240}" python -m pytest -q -x -m gpu \
-    tests/transport/test_peer.py tests/test_exchange_paths.py > "$OUT/peer_tests.log" 2>&1
+    tests/transport/test_peer.py tests/test_exchange_paths.py tests/transport/test_fp8_dispatch.py \
+    > "$OUT/peer_tests.log" 2>&1
   echo "== peer tests rc=$? $((SECONDS - start))s: $(tail -n 1 "$OUT/peer_tests.log")"
 fi
 EP_ARGS=${EP_ARGS:-"{}"}
@@ -40,4 +41,4 @@ fi
 echo "== ep rc=$? $((SECONDS - start))s"
 grep -v -E "Warning|warn\(|^\s*$|Gloo" "$OUT/ep.log" | tail -n 40
 grep -E "(FAILED|Error|error)" "$OUT/peer_tests.log" 2>/dev/null | head -20
-tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
+tar -czf "$OUT/ep-results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"

@@ -3,7 +3,7 @@
 # from the repository root: P4 at the DeepSeek-like shape on both exchanges
 # (bf16 and FP8 dispatch), then compute-sanitizer memcheck and racecheck over
 # tests/transport/cupy_sanitizer_workload.py, one process per GPU. JSON goes to
-# $OUT/results.tar.gz, logs to $OUT.
+# $OUT/check-results.tar.gz, logs to $OUT.
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -29,4 +29,4 @@ for tool in memcheck racecheck; do
     python tests/transport/cupy_sanitizer_workload.py > "$OUT/$tool.log" 2>&1
   echo "== $tool rc=$? $((SECONDS - start))s: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|workload done' "$OUT/$tool.log" | tr '\n' ' ')"
 done
-tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
+tar -czf "$OUT/check-results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"

@@ -41,3 +41,39 @@ def count_sites(hlo_text: str, opcode: str = "all-to-all", scope: str = "") -> i
   XLA may unroll a short loop (a 2-layer scan) and copy its body, and such
   copies are one exchange per iteration, not a re-run."""
   return len({name for op, name, _ in collectives(hlo_text) if op == opcode and scope in name})
+
+
+_COMPUTATION = re.compile(r"^%?([\w.\-]+)\s.*\{\s*$")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_FUSION_KIND = re.compile(r"kind=(\w+)")
+
+
+def fp8_consumers(hlo_text: str) -> list[dict]:
+  """The fusions of a compiled module that read FP8 (``f8e4m3fn``) values:
+  for each, its output shape, fusion kind, whether it is a GEMM (a dot
+  inside) and its op_name. Tells whether XLA dequantizes FP8 slabs inside
+  the expert GEMM's fusion or in a pass of its own that writes them out."""
+  bodies, current = {}, None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header is not None:
+      current = header.group(1)
+      bodies[current] = []
+    elif line.strip() == "}":
+      current = None
+    elif current is not None:
+      bodies[current].append(line)
+  found = []
+  for line in hlo_text.splitlines():
+    if " fusion(" not in line or "calls=" not in line:
+      continue
+    body = bodies.get(_CALLS.search(line).group(1), [])
+    if not any("f8e4m3fn" in inner for inner in body):
+      continue
+    kind = _FUSION_KIND.search(line)
+    name = _OP_NAME.search(line)
+    found.append({"shape": line.split("=", 1)[1].split("fusion(", 1)[0].strip(),
+                  "kind": kind.group(1) if kind else "",
+                  "gemm": any(" dot(" in inner for inner in body),
+                  "op_name": name.group(1) if name else ""})
+  return found

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_ep import ExpertParallelMoE, MoEConfig
-from moe_ep.bench import common
+from moe_ep.bench import common, hlo
 from moe_ep.bench.experts import bank_flops
 
 FP8 = "float8_e4m3fn"
@@ -42,6 +42,8 @@ def _variant(mesh, *, hidden, ffn, num_experts, top_k, tokens, seq, factor, back
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
   timing = common.time_ms(step, params, x, iters=iters)
   (_, aux), _ = step(params, x)
+  fp8_fusions = (hlo.fp8_consumers(step.lower(params, x).compile().as_text())
+                 if dispatch_dtype else None)
   total_tokens = devices * tokens
   kept_rows = total_tokens * top_k * (1.0 - float(aux.dropped_fraction))
   flops = bank_flops(kept_rows, hidden, ffn) + 3 * 2 * total_tokens * hidden * num_experts
@@ -50,7 +52,7 @@ def _variant(mesh, *, hidden, ffn, num_experts, top_k, tokens, seq, factor, back
           "capacity_factor": factor, "expert_capacity": config.expert_capacity or None,
           "dropped_fraction": float(aux.dropped_fraction), "useful_flops": flops,
           "tflops_per_device": tflops_per_device, "mfu": tflops_per_device / peak_tflops,
-          **timing}
+          **({"fp8_fusions": fp8_fusions} if dispatch_dtype else {}), **timing}
 
 
 def run(hidden=4096, ffn=14336, num_experts=8, top_k=2, tokens=16384, seq=2048,
@@ -96,4 +98,7 @@ def summary(result: dict) -> str:
     lines.append(f"  {name}: {v['median_ms']:.2f} ms, {v['tflops_per_device']:.0f} TFLOP/s "
                  f"useful per device, MFU {100 * v['mfu']:.0f}%, dropped "
                  f"{100 * v['dropped_fraction']:.1f}%")
+    for f in v.get("fp8_fusions", []):
+      lines.append(f"    reads FP8: {f['kind']}{' GEMM' if f['gemm'] else ''} -> {f['shape']} "
+                   f"({f['op_name'][-60:]})")
   return "\n".join(lines)
