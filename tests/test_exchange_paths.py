@@ -173,13 +173,13 @@ def fused_model(rows, out, handles, dtype):
   """kernels/peer.cu's fused row kernels, step by step in NumPy, per rank r:
   rows [R][T, H], expert outputs out [R][L*C, H], handles [R] (NumPy fields).
 
-  Dispatch: each token row goes to the slot of every other rank it is sent
-  to and into r's own slab rows through recv_pos[r, s] (peer_dispatch_send);
-  each received slot row goes to its members' slab rows (peer_dispatch_recv);
-  padding rows are zero. Combine: per row from src, the float32 member sum in
-  member order, rounded, into src's slot (peer_combine_send); per token the
-  float32 sum over ranks in order, r's own member sum rounded as if it had
-  travelled, rounded once (peer_combine_recv)."""
+  Dispatch (peer_dispatch): senders copy the token send_token[d, s] into
+  row s of r's slot on every other rank d; receivers zero the padding rows,
+  copy r's own token send_token[r, s] into the members recv_pos[r, s], and
+  each received slot row into its members. Combine (peer_combine): senders
+  put, per row from src, the float32 member sum in member order, rounded,
+  into src's slot; receivers, per token, the float32 sum over ranks in
+  order, r's own member sum rounded as if it had travelled, rounded once."""
   ranks = len(rows)
   tokens, hidden = rows[0].shape
   send_capacity, top_k = handles[0].recv_pos.shape[1:]
@@ -196,11 +196,15 @@ def fused_model(rows, out, handles, dtype):
   def members(h, src, s):
     return [n for n in h.recv_pos[src, s] if 0 <= n < num_slab_rows]
 
+  def token(h, d, s):
+    t = h.send_token[d, s]
+    return t if 0 <= t < tokens else -1
+
   for r, h in enumerate(handles):
-    for t in range(tokens):
-      for d in range(ranks):
-        s = wire_slot(h, t, d)
-        if s < 0:
+    for d in range(ranks):
+      for s in range(send_capacity):
+        t = token(h, d, s)
+        if t < 0:
           continue
         if d != r:
           slots[d][r][s] = rows[r][t]
