@@ -124,8 +124,9 @@ MAX_CHUNKS = 1024  # signalled chunks per destination of one fused exchange (PEE
 _CHUNKS_PER_SENDER = 8  # chunks each sender block signals, at most
 _MIN_CHUNK_BYTES = 128 << 10  # smaller chunks only to give every sender block one
 # The share of a fused exchange's blocks that store rows into the other GPUs
-# (on 2 H200s at T=8192, H=7168: dispatch 44 of 132 SMs 493 us, 33 504 us,
-# 66 534 us; combine 66 557 us, 44 566 us: benchmarks/results/ep-20261130-194418.json).
+# (2 H200s, T=8192, H=7168, 132 SMs: dispatch rows with 33 / 44 / 66 senders
+# 506 / 503 / 566 us, combine with 33 / 66 631 / 542 us; at T=4096 66 senders
+# were best for both: benchmarks/results/ep-20261130-200223.json).
 SEND_SHARE = {"dispatch": 1 / 3, "combine": 0.5}
 
 
