@@ -96,7 +96,12 @@ __device__ int wait_at_least(const u64* word, u64 target, const volatile u32* fa
   const u64 start_ns = global_ns();
   const long long start_cycles = clock64();
   const long long max_cycles = (long long)(2 * timeout_ns);
+  unsigned backoff_ns = 32;
   while (true) {
+    // Backs off between polls: many waiters hammering one L2 line slow down
+    // the stores they are waiting for.
+    __nanosleep(backoff_ns);
+    backoff_ns = backoff_ns < 512 ? 2 * backoff_ns : 512;
     if (load_acquire(word) >= target) return 0;
     if (*failed != 0u) return 1;
     const u64 waited = global_ns() - start_ns;
@@ -651,7 +656,8 @@ __device__ __forceinline__ i64 receiver_warps(int send_blocks) {
   return ((i64)(gridDim.x - send_blocks) * blockDim.x) >> 5;
 }
 
-#define RECV_GROUP 4  // consecutive units a receiver warp takes: one flag poll for several rows
+#define RECV_GROUP 1  // consecutive units a receiver warp takes (a chunk's rows then spread
+                      // over many warps: a short tail after the last chunk lands)
 
 // Copies one unit of `row` into the slab rows of the members in `members`
 // (lane k holds member k's slab row).
