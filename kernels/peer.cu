@@ -383,10 +383,6 @@ extern "C" __global__ void peer_drain_v16(uint4* out, const u64* peers, int rank
 #define ROW_MAX_LANES 32   // ep_size and top_k limit: one lane per entry
 
 __device__ __forceinline__ int lane_index() { return (int)(threadIdx.x & 31u); }
-__device__ __forceinline__ i64 grid_warp() {
-  return ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-}
-__device__ __forceinline__ i64 grid_warps() { return ((i64)gridDim.x * blockDim.x) >> 5; }
 
 __device__ __forceinline__ bool row_args_ok(int rank, int ep_size, int send_capacity, int top_k,
                                             int num_slab_rows, int row_vecs, int segment_vecs) {
