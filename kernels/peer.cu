@@ -496,6 +496,15 @@ __device__ __forceinline__ void add_members(const uint4* __restrict__ table, int
   }
 }
 
+// Float32 accumulators set to +0.0 (the start of every fixed-order sum).
+template <int U, int N>
+__device__ __forceinline__ void zero_sums(float (&acc)[U][N]) {
+#pragma unroll
+  for (int i = 0; i < U; ++i)
+#pragma unroll
+    for (int e = 0; e < N; ++e) acc[i][e] = 0.0f;
+}
+
 template <typename T, int U>
 __device__ __forceinline__ void store_sums(const float (&acc)[U][16 / sizeof(typename T::Elem)],
                                            uint4* __restrict__ row, int base, int end) {
@@ -814,10 +823,7 @@ __device__ __forceinline__ void peer_combine(
                   const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
                   for (int base = u.begin; base < u.end; base += 32 * ROW_SUM_UNROLL) {
                     float acc[ROW_SUM_UNROLL][kPerVec];
-#pragma unroll
-                    for (int i = 0; i < ROW_SUM_UNROLL; ++i)
-#pragma unroll
-                      for (int e = 0; e < kPerVec; ++e) acc[i][e] = 0.0f;
+                    zero_sums(acc);
                     add_members<T, ROW_SUM_UNROLL>(table, row_vecs, member, members, base, u.end,
                                                    acc);
                     store_sums<T, ROW_SUM_UNROLL>(acc, out, base, u.end);
@@ -855,18 +861,12 @@ __device__ __forceinline__ void peer_combine(
       uint4* out = (uint4*)y + u.row * row_vecs;
       for (int base = u.begin; base < u.end; base += 32 * ROW_SUM_UNROLL) {
         float acc[ROW_SUM_UNROLL][kPerVec];
-#pragma unroll
-        for (int i = 0; i < ROW_SUM_UNROLL; ++i)
-#pragma unroll
-          for (int e = 0; e < kPerVec; ++e) acc[i][e] = 0.0f;
+        zero_sums(acc);
         for (u32 m = ranks; m != 0u; m &= m - 1u) {
           const int d = __ffs(m) - 1;
           if (d == rank) {
             float part[ROW_SUM_UNROLL][kPerVec];
-#pragma unroll
-            for (int i = 0; i < ROW_SUM_UNROLL; ++i)
-#pragma unroll
-              for (int e = 0; e < kPerVec; ++e) part[i][e] = 0.0f;
+            zero_sums(part);
             add_members<T, ROW_SUM_UNROLL>(table, row_vecs, member, members, base, u.end, part);
 #pragma unroll
             for (int i = 0; i < ROW_SUM_UNROLL; ++i)
