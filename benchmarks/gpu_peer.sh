@@ -4,12 +4,7 @@
 # graphs for the callbacks. JSON goes to $OUT/ep-results.tar.gz, logs to $OUT.
 #   PEER_TESTS=0 skips the tests; EP_ARGS is a Python dict of run() arguments;
 #   PROCESSES=2 runs P2 as one process per GPU.
-set -u
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT/results"
-python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source benchmarks/gpu_setup.sh
 start=$SECONDS
 if [ "${PEER_TESTS:-1}" = 1 ]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-240}" python -m pytest -q -x -m gpu \

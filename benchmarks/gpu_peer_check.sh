@@ -4,12 +4,7 @@
 # (bf16 and FP8 dispatch), then compute-sanitizer memcheck and racecheck over
 # tests/transport/cupy_sanitizer_workload.py, one process per GPU. JSON goes to
 # $OUT/check-results.tar.gz, logs to $OUT.
-set -u
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT/results"
-python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source benchmarks/gpu_setup.sh
 start=$SECONDS
 XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" timeout "${LAYER_TIMEOUT:-240}" python - > "$OUT/layer.log" 2>&1 <<PY
 import pathlib
