@@ -281,11 +281,7 @@ def _rows_to_slabs_fp8(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> j
     targets = _token_member_pos(handle)
     sources = _lookup(handle.send_token.reshape(-1), slab_row, -1)
   else:
-    send_wire = ops.quantize_pack_expand(rows, _wire_rows(handle),
-                                         handle.send_token.reshape(-1))
-    width = send_wire.shape[-1]
-    wire = _exchange(spec, send_wire.reshape(spec.ep_size, -1, width),
-                     "exchange_rows").reshape(-1, width)
+    wire = _exchanged_wire_rows(spec, rows, handle)
     targets, sources = handle.recv_pos.reshape(-1, handle.top_k), slab_row
   slabs = ops.unpack_dequantize_expand(wire, targets, sources, hidden=hidden, dtype=rows.dtype)
   return slabs.reshape(slab_shape)
@@ -302,12 +298,20 @@ def _rows_to_fp8_slabs(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> j
   width = _fp8().wire_bytes(rows.shape[-1])
   if spec.ep_size == 1 or _fused_peer_rows(spec, jnp.uint8, width, handle.top_k, sums=False):
     return _rows_to_slabs(spec, ops.quantize_pack_expand(rows), handle)
-  send_wire = ops.quantize_pack_expand(rows, _wire_rows(handle), handle.send_token.reshape(-1))
-  wire = _exchange(spec, send_wire.reshape(spec.ep_size, -1, width),
-                   "exchange_rows").reshape(-1, width)
-  slab_row = handle.slab_row.reshape(-1)
+  wire = _exchanged_wire_rows(spec, rows, handle)
   return ops.expand_rows(wire, handle.recv_pos.reshape(-1, handle.top_k),
-                         slab_row).reshape(handle.slab_row.shape + (width,))
+                         handle.slab_row.reshape(-1)).reshape(handle.slab_row.shape + (width,))
+
+
+def _exchanged_wire_rows(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """R > 1: each token quantized once, fused with its expand into the send
+  rows, and the exchange: ``rows [T, H]`` -> received wire rows ``[R * S,
+  W]`` uint8."""
+  send_wire = spec.ops.quantize_pack_expand(rows, _wire_rows(handle),
+                                            handle.send_token.reshape(-1))
+  width = send_wire.shape[-1]
+  return _exchange(spec, send_wire.reshape(spec.ep_size, -1, width),
+                   "exchange_rows").reshape(-1, width)
 
 
 def _weights_to_routes(spec: _Spec, slab_values: jax.Array, handle: RoutingHandle) -> jax.Array:
