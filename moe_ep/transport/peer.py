@@ -1021,16 +1021,19 @@ def _check_maps(mesh, axis_name: str, recv_pos, *, wire_rows=None, send_token=No
   return ep_size, recv_pos.shape[1], recv_pos.shape[2]
 
 
-def _fused_launches(kind: str, function_name: str, layout: ChannelLayout, site_what: str,
-                    dtype, mesh, axis_name: str, sizes: tuple, num_tokens: int,
-                    send_capacity: int, row_vecs: int, buffers: tuple) -> dict:
-  """Every local device's one launch of a fused row kernel: ``(peers, rank,
-  ep_size, num_tokens, *sizes, chunking..., slots, tail)`` after the buffer
-  pointers."""
-  ep_size = layout.ep_size
+def _fused_launches(kind: str, function_name: str, site_what: str, dtype, hidden: int, mesh,
+                    axis_name: str, ep_size: int, num_tokens: int, send_capacity: int,
+                    sizes: tuple, buffers: tuple) -> dict:
+  """Every local device's one launch of a fused row kernel moving rows of
+  ``hidden`` elements of ``dtype`` on the channel of ``[S, H]`` chunks:
+  ``(peers, rank, ep_size, num_tokens, *sizes, chunking..., slots, tail)``
+  after the buffer pointers."""
+  row_bytes = hidden * np.dtype(dtype).itemsize
+  row_vecs = row_bytes // 16
+  layout = ChannelLayout(ep_size, send_capacity * row_bytes)
   channel = _gpu_channel(mesh, axis_name, layout)
-  site = _site(site_what, (ep_size, send_capacity, row_vecs * 16 // np.dtype(dtype).itemsize),
-               dtype, channel.key if channel is not None else "")
+  site = _site(site_what, (ep_size, send_capacity, hidden), dtype,
+               channel.key if channel is not None else "")
   timeout_ns = int(timeout_s() * 1e9)
   launches = {}
   for ordinal, state in (channel.on_device.items() if channel is not None else ()):
@@ -1050,12 +1053,10 @@ def _fused_dispatch(rows, send_token, recv_pos, slab_row, *, axis_name: str, mes
   num_tokens, hidden = rows.shape
   ep_size, send_capacity, top_k = recv_pos.shape
   num_slab_rows = slab_row.shape[0]
-  row_bytes = hidden * rows.dtype.itemsize
-  layout = ChannelLayout(ep_size, send_capacity * row_bytes)
   launches = _fused_launches(
-      "dispatch", "dispatch", layout, "dispatch_rows", rows.dtype, mesh, axis_name,
-      (send_capacity, top_k, num_slab_rows, row_bytes // 16), num_tokens, send_capacity,
-      row_bytes // 16,
+      "dispatch", "dispatch", "dispatch_rows", rows.dtype, hidden, mesh, axis_name, ep_size,
+      num_tokens, send_capacity,
+      (send_capacity, top_k, num_slab_rows, hidden * rows.dtype.itemsize // 16),
       (0, 1, 2, 3, 4))  # buffers: rows 0, send_token 1, recv_pos 2, slab_row 3, slabs 4
   return _fused_call("dispatch rows", launches, (rows, send_token, recv_pos, slab_row),
                      jax.ShapeDtypeStruct((num_slab_rows, hidden), rows.dtype), axis_name)
@@ -1065,12 +1066,10 @@ def _fused_combine(slabs, recv_pos, wire_rows, *, axis_name: str, mesh):
   num_slab_rows, hidden = slabs.shape
   ep_size, send_capacity, top_k = recv_pos.shape
   num_tokens = wire_rows.shape[0]
-  row_bytes = hidden * slabs.dtype.itemsize
-  layout = ChannelLayout(ep_size, send_capacity * row_bytes)
   launches = _fused_launches(
-      "combine", f"combine_{_SUM_SUFFIX[np.dtype(slabs.dtype).name]}", layout, "combine_rows",
-      slabs.dtype, mesh, axis_name, (send_capacity, top_k, num_slab_rows, hidden), num_tokens,
-      send_capacity, row_bytes // 16,
+      "combine", f"combine_{_SUM_SUFFIX[np.dtype(slabs.dtype).name]}", "combine_rows",
+      slabs.dtype, hidden, mesh, axis_name, ep_size, num_tokens, send_capacity,
+      (send_capacity, top_k, num_slab_rows, hidden),
       (0, 1, 2, 3))  # buffers: slabs 0, recv_pos 1, wire_rows 2, y 3
   return _fused_call("combine rows", launches, (slabs, recv_pos, wire_rows),
                      jax.ShapeDtypeStruct((num_tokens, hidden), slabs.dtype), axis_name)
