@@ -1,9 +1,9 @@
 """Finds and assembles the CUDA sources in ``kernels/`` (no CuPy needed).
 
 Used by the CuPy backend (NVRTC) and by the test that compiles every kernel
-with ``nvcc``, so both see the same text: ``common.cuh`` followed by the
-kernel file, each under a ``#line`` directive so compiler errors name the
-kernel file and line.
+with ``nvcc``, so both see the same text: ``common.cuh``, the headers the
+kernel file uses (:data:`HEADERS`), then the kernel file, each under a
+``#line`` directive so compiler errors name the file and line.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ import pathlib
 
 COMMON_HEADER = "common.cuh"
 KERNEL_FILES = ("rows.cu", "layout.cu", "peer.cu", "fp8.cu")
+# Headers prepended after COMMON_HEADER: the FP8 format's rules serve the FP8
+# row passes and the peer dispatch that quantizes as it sends.
+HEADERS = {"fp8.cu": ("fp8.cuh",), "peer.cu": ("fp8.cuh",)}
 # NVRTC options; nvcc understands the same ones.
 COMPILE_OPTIONS = ("-std=c++17",)
 
@@ -34,7 +37,7 @@ def source(kernel_file: str) -> str:
     raise ValueError(f"kernel_file={kernel_file!r} is not one of {KERNEL_FILES}")
   folder = kernel_dir()
   parts = []
-  for name in (COMMON_HEADER, kernel_file):
+  for name in (COMMON_HEADER, *HEADERS.get(kernel_file, ()), kernel_file):
     path = folder / name
     parts.append(f'#line 1 "{path}"\n{path.read_text()}')
   return "\n".join(parts)
