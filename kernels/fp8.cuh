@@ -68,3 +68,83 @@ __device__ __forceinline__ void e4m3x2_to_f32x2(u32 codes, float* lo, float* hi)
 }
 
 __device__ __forceinline__ int fp8_code_bytes(int hidden) { return (hidden + 15) & ~15; }
+
+// --- one warp step of the quantize fused with the peer dispatch's senders ----
+// Rows with hidden % 16 == 0: lane l takes channels c = 512 * step + 16 * l +
+// [0, 16) (all in the row or all past it), so lanes 8j .. 8j + 7 hold scale
+// block 4 * step + j, and the step's codes are 32 16-byte vectors of the wire
+// row and its four scales one more. Same rules, hence the same bytes, as
+// fp8.cu's quantize_pack.
+#define FP8_STEP_CHANNELS 512
+
+// The lane's 16 channels of step `step` of `row` as float32; past the row, 0.
+template <typename T>
+__device__ __forceinline__ void fp8_load_sixteen(const typename T::Elem* __restrict__ row,
+                                                 int hidden, int step, float (&v)[16]) {
+  constexpr int kPerVec = 16 / sizeof(typename T::Elem);
+  const int c = FP8_STEP_CHANNELS * step + 16 * (int)(threadIdx.x & 31u);
+  if (c < hidden) {  // c + 16 <= hidden: one row is a whole number of 16-byte vectors
+    const uint4* vectors = reinterpret_cast<const uint4*>(row + c);
+#pragma unroll
+    for (int k = 0; k < 16 / kPerVec; ++k) {
+      Pack16<T> pack;
+      pack.raw = vectors[k];
+#pragma unroll
+      for (int e = 0; e < kPerVec; ++e) v[k * kPerVec + e] = T::load(pack.elems[e]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = 0.0f;
+}
+
+// Quantizes the lane's 16 values of step `step` (warp-wide: every lane calls
+// it). Returns its 16 codes, byte i for channel c + i; *scales: the step's four
+// block scales as float32 bits (0 for blocks past the row), in every lane. A
+// block holding a NaN or inf: scale NaN, codes 0x7f.
+__device__ __forceinline__ uint4 fp8_quantize_sixteen(const float (&v)[16], int hidden, int step,
+                                                      uint4* scales) {
+  const int lane = (int)(threadIdx.x & 31u);
+  bool finite = true;
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    finite = finite && fp8_is_finite(v[i]);
+    amax = fmaxf(amax, fabsf(v[i]));  // a non-finite block's amax is unused
+  }
+#pragma unroll
+  for (int offset = 4; offset > 0; offset >>= 1)  // over the block's 8 lanes
+    amax = fmaxf(amax, __shfl_xor_sync(MOE_EP_FULL_MASK, amax, offset));
+  const u32 poisoned = __ballot_sync(MOE_EP_FULL_MASK, !finite);
+  finite = ((poisoned >> (lane & 24)) & 0xffu) == 0u;
+  uint4 codes;
+  u32 scale;
+  if (finite) {
+    const int exponent = fp8_scale_exponent(amax);
+    scale = __float_as_uint(fp8_pow2(exponent));
+    const float inverse = fp8_pow2(-exponent);
+    u32 words[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float y[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)  // exact: a power-of-two factor
+        y[i] = fminf(fmaxf(v[4 * k + i] * inverse, -FP8_MAX), FP8_MAX);
+      words[k] = f32x2_to_e4m3x2(y[0], y[1]) | (f32x2_to_e4m3x2(y[2], y[3]) << 16);
+    }
+    codes = make_uint4(words[0], words[1], words[2], words[3]);
+  } else {
+    scale = FP8_CANONICAL_NAN;
+    const u32 nan = FP8_NAN_CODE * 0x01010101u;
+    codes = make_uint4(nan, nan, nan, nan);
+  }
+  const int blocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK;
+  u32 s[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    s[j] = __shfl_sync(MOE_EP_FULL_MASK, scale, 8 * j);
+    if (4 * step + j >= blocks) s[j] = 0u;
+  }
+  *scales = make_uint4(s[0], s[1], s[2], s[3]);
+  return codes;
+}

@@ -582,12 +582,15 @@ __device__ __forceinline__ uint4* slot_on(const Exchange& ex, u64 base, int writ
 
 // Sender blocks: chunks (q, dest) in q-major order, block b taking chunks b,
 // b + send_blocks, ...; each warp of the block produces units of the chunk's
-// rows with `fill(dest, s, unit, slot_row)` (slot_row: row s of this rank's
-// slot on dest), then the block raises flags[p][rank][q] on dest. Waits first
-// for every destination's acknowledgement of step s - 2 (its slots are free).
+// rows with `fill(dest, s, unit, slot_row)` (a row: row_units units, in
+// `segments` units of segment_units; slot_row: row s of this rank's slot on
+// dest, rows of slot_row_vecs vectors), then the block raises
+// flags[p][rank][q] on dest. Waits first for every destination's
+// acknowledgement of step s - 2 (its slots are free).
 template <typename Fill>
 __device__ __forceinline__ void send_chunks(const Exchange& ex, const Chunks& c, int segments,
-                                            int segment_vecs, int row_vecs, Fill fill) {
+                                            int segment_units, int row_units, int slot_row_vecs,
+                                            Fill fill) {
   if (threadIdx.x == 0 && ex.step > 2) {
     for (int dest = 0; dest < ex.ep_size; ++dest)
       if (dest != ex.rank)
@@ -605,9 +608,9 @@ __device__ __forceinline__ void send_chunks(const Exchange& ex, const Chunks& c,
     const int first = q * c.chunk_rows;
     const int rows = min(c.chunk_rows, c.send_capacity - first);
     for (int unit = warp; unit < rows * segments; unit += warps) {
-      const RowUnit u = row_unit(unit, segments, segment_vecs, row_vecs);
+      const RowUnit u = row_unit(unit, segments, segment_units, row_units);
       const i64 s = first + u.row;
-      fill(dest, s, u, slot + s * row_vecs);
+      fill(dest, s, u, slot + s * slot_row_vecs);
     }
     // Release: the barrier orders every thread's stores of the chunk before
     // thread 0's system fence, which orders them before the flag (the
@@ -681,8 +684,102 @@ __device__ __forceinline__ void copy_to_members(const uint4* __restrict__ row,
   }
 }
 
+// How dispatch's senders and its own-rows receivers turn token t into its
+// wire row (the row that travels and lands in the slabs), `units()` units per
+// row. CopyRows: the rows are already wire rows, units are 16-byte vectors.
+// QuantizeRows<T>: FP8 dispatch, each T row quantized on the way (fp8.cuh's
+// warp step), units are quantize steps of FP8_STEP_CHANNELS channels.
+struct CopyRows {
+  static constexpr bool kVectorUnits = true;
+  const uint4* __restrict__ rows;  // [T, row_vecs]
+  int row_vecs;
+
+  __device__ __forceinline__ bool fits(int wire_row_vecs) const { return row_vecs == wire_row_vecs; }
+  __device__ __forceinline__ int units() const { return row_vecs; }
+
+  // Units [u.begin, u.end) of token t's wire row into `out` (one wire row).
+  __device__ __forceinline__ void to_row(int token, const RowUnit& u, uint4* __restrict__ out) const {
+    const uint4* row = rows + (i64)token * row_vecs;
+    for (int base = u.begin; base < u.end; base += 32 * ROW_COPY_UNROLL) {
+      uint4 values[ROW_COPY_UNROLL];
+      load_step<ROW_COPY_UNROLL, false>(row, base, u.end, values);
+      store_step<ROW_COPY_UNROLL>(values, out, base, u.end);
+    }
+  }
+
+  // The same units into the slab rows of the members in `members`.
+  __device__ __forceinline__ void to_members(int token, const RowUnit& u, uint4* __restrict__ slabs,
+                                             int member, u32 members) const {
+    copy_to_members<false>(rows + (i64)token * row_vecs, slabs, row_vecs, member, members, u);
+  }
+};
+
+template <typename T>
+struct QuantizeRows {
+  static constexpr bool kVectorUnits = false;
+  const typename T::Elem* __restrict__ rows;  // [T, hidden], hidden % 16 == 0
+  int hidden;
+
+  __device__ __forceinline__ int code_vecs() const { return hidden / 16; }
+  __device__ __forceinline__ int units() const {
+    return (hidden + FP8_STEP_CHANNELS - 1) / FP8_STEP_CHANNELS;
+  }
+  // A wire row: hidden / 16 code vectors, then one vector of 4 scales per step.
+  __device__ __forceinline__ bool fits(int wire_row_vecs) const {
+    return hidden >= 16 && hidden % 16 == 0 && wire_row_vecs == code_vecs() + units();
+  }
+
+  // Steps [u.begin, u.end) of token t, two loaded at a time: emit(step,
+  // codes, scales) per step, warp-wide (the stores are the caller's).
+  template <typename Emit>
+  __device__ __forceinline__ void quantize(int token, const RowUnit& u, Emit emit) const {
+    const typename T::Elem* row = rows + (i64)token * hidden;
+    for (int step = u.begin; step < u.end; step += 2) {
+      float v[2][16];
+      fp8_load_sixteen<T>(row, hidden, step, v[0]);
+      fp8_load_sixteen<T>(row, step + 1 < u.end ? hidden : 0, step + 1, v[1]);  // 0: none
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (step + i < u.end) {
+          uint4 scales;
+          const uint4 codes = fp8_quantize_sixteen(v[i], hidden, step + i, &scales);
+          emit(step + i, codes, scales);
+        }
+      }
+    }
+  }
+
+  // Stores one step's codes (lanes whose channels are in the row) and scales
+  // (lane 0) into the wire row `out`.
+  __device__ __forceinline__ void store(uint4* __restrict__ out, int step, uint4 codes,
+                                        uint4 scales) const {
+    const int v = step * 32 + lane_index();
+    if (v < code_vecs()) out[v] = codes;
+    if (lane_index() == 0) out[code_vecs() + step] = scales;
+  }
+
+  __device__ __forceinline__ void to_row(int token, const RowUnit& u, uint4* __restrict__ out) const {
+    quantize(token, u, [&](int step, uint4 codes, uint4 scales) { store(out, step, codes, scales); });
+  }
+
+  __device__ __forceinline__ void to_members(int token, const RowUnit& u, uint4* __restrict__ slabs,
+                                             int member, u32 members) const {
+    const int row_vecs = code_vecs() + units();
+    quantize(token, u, [&](int step, uint4 codes, uint4 scales) {
+      for (u32 m = members; m != 0u; m &= m - 1u) {
+        const int n = __shfl_sync(MOE_EP_FULL_MASK, member, __ffs(m) - 1);
+        store(slabs + (i64)n * row_vecs, step, codes, scales);
+      }
+    });
+  }
+};
+
 // ---------------------------------------------------------------------------
 // peer_dispatch: rows [T, H] -> slabs [L * C, H] of every rank, one exchange.
+// peer_dispatch_fp8_{f32,bf16,f16}: rows [T, hidden] -> FP8 slabs [L * C, W]
+// uint8 (fp8.cuh's wire rows), the same exchange with each token quantized
+// by the warp that sends or places it (hidden % 16 == 0), so no separate
+// quantize pass: the bytes of quantize_pack followed by peer_dispatch.
 //   senders:   chunk (q, d): for slot s of the chunk, token send_token[d * S +
 //              s] (if in [0, T)) stored into row s of this rank's slot on d.
 //   receivers: units in this order, RECV_GROUP consecutive ones per warp,
@@ -692,44 +789,48 @@ __device__ __forceinline__ void copy_to_members(const uint4* __restrict__ row,
 //              (3) the other ranks' slots, chunk by chunk in q-major order:
 //              wait for the chunk's flag, copy row s of src's slot into the
 //              members recv_pos[src * S + s].
+//   units:     (1) and (3) split rows of row_vecs into segments of
+//              recv_segment vectors; (2) and the senders split the rows as
+//              the source row's units (peer_dispatch: vectors, segments of
+//              recv_segment and send_segment; FP8: quantize steps, (2) in as
+//              many segments as (1), the senders in segments of send_segment
+//              steps).
 //   grid:      send_blocks + at least one receiver block, 32 * w threads.
-//   inputs:    rows [T, row_vecs] uint4, send_token [R * S], recv_pos [R * S,
-//              K], slab_row [L * C] int32; peers [R] channel bases.
+//   inputs:    rows [T, row_vecs] uint4 (FP8: [T, hidden] T::Elem),
+//              send_token [R * S], recv_pos [R * S, K], slab_row [L * C]
+//              int32; peers [R] channel bases.
 //   output:    slabs [L * C, row_vecs] uint4, every row written once.
 // ---------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch(
-    const uint4* __restrict__ rows, const int* __restrict__ send_token,
-    const int* __restrict__ recv_pos, const int* __restrict__ slab_row,
-    uint4* __restrict__ slabs, const u64* __restrict__ peers, int rank, int ep_size,
-    int num_tokens, int send_capacity, int top_k, int num_slab_rows, int row_vecs,
-    int chunk_rows, int num_chunks, int send_blocks, int send_segment_vecs,
+template <typename Source>
+__device__ __forceinline__ void dispatch_rows(
+    const Source& source, const int* __restrict__ send_token, const int* __restrict__ recv_pos,
+    const int* __restrict__ slab_row, uint4* __restrict__ slabs, const u64* __restrict__ peers,
+    int rank, int ep_size, int num_tokens, int send_capacity, int top_k, int num_slab_rows,
+    int row_vecs, int chunk_rows, int num_chunks, int send_blocks, int send_segment,
     int recv_segment_vecs, i64 slot_bytes, i64 data_offset, u32* failed, PeerFailure* record,
     u64 timeout_ns, int site) {
   const Chunks c{send_capacity, chunk_rows, num_chunks, send_blocks};
-  if (!row_args_ok(rank, ep_size, send_capacity, top_k, num_slab_rows, row_vecs,
-                   send_segment_vecs) ||
-      recv_segment_vecs < 1 || num_tokens < 1 || !chunks_ok(c))
+  if (!row_args_ok(rank, ep_size, send_capacity, top_k, num_slab_rows, row_vecs, send_segment) ||
+      !source.fits(row_vecs) || recv_segment_vecs < 1 || num_tokens < 1 || !chunks_ok(c))
     return;
   const Exchange ex = open_exchange(peers, rank, ep_size, slot_bytes, data_offset, failed, record,
                                     timeout_ns, site);
   const i64 wire_rows = (i64)ep_size * send_capacity;
+  const int source_units = source.units();
   if ((int)blockIdx.x < send_blocks) {
-    const int segments = (row_vecs + send_segment_vecs - 1) / send_segment_vecs;
-    send_chunks(ex, c, segments, send_segment_vecs, row_vecs,
+    const int segments = (source_units + send_segment - 1) / send_segment;
+    send_chunks(ex, c, segments, send_segment, source_units, row_vecs,
                 [&](int dest, i64 s, const RowUnit& u, uint4* out) {
                   const int token = __ldg(send_token + (i64)dest * send_capacity + s);
                   if (token < 0 || token >= num_tokens) return;
-                  const uint4* row = rows + (i64)token * row_vecs;
-                  for (int base = u.begin; base < u.end; base += 32 * ROW_COPY_UNROLL) {
-                    uint4 values[ROW_COPY_UNROLL];
-                    load_step<ROW_COPY_UNROLL, false>(row, base, u.end, values);
-                    store_step<ROW_COPY_UNROLL>(values, out, base, u.end);
-                  }
+                  source.to_row(token, u, out);
                 });
     finish_exchange(ex);
     return;
   }
   const int segments = (row_vecs + recv_segment_vecs - 1) / recv_segment_vecs;
+  const int own_segment = Source::kVectorUnits ? recv_segment_vecs
+                                               : (source_units + segments - 1) / segments;
   const i64 padding_units = (i64)num_slab_rows * segments;
   const i64 own_units = (i64)send_capacity * segments;
   const i64 chunk_units = (i64)chunk_rows * segments;
@@ -747,14 +848,13 @@ extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch(
         for (int v = u.begin + lane_index(); v < u.end; v += 32)
           slabs[u.row * row_vecs + v] = make_uint4(0u, 0u, 0u, 0u);
       } else if (unit < padding_units + own_units) {  // (2) this rank's own rows
-        const RowUnit u =
-            row_unit(unit - padding_units, segments, recv_segment_vecs, row_vecs);
+        const RowUnit u = row_unit(unit - padding_units, segments, own_segment, source_units);
         const i64 wire = (i64)rank * send_capacity + u.row;
         const int member = member_row(recv_pos, wire, top_k, num_slab_rows);
         const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
         const int token = __ldg(send_token + wire);
         if (members == 0u || token < 0 || token >= num_tokens) continue;
-        copy_to_members<false>(rows + (i64)token * row_vecs, slabs, row_vecs, member, members, u);
+        source.to_members(token, u, slabs, member, members);
       } else {  // (3) the other ranks' rows, chunk by chunk
         const i64 rest = unit - padding_units - own_units;
         const i64 chunk = rest / chunk_units;
@@ -775,6 +875,37 @@ extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch(
   }
   finish_exchange(ex);
 }
+
+extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch(
+    const uint4* __restrict__ rows, const int* __restrict__ send_token,
+    const int* __restrict__ recv_pos, const int* __restrict__ slab_row,
+    uint4* __restrict__ slabs, const u64* __restrict__ peers, int rank, int ep_size,
+    int num_tokens, int send_capacity, int top_k, int num_slab_rows, int row_vecs,
+    int chunk_rows, int num_chunks, int send_blocks, int send_segment_vecs,
+    int recv_segment_vecs, i64 slot_bytes, i64 data_offset, u32* failed, PeerFailure* record,
+    u64 timeout_ns, int site) {
+  dispatch_rows(CopyRows{rows, row_vecs}, send_token, recv_pos, slab_row, slabs, peers, rank,
+                ep_size, num_tokens, send_capacity, top_k, num_slab_rows, row_vecs, chunk_rows,
+                num_chunks, send_blocks, send_segment_vecs, recv_segment_vecs, slot_bytes,
+                data_offset, failed, record, timeout_ns, site);
+}
+
+#define DEFINE_PEER_DISPATCH_FP8_KERNEL(SUFFIX, TYPE)                                            \
+  extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch_fp8_##SUFFIX(               \
+      const TYPE::Elem* rows, const int* send_token, const int* recv_pos, const int* slab_row,   \
+      uint4* slabs, const u64* peers, int rank, int ep_size, int num_tokens, int send_capacity,  \
+      int top_k, int num_slab_rows, int row_vecs, int hidden, int chunk_rows, int num_chunks,    \
+      int send_blocks, int send_segment_steps, int recv_segment_vecs, i64 slot_bytes,            \
+      i64 data_offset, u32* failed, PeerFailure* record, u64 timeout_ns, int site) {             \
+    dispatch_rows(QuantizeRows<TYPE>{rows, hidden}, send_token, recv_pos, slab_row, slabs,       \
+                  peers, rank, ep_size, num_tokens, send_capacity, top_k, num_slab_rows,         \
+                  row_vecs, chunk_rows, num_chunks, send_blocks, send_segment_steps,             \
+                  recv_segment_vecs, slot_bytes, data_offset, failed, record, timeout_ns, site); \
+  }
+
+DEFINE_PEER_DISPATCH_FP8_KERNEL(f32, F32)
+DEFINE_PEER_DISPATCH_FP8_KERNEL(bf16, BF16)
+DEFINE_PEER_DISPATCH_FP8_KERNEL(f16, F16)
 
 // ---------------------------------------------------------------------------
 // peer_combine_{f32,bf16,f16}: slabs [L * C, H] of every rank -> y [T, H],
@@ -816,7 +947,7 @@ __device__ __forceinline__ void peer_combine(
   const uint4* table = (const uint4*)slabs;
   if ((int)blockIdx.x < send_blocks) {
     const int segments = (row_vecs + send_segment_vecs - 1) / send_segment_vecs;
-    send_chunks(ex, c, segments, send_segment_vecs, row_vecs,
+    send_chunks(ex, c, segments, send_segment_vecs, row_vecs, row_vecs,
                 [&](int dest, i64 s, const RowUnit& u, uint4* out) {
                   const int member = member_row(recv_pos, (i64)dest * send_capacity + s, top_k,
                                                 num_slab_rows);

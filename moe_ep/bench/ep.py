@@ -272,6 +272,11 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
                   _timed(mesh, combine_fn, (dispatched.tokens, dispatched.handle),
                          repeat=repeat, iters=iters),
                   nbytes["combine_off_device"], nbytes["combine_received"])})
+          if with_fp8:  # the FP8 dispatch's rows into FP8 slabs on the same grid
+            timings["grids"][-1]["dispatch_rows_fp8_slabs"] = _with_gbs(
+                _timed(mesh, lambda x, h: transport._rows_to_fp8_slabs(fp8_spec, x, h),
+                       (x, dispatched.handle), repeat=repeat, iters=iters),
+                fp8_bytes["dispatch_off_device"], fp8_bytes["dispatch_received"])
     result[path] = timings
   result.pop("fp8_reference", None)
   return result
@@ -417,9 +422,11 @@ def summary(result: dict) -> str:
       for g in t.get("grids", []):
         blocks = {k: f"{v['send_blocks']}/{v['send_blocks'] + v['recv_blocks']}"
                   for k, v in g["grid"].items()}
+        fp8_rows = (f" | FP8 rows {_gbs(g['dispatch_rows_fp8_slabs'])}"
+                    if "dispatch_rows_fp8_slabs" in g else "")
         lines.append(f"      send/all blocks {blocks['dispatch']:>7s}: rows "
                      f"{_gbs(g['dispatch_rows'])} | {blocks['combine']:>7s}: combine "
-                     f"{_gbs(g['combine'])}")
+                     f"{_gbs(g['combine'])}{fp8_rows}")
   for r in result["raw"]:
     line = f"  raw {r['shape_per_rank']}: all_to_all {_gbs(r['all_to_all'])}"
     if "peer_exchange" in r:

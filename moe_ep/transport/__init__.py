@@ -180,12 +180,14 @@ def _token_member_pos(handle: RoutingHandle) -> jax.Array:
   return _lookup(handle.recv_pos.reshape(-1, handle.top_k), handle.send_slot[:, 0], -1)
 
 
-def _fused_peer_rows(spec: _Spec, dtype, hidden: int, top_k: int, sums: bool) -> bool:
+def _fused_peer_rows(spec: _Spec, dtype, hidden: int, top_k: int, sums: bool,
+                     wire_dtype: str | None = None) -> bool:
   """Whether the peer exchange moves these rows with its fused row kernels
   (:func:`~moe_ep.transport.peer.dispatch_rows` / ``combine_rows``) rather
-  than the drop-in exchange between the local row passes."""
+  than the drop-in exchange between the local row passes (``wire_dtype``:
+  quantizing them on the way)."""
   return spec.exchange == "peer" and _peer().fused_rows_problem(
-      dtype, hidden, spec.ep_size, top_k, sums=sums) is None
+      dtype, hidden, spec.ep_size, top_k, sums=sums, wire_dtype=wire_dtype) is None
 
 
 def _on_all_to_all(spec: _Spec) -> _Spec:
@@ -289,18 +291,29 @@ def _rows_to_slabs_fp8(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> j
 
 def _rows_to_fp8_slabs(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
   """``rows [T, H]`` -> FP8 slabs ``[L, C, W]`` uint8 (the wire rows of the
-  slab rows; all-zero bytes on padding rows). Where the peer path's fused
-  kernels take rows of ``W`` bytes, each token is quantized once and its
-  wire row moved like a bf16 row (:func:`_rows_to_slabs`); elsewhere the
-  quantize is fused with the send expand, the wire rows cross by the
-  exchange's drop-in and are expanded into the slabs."""
+  slab rows; all-zero bytes on padding rows). On the peer path one fused
+  kernel quantizes each token as it sends it or places it (H % 16 == 0), or
+  else, where the fused kernels take rows of ``W`` bytes, each token is
+  quantized once and its wire row moved like a bf16 row
+  (:func:`_rows_to_slabs`); elsewhere the quantize is fused with the send
+  expand, the wire rows cross by the exchange's drop-in and are expanded
+  into the slabs."""
   ops = spec.ops
   width = _fp8().wire_bytes(rows.shape[-1])
+  slab_shape = handle.slab_row.shape + (width,)
+  if spec.ep_size > 1 and _fused_peer_rows(spec, rows.dtype, rows.shape[-1], handle.top_k,
+                                           sums=False, wire_dtype=WIRE_DTYPES[0]):
+    slabs = _peer().dispatch_rows(
+        rows, handle.send_token, handle.recv_pos, handle.slab_row.reshape(-1),
+        axis_name=spec.axis_name, mesh=spec.mesh, wire_dtype=WIRE_DTYPES[0],
+        all_to_all_path=lambda r: _rows_to_fp8_slabs(_on_all_to_all(spec), r, handle).reshape(
+            -1, width))
+    return slabs.reshape(slab_shape)
   if spec.ep_size == 1 or _fused_peer_rows(spec, jnp.uint8, width, handle.top_k, sums=False):
     return _rows_to_slabs(spec, ops.quantize_pack_expand(rows), handle)
   wire = _exchanged_wire_rows(spec, rows, handle)
   return ops.expand_rows(wire, handle.recv_pos.reshape(-1, handle.top_k),
-                         handle.slab_row.reshape(-1)).reshape(handle.slab_row.shape + (width,))
+                         handle.slab_row.reshape(-1)).reshape(slab_shape)
 
 
 def _exchanged_wire_rows(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:

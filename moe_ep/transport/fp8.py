@@ -262,19 +262,27 @@ _compiled: dict[int, dict[str, object]] = {}  # device ordinal -> kernel name ->
 _compile_lock = threading.Lock()
 
 
+def check_compute_capability(device_ordinal: int) -> None:
+  """RuntimeError unless CUDA device ``device_ordinal`` has the e4m3
+  conversion instructions (sm_89+), which every FP8 kernel uses (these and
+  the peer dispatch's)."""
+  import cupy
+  capability = int(cupy.cuda.Device(device_ordinal).compute_capability)
+  if capability < _MIN_COMPUTE_CAPABILITY:
+    raise RuntimeError(
+        f"float8_e4m3fn dispatch needs a GPU of compute capability >= 8.9; cuda:"
+        f"{device_ordinal} has {capability // 10}.{capability % 10}")
+
+
 def compile_kernels(device_ordinal: int) -> dict[str, object]:
   """Compiles ``kernels/fp8.cu`` for one CUDA device (cached); RuntimeError
   on devices without the e4m3 conversion instructions (before sm_89)."""
   with _compile_lock:
     if device_ordinal in _compiled:
       return _compiled[device_ordinal]
+    check_compute_capability(device_ordinal)
     import cupy
-    with cupy.cuda.Device(device_ordinal) as device:
-      capability = int(device.compute_capability)
-      if capability < _MIN_COMPUTE_CAPABILITY:
-        raise RuntimeError(
-            f"float8_e4m3fn dispatch needs a GPU of compute capability >= 8.9; cuda:"
-            f"{device_ordinal} has {capability // 10}.{capability % 10}")
+    with cupy.cuda.Device(device_ordinal):
       module = cupy_backend.compile_module(_KERNEL_FILE)
       _compiled[device_ordinal] = {name: module.get_function(name) for name in _KERNEL_NAMES}
     return _compiled[device_ordinal]

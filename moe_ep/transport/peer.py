@@ -119,7 +119,10 @@ MAX_FUSED_RANKS = 32  # one lane per rank's entry of a token
 MAX_FUSED_TOP_K = 32  # one lane per member of a row
 _SUM_SUFFIX = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 _ROW_KERNELS = ("dispatch", "drain_v16",
-                *(f"combine_{suffix}" for suffix in _SUM_SUFFIX.values()))
+                *(f"combine_{suffix}" for suffix in _SUM_SUFFIX.values()),
+                *(f"dispatch_fp8_{suffix}" for suffix in _SUM_SUFFIX.values()))
+_FP8 = "float8_e4m3fn"  # the one wire dtype the fused dispatch quantizes to
+_FP8_STEP_CHANNELS = 512  # channels per quantize step of a warp (kernels/fp8.cuh)
 MAX_CHUNKS = 1024  # signalled chunks per destination of one fused exchange (PEER_MAX_CHUNKS)
 _CHUNKS_PER_SENDER = 8  # chunks each sender block signals, at most
 _MIN_CHUNK_BYTES = 128 << 10  # smaller chunks only to give every sender block one
@@ -857,11 +860,22 @@ def exchange(x: jax.Array, axis_name: str, mesh: jax.sharding.Mesh,
 
 
 def fused_rows_problem(dtype, hidden: int, ep_size: int, top_k: int, *,
-                       sums: bool) -> str | None:
+                       sums: bool, wire_dtype: str | None = None) -> str | None:
   """Why the fused row kernels cannot move rows of ``hidden`` elements of
   ``dtype`` (the caller then runs the local row passes around the drop-in
-  :func:`exchange`), or None. ``sums``: combine's path, which adds rows."""
+  :func:`exchange`), or None. ``sums``: combine's path, which adds rows.
+  ``wire_dtype="float8_e4m3fn"``: dispatch quantizing the rows as it sends
+  them (:func:`dispatch_rows`)."""
   dtype = np.dtype(dtype)
+  if wire_dtype is not None:
+    if wire_dtype != _FP8 or sums:
+      return f"no fused kernel quantizes to {wire_dtype} on {'combine' if sums else 'dispatch'}"
+    if dtype.name not in _SUM_SUFFIX:
+      return f"no fused FP8 dispatch of {dtype.name} rows (only {', '.join(_SUM_SUFFIX)})"
+    if hidden % 16:
+      return f"FP8 rows quantized in the kernel need hidden % 16 == 0; hidden={hidden}"
+    from moe_ep.transport import fp8  # imports this module's package
+    return fused_rows_problem(np.uint8, fp8.wire_bytes(hidden), ep_size, top_k, sums=False)
   row_bytes = hidden * dtype.itemsize
   if row_bytes % 16:
     return f"rows of {row_bytes} bytes are not a whole number of 16-byte vectors"
@@ -904,7 +918,7 @@ class RowGrid:
 
 
 def row_grid(kind: str, ep_size: int, num_tokens: int, send_capacity: int, row_vecs: int,
-             multiprocessors: int) -> RowGrid:
+             multiprocessors: int, send_units: int | None = None) -> RowGrid:
   """The grid of a fused ``kind`` (``"dispatch"`` or ``"combine"``) exchange:
   :func:`configure`'s ``row_blocks`` (default every SM, so that all blocks
   are resident at once and a receiver never waits on a block not yet
@@ -914,7 +928,9 @@ def row_grid(kind: str, ep_size: int, num_tokens: int, send_capacity: int, row_v
   :data:`_CHUNKS_PER_SENDER` per sender block and none below 128 KiB beyond
   that (each flag costs its block a system fence), at most
   :data:`MAX_CHUNKS`, one row each at least. ``row_vecs``: 16-byte vectors
-  per row."""
+  per row; ``send_units``: a sender's units per row where they are not
+  vectors (the FP8 dispatch's quantize steps; its ``send_segment`` then
+  counts steps)."""
   if kind not in SEND_SHARE:
     raise ValueError(f"kind={kind!r} is not one of {tuple(SEND_SHARE)}")
   total = max(2, _settings.row_blocks or multiprocessors)
@@ -930,7 +946,9 @@ def row_grid(kind: str, ep_size: int, num_tokens: int, send_capacity: int, row_v
   receiver_rows = send_capacity if kind == "dispatch" else num_tokens
   return RowGrid(send_blocks=int(send), recv_blocks=int(total - send), chunk_rows=int(chunk_rows),
                  num_chunks=int(-(-send_capacity // chunk_rows)),
-                 send_segment=row_segment(chunk_rows, row_vecs, _ROW_WARPS, step),
+                 send_segment=(row_segment(chunk_rows, row_vecs, _ROW_WARPS, step)
+                               if send_units is None
+                               else row_segment(chunk_rows, send_units, _ROW_WARPS, 1)),
                  recv_segment=row_segment(receiver_rows, row_vecs, (total - send) * _ROW_WARPS,
                                           step))
 
@@ -1023,11 +1041,11 @@ def _check_maps(mesh, axis_name: str, recv_pos, *, wire_rows=None, send_token=No
 
 def _fused_launches(kind: str, function_name: str, site_what: str, dtype, hidden: int, mesh,
                     axis_name: str, ep_size: int, num_tokens: int, send_capacity: int,
-                    sizes: tuple, buffers: tuple) -> dict:
+                    sizes: tuple, buffers: tuple, send_units: int | None = None) -> dict:
   """Every local device's one launch of a fused row kernel moving rows of
   ``hidden`` elements of ``dtype`` on the channel of ``[S, H]`` chunks:
   ``(peers, rank, ep_size, num_tokens, *sizes, chunking..., slots, tail)``
-  after the buffer pointers."""
+  after the buffer pointers (``send_units``: as :func:`row_grid`)."""
   row_bytes = hidden * np.dtype(dtype).itemsize
   row_vecs = row_bytes // 16
   layout = ChannelLayout(ep_size, send_capacity * row_bytes)
@@ -1038,7 +1056,7 @@ def _fused_launches(kind: str, function_name: str, site_what: str, dtype, hidden
   launches = {}
   for ordinal, state in (channel.on_device.items() if channel is not None else ()):
     grid = row_grid(kind, ep_size, num_tokens, send_capacity, row_vecs,
-                    _multiprocessors(ordinal))
+                    _multiprocessors(ordinal), send_units)
     launches[ordinal] = [_Kernel(
         _kernels(ordinal)[function_name], grid.blocks, buffers,
         (np.uint64(state.peers.data.ptr), np.int32(state.rank), np.int32(ep_size),
@@ -1062,6 +1080,24 @@ def _fused_dispatch(rows, send_token, recv_pos, slab_row, *, axis_name: str, mes
                      jax.ShapeDtypeStruct((num_slab_rows, hidden), rows.dtype), axis_name)
 
 
+def _fused_dispatch_fp8(rows, send_token, recv_pos, slab_row, *, axis_name: str, mesh):
+  from moe_ep.transport import fp8  # imports this module's package
+  num_tokens, hidden = rows.shape
+  ep_size, send_capacity, top_k = recv_pos.shape
+  num_slab_rows = slab_row.shape[0]
+  width = fp8.wire_bytes(hidden)
+  launches = _fused_launches(
+      "dispatch", f"dispatch_fp8_{_SUM_SUFFIX[np.dtype(rows.dtype).name]}", "dispatch_rows_fp8",
+      np.uint8, width, mesh, axis_name, ep_size, num_tokens, send_capacity,
+      (send_capacity, top_k, num_slab_rows, width // 16, hidden),
+      (0, 1, 2, 3, 4),  # buffers: rows 0, send_token 1, recv_pos 2, slab_row 3, slabs 4
+      send_units=-(-hidden // _FP8_STEP_CHANNELS))
+  for ordinal in launches:  # the local GPUs: the e4m3 conversions need sm_89+
+    fp8.check_compute_capability(ordinal)
+  return _fused_call("dispatch rows fp8", launches, (rows, send_token, recv_pos, slab_row),
+                     jax.ShapeDtypeStruct((num_slab_rows, width), np.uint8), axis_name)
+
+
 def _fused_combine(slabs, recv_pos, wire_rows, *, axis_name: str, mesh):
   num_slab_rows, hidden = slabs.shape
   ep_size, send_capacity, top_k = recv_pos.shape
@@ -1077,7 +1113,7 @@ def _fused_combine(slabs, recv_pos, wire_rows, *, axis_name: str, mesh):
 
 def dispatch_rows(rows: jax.Array, send_token: jax.Array, recv_pos: jax.Array,
                   slab_row: jax.Array, *, axis_name: str, mesh: jax.sharding.Mesh,
-                  all_to_all_path) -> jax.Array:
+                  all_to_all_path, wire_dtype: str | None = None) -> jax.Array:
   """Dispatch's row path, fused: ``rows [T, H]`` -> slabs ``[L * C, H]``
   (call it inside ``shard_map`` over ``mesh``).
 
@@ -1088,6 +1124,11 @@ def dispatch_rows(rows: jax.Array, send_token: jax.Array, recv_pos: jax.Array,
   each chunk the other ranks send as soon as it has arrived. Elsewhere
   ``all_to_all_path(rows)``. Check :func:`fused_rows_problem` first.
 
+  With ``wire_dtype="float8_e4m3fn"`` (``peer_dispatch_fp8_<dtype>``) the
+  rows travel and land as FP8 wire rows (:mod:`~moe_ep.transport.fp8`), each
+  quantized by the warp that sends it or places it in this rank's slabs: no
+  quantize pass before the exchange.
+
   Args:
     rows: ``[T, H]`` one row per token.
     send_token: ``[R, S]`` int32 token in slot s of the chunk to rank d, or -1.
@@ -1097,18 +1138,25 @@ def dispatch_rows(rows: jax.Array, send_token: jax.Array, recv_pos: jax.Array,
       (a zero row).
     axis_name, mesh: the EP axis and the ``shard_map``'s mesh.
     all_to_all_path: ``rows -> [L * C, H]``, the same map through XLA's
-      ``all_to_all`` (every platform but CUDA).
+      ``all_to_all`` (every platform but CUDA); FP8: ``-> [L * C, W]``.
+    wire_dtype: None, or ``"float8_e4m3fn"`` for FP8 slabs.
 
   Returns:
-    ``[L * C, H]`` in ``rows.dtype``, bitwise ``all_to_all_path(rows)``.
+    ``[L * C, H]`` in ``rows.dtype`` (FP8: ``[L * C, W]`` uint8 wire rows,
+    all-zero on padding rows), bitwise ``all_to_all_path(rows)``.
   """
   _check_maps(mesh, axis_name, recv_pos, send_token=send_token, slab_row=slab_row)
   if rows.ndim != 2:
     raise ValueError(f"rows shape {rows.shape} must be [T, H]")
+  if wire_dtype is not None and (problem := fused_rows_problem(
+      rows.dtype, rows.shape[1], mesh.shape[axis_name], recv_pos.shape[2], sums=False,
+      wire_dtype=wire_dtype)):
+    raise ValueError(f"wire_dtype={wire_dtype!r}: {problem}")
+  fused = _fused_dispatch if wire_dtype is None else _fused_dispatch_fp8
   with jax.named_scope("exchange_rows"):
     return jax.lax.platform_dependent(
         rows, send_token, recv_pos, slab_row,
-        cuda=functools.partial(_fused_dispatch, axis_name=axis_name, mesh=mesh),
+        cuda=functools.partial(fused, axis_name=axis_name, mesh=mesh),
         default=lambda rows, *maps: all_to_all_path(rows))
 
 

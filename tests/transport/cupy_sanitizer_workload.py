@@ -10,7 +10,9 @@ edge cases (invalid ids, slab overflow, wire overflow, K=1, odd row widths
 that take the 8/4/2-byte and scalar paths, many local experts), on one GPU
 and, where there are two, with EP=2 across them on both exchanges: XLA's
 all_to_all and the peer path (the fused row kernels where rows are whole
-16-byte vectors, the drop-in exchange elsewhere). The peer kernels of two
+16-byte vectors, the drop-in exchange elsewhere); and the FP8 dispatch
+(float8_e4m3fn wire rows: the quantize and dequantize kernels, and on the
+peer path the dispatch that quantizes as it sends). The peer kernels of two
 GPUs wait for each other, so run it as one process per GPU, each under the
 sanitizer (which serializes the kernels of its own process only):
 
@@ -39,13 +41,20 @@ CASES = [  # tokens, hidden, dtype, experts, top_k, capacity, send_capacity
 ]
 
 
+FP8 = "float8_e4m3fn"
+# FP8 dispatch variants: (wire_dtype, checkpoint_name); a name makes dispatch
+# produce FP8 slabs (on the peer path: quantized inside the peer kernel).
+FP8_VARIANTS = [(FP8, None), (FP8, "moe.dispatch")]
+
+
 def round_trip(tokens, hidden, dtype, experts, top_k, capacity, send_capacity, axis,
-               exchange="auto", mesh=None):
+               exchange="auto", mesh=None, wire_dtype=None, checkpoint_name=None):
   paths = dict(backend="cupy", exchange=exchange, mesh=mesh)
 
   def loss(x, idx, w):
     d = dispatch(x, idx, w, num_experts=experts, expert_capacity=capacity, axis_name=axis,
-                 send_capacity=send_capacity, **paths)
+                 send_capacity=send_capacity, wire_dtype=wire_dtype,
+                 checkpoint_name=checkpoint_name, **paths)
     out = (d.tokens.astype(jnp.float32) * d.weights[..., None]).astype(x.dtype)
     y = combine(out, d.handle, num_tokens=x.shape[0], axis_name=axis, **paths)
     return jnp.sum(y.astype(jnp.float32) ** 2) + d.counts.sum() * 0.0
@@ -65,9 +74,11 @@ def main():
   gpus = jax.devices("gpu")
   for case in CASES:
     x, idx, weights = inputs(rng, 1, *case[:2], case[2], *case[3:5])
-    value, grads = jax.jit(round_trip(*case, axis=None))(x, idx, weights)
-    assert np.isfinite(float(value)) and all(np.isfinite(np.asarray(g, np.float32)).all()
-                                             for g in grads)
+    for wire in [(None, None)] + (FP8_VARIANTS if case[1] % 16 == 0 else []):
+      value, grads = jax.jit(round_trip(*case, axis=None, wire_dtype=wire[0],
+                                        checkpoint_name=wire[1]))(x, idx, weights)
+      assert np.isfinite(float(value)) and all(np.isfinite(np.asarray(g, np.float32)).all()
+                                               for g in grads)
   if len(gpus) >= 2:
     mesh = jax.sharding.Mesh(np.array(gpus[:2]), ("ep",))
     for case in CASES:
@@ -77,10 +88,12 @@ def main():
       args = [jax.make_array_from_callback(a.shape, NamedSharding(mesh, P("ep")),
                                            lambda index, a=a: a[index]) for a in host]
       for exchange in ("all_to_all", "peer"):
-        fn = jax.shard_map(round_trip(*case, axis="ep", exchange=exchange, mesh=mesh),
-                           mesh=mesh, in_specs=P("ep"), out_specs=(P(), P("ep")),
-                           check_vma=False)
-        jax.block_until_ready(jax.jit(fn)(*args))
+        for wire in [(None, None)] + (FP8_VARIANTS if case[1] % 16 == 0 else []):
+          fn = jax.shard_map(round_trip(*case, axis="ep", exchange=exchange, mesh=mesh,
+                                        wire_dtype=wire[0], checkpoint_name=wire[1]),
+                             mesh=mesh, in_specs=P("ep"), out_specs=(P(), P("ep")),
+                             check_vma=False)
+          jax.block_until_ready(jax.jit(fn)(*args))
   print(f"sanitizer workload done on {min(len(gpus), 2)} GPU(s), process {jax.process_index()}")
 
 

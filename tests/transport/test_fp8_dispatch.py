@@ -378,3 +378,101 @@ def test_cupy_named_fp8_slabs_equal_the_fused_receive_bitwise(ep_size):
   for a, b in zip(jax.tree.leaves(named), jax.tree.leaves(fused)):
     a, b = np.asarray(a), np.asarray(b)
     np.testing.assert_array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))
+
+
+# --- the peer path's fused quantize (kernels/peer.cu peer_dispatch_fp8_*) --------
+
+
+def fp8_slabs_fn(mesh, backend: str, exchange: str, tokens: int, capacity: int,
+                 send_capacity: int):
+  """Per rank: ``(x, idx, weights) -> FP8 slabs [L, C, W]`` uint8, what the
+  layer's named FP8 dispatch produces and saves (the routing, then
+  ``_rows_to_fp8_slabs``)."""
+  from moe_ep import transport
+  spec = transport._Spec(num_experts=NUM_EXPERTS, ep_size=mesh.shape["ep"],
+                         expert_capacity=capacity, send_capacity=send_capacity,
+                         axis_name="ep", backend=backend, exchange=exchange, mesh=mesh,
+                         wire_dtype=FP8)
+
+  def per_rank(x, idx, weights):
+    idx, weights = transport._merge_duplicate_routes(
+        transport._valid_ids(idx, NUM_EXPERTS), weights)
+    return transport._rows_to_fp8_slabs(spec, x, transport._routing(spec, idx, weights)[0])
+  return per_rank
+
+
+@pytest.mark.parametrize("hidden, quantize_in_peer_kernel", [(208, True), (200, False)])
+def test_peer_fp8_slabs_lower_to_one_fused_quantizing_callback(monkeypatch, pretend_cupy, hidden,
+                                                               quantize_in_peer_kernel):
+  """On the peer path (its checks stubbed on CPU devices) lowered for CUDA,
+  with H % 16 == 0 the FP8 slabs come out of the one fused row callback
+  (uint8 rows of W bytes), with no quantize pass, row pass or all_to_all
+  of rows; with H % 16 != 0 a quantize pass feeds the fused byte rows."""
+  from moe_ep.transport import peer
+  from test_exchange_paths import custom_call_scopes
+  monkeypatch.setattr(peer, "unsupported_reason", lambda mesh, axis: None)
+  mesh = make_mesh((4,), ("ep",))
+  rng = np.random.default_rng(0)
+  x = jnp.ones((4 * TOKENS, hidden), jnp.bfloat16)
+  idx = make_routing("balanced", rng, 4, TOKENS, TOP_K, NUM_EXPERTS).reshape(-1, TOP_K)
+  weights = jnp.ones(idx.shape, jnp.float32)
+  fn = jax.shard_map(fp8_slabs_fn(mesh, "auto", "peer", TOKENS, 16, TOKENS), mesh=mesh,
+                     in_specs=P("ep"), out_specs=P("ep"))
+  text = jax.jit(fn).trace(x, idx, weights).lower(
+      lowering_platforms=("cuda",)).as_text(debug_info=True)
+  scopes = [name for _, name in custom_call_scopes(text)]
+  row_calls = [s for s in scopes if "exchange_rows" in s]
+  assert len(row_calls) == 1 and "moe_peer_exchange" in row_calls[0], scopes
+  assert not any("expand_rows" in s for s in scopes), scopes
+  assert any("fp8_quantize_pack" in s for s in scopes) != quantize_in_peer_kernel, scopes
+  slab_rows = (NUM_EXPERTS // 4) * 16  # L * C
+  assert re.search(rf"custom_call @\w+\(.*-> tensor<{slab_rows}x{fp8.wire_bytes(hidden)}xui8>",
+                   text), "the fused callback returns the FP8 slab rows"
+  assert "all_to_all" not in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("hidden, tokens", [(1040, 64), (4112, 8)])
+def test_peer_quantizing_dispatch_gives_the_pure_jax_fp8_slabs_bitwise(dtype, hidden, tokens):
+  """Two GPUs: the FP8 slabs the peer kernel quantizes as it sends (and as
+  it places this rank's own rows) are byte for byte the pure-JAX quantize's
+  carried by XLA's all_to_all, over 6 scan steps of fresh rows and routes
+  (drops: capacity factor 1.0 and a binding send capacity). The rows hold
+  a NaN block, an inf block, values past e4m3's range, float32 subnormals,
+  a zero row and magnitudes from 1e-30 to 1e30. H = 1040: 65 code vectors,
+  the last quantize step and scale block short; H = 4112 with 8 tokens: rows
+  split into segments on both sides."""
+  from conftest import devices_for
+  devices = devices_for("cupy", 2)
+  mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
+  steps = 6
+  capacity = expert_capacity_for(tokens, TOP_K, NUM_EXPERTS, 2, 1.0)
+  send_capacity = max(1, (tokens * 3) // 4)
+  rng = np.random.default_rng(hidden + tokens)
+  magnitude = 10.0 ** rng.uniform(-30, 30, (steps, 2 * tokens, 1))
+  x = (rng.normal(size=(steps, 2 * tokens, hidden)) * magnitude).astype(np.float32)
+  x[:, 0, 5] = np.nan
+  x[:, 1, 300] = np.inf
+  x[:, 2, :] = 0.0
+  x[:, 3, 200:260] = 1e-40  # float32 subnormals (bf16: flushed or not, both paths alike)
+  x[:, 4, 700] = 1e5  # far past 448 times the block's other values
+  x = x.astype(dtype)
+  idx = np.stack([make_routing("skewed", rng, 2, tokens, TOP_K, NUM_EXPERTS).reshape(-1, TOP_K)
+                  for _ in range(steps)])
+  weights = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
+  spec = P(None, "ep")
+
+  def program(backend, exchange):
+    per_rank = fp8_slabs_fn(mesh, backend, exchange, tokens, capacity, send_capacity)
+    body = lambda carry, step: (carry, per_rank(*step))
+    return jax.jit(jax.shard_map(lambda *xs: jax.lax.scan(body, None, xs)[1], mesh=mesh,
+                                 in_specs=spec, out_specs=spec))(x, idx, weights)
+
+  from moe_ep.transport import peer
+  got = np.asarray(program("cupy", "peer"))
+  peer.raise_if_failed()
+  want = np.asarray(program("xla", "all_to_all"))
+  assert got.shape == want.shape and got.shape[-1] == fp8.wire_bytes(hidden)
+  np.testing.assert_array_equal(got, want)
+  assert (want != 0).any(axis=-1).sum() > 0  # rows were moved at all

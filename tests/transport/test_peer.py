@@ -142,6 +142,22 @@ def test_fused_rows_problem_names_what_the_kernels_cannot_take(dtype, hidden, ep
   assert got == problem if problem is None else problem in got
 
 
+@pytest.mark.parametrize("dtype, hidden, ep_size, sums, wire_dtype, problem", [
+    (jnp.bfloat16, 7168, 2, False, "float8_e4m3fn", None),
+    (jnp.float32, 16, 8, False, "float8_e4m3fn", None),
+    (jnp.bfloat16, 200, 2, False, "float8_e4m3fn", "need hidden % 16 == 0; hidden=200"),
+    (jnp.int8, 64, 2, False, "float8_e4m3fn", "no fused FP8 dispatch of int8 rows"),
+    (jnp.bfloat16, 64, 33, False, "float8_e4m3fn", "ep_size=33 is above 32"),
+    (jnp.bfloat16, 64, 2, True, "float8_e4m3fn", "no fused kernel quantizes to float8_e4m3fn "
+                                                 "on combine"),
+    (jnp.bfloat16, 64, 2, False, "float8_e5m2", "no fused kernel quantizes to float8_e5m2"),
+])
+def test_fused_rows_problem_for_the_quantizing_dispatch(dtype, hidden, ep_size, sums, wire_dtype,
+                                                        problem):
+  got = peer.fused_rows_problem(dtype, hidden, ep_size, 8, sums=sums, wire_dtype=wire_dtype)
+  assert got == problem if problem is None else problem in got
+
+
 def test_row_grid_takes_every_sm_splits_senders_and_chunks_and_follows_configure():
   rows_7168_bf16 = 7168 * 2 // 16
   grid = peer.row_grid("dispatch", 2, 8192, 8192, rows_7168_bf16, 132)
@@ -161,6 +177,14 @@ def test_row_grid_takes_every_sm_splits_senders_and_chunks_and_follows_configure
     grid = peer.row_grid("combine", ep_size, slots, slots, 4, 132)
     assert 1 <= grid.num_chunks <= peer.MAX_CHUNKS
     assert (grid.num_chunks - 1) * grid.chunk_rows < slots <= grid.num_chunks * grid.chunk_rows
+  # FP8 dispatch, H = 7168: wire rows of 462 vectors; senders count quantize
+  # steps of 512 channels (14 a row): 24-row chunks in half rows as above,
+  # decode's 3-row chunks in segments of 2 steps
+  fp8_rows = 7392 // 16
+  grid = peer.row_grid("dispatch", 2, 8192, 8192, fp8_rows, 132, send_units=14)
+  assert (grid.chunk_rows, grid.send_segment, grid.recv_segment) == (24, 7, fp8_rows)
+  grid = peer.row_grid("dispatch", 2, 128, 128, fp8_rows, 132, send_units=14)
+  assert (grid.chunk_rows, grid.send_segment, grid.recv_segment) == (3, 2, 128)
   peer.configure(row_blocks=32, send_blocks=8)
   grid = peer.row_grid("dispatch", 2, 8192, 8192, rows_7168_bf16, 132)
   assert (grid.send_blocks, grid.recv_blocks, grid.blocks) == (8, 24, 32)
