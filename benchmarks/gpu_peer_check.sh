@@ -3,7 +3,7 @@
 # from the repository root: P4 at the DeepSeek-like shape on both exchanges
 # (bf16 and FP8 dispatch), then compute-sanitizer memcheck and racecheck over
 # tests/transport/cupy_sanitizer_workload.py, one process per GPU. JSON goes to
-# $OUT/check-results.tar.gz, logs to $OUT.
+# $OUT/check-results.tar.gz, logs to $OUT. TOOLS: the sanitizer tools to run.
 source benchmarks/gpu_setup.sh
 start=$SECONDS
 XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" timeout "${LAYER_TIMEOUT:-240}" python - > "$OUT/layer.log" 2>&1 <<PY
@@ -16,7 +16,7 @@ print(common.write_result("layer", result, pathlib.Path("$OUT/results")))
 PY
 echo "== layer rc=$? $((SECONDS - start))s"
 grep -E "^P4|^  " "$OUT/layer.log"
-for tool in memcheck racecheck; do
+for tool in ${TOOLS:-memcheck racecheck}; do
   start=$SECONDS
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${SANITIZER_TIMEOUT:-150}" python -m moe_ep.launch \
     --num-processes 2 --gpus-per-process 1 --timeout "${SANITIZER_TIMEOUT:-150}" -- \

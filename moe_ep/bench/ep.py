@@ -210,6 +210,12 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
                                   "combine")):
       timings[name] = _with_gbs(_timed(mesh, fn, args, repeat=repeat, iters=iters),
                                 nbytes[f"{kind}_off_device"], nbytes[f"{kind}_received"])
+    # Dispatch's routing alone (route, metadata exchange, slab layout): what
+    # dispatch adds to its row path.
+    timings["routing"] = _timed(mesh, lambda idx, weights: transport._routing(
+        spec, *transport._merge_duplicate_routes(transport._valid_ids(idx, num_experts),
+                                                 weights))[0],
+        (idx, weights), repeat=repeat, iters=iters)
     timings["bitwise_equal_to_all_to_all"] = (_same_bits(dispatched.tokens, reference[0])
                                               and _same_bits(y, reference[1]))
     if with_fp8:
@@ -406,6 +412,7 @@ def summary(result: dict) -> str:
       equal = "" if t["bitwise_equal_to_all_to_all"] else "  MISMATCH"
       lines.append(f"    {path:10s} dispatch {_gbs(t['dispatch'])} | rows "
                    f"{_gbs(t['dispatch_rows'])} | combine {_gbs(t['combine'])}{equal}")
+      lines.append(f"    {'':10s} routing alone {1e3 * t['routing']['ms']:.1f} us")
       if "dispatch_fp8" in t:
         equal = "" if t["fp8_bitwise_equal_to_all_to_all"] else "  MISMATCH"
         lines.append(
