@@ -77,25 +77,32 @@ __device__ __forceinline__ int fp8_code_bytes(int hidden) { return (hidden + 15)
 // fp8.cu's quantize_pack.
 #define FP8_STEP_CHANNELS 512
 
-// The lane's 16 channels of step `step` of `row` as float32; past the row, 0.
+// The lane's 16 channels of step `step` of `row` as they are stored (16 *
+// sizeof(Elem) bytes: sizeof(Elem) vectors); past the row, zeros. Loading
+// several steps before widening any keeps more loads in flight.
 template <typename T>
 __device__ __forceinline__ void fp8_load_sixteen(const typename T::Elem* __restrict__ row,
-                                                 int hidden, int step, float (&v)[16]) {
-  constexpr int kPerVec = 16 / sizeof(typename T::Elem);
+                                                 int hidden, int step,
+                                                 uint4 (&raw)[sizeof(typename T::Elem)]) {
   const int c = FP8_STEP_CHANNELS * step + 16 * (int)(threadIdx.x & 31u);
-  if (c < hidden) {  // c + 16 <= hidden: one row is a whole number of 16-byte vectors
-    const uint4* vectors = reinterpret_cast<const uint4*>(row + c);
+  const uint4* vectors = reinterpret_cast<const uint4*>(row + c);
 #pragma unroll
-    for (int k = 0; k < 16 / kPerVec; ++k) {
-      Pack16<T> pack;
-      pack.raw = vectors[k];
+  for (int k = 0; k < (int)sizeof(typename T::Elem); ++k)  // c + 16 <= hidden when c < hidden
+    raw[k] = c < hidden ? vectors[k] : make_uint4(0u, 0u, 0u, 0u);
+}
+
+// Those 16 channels as float32.
+template <typename T>
+__device__ __forceinline__ void fp8_widen_sixteen(const uint4 (&raw)[sizeof(typename T::Elem)],
+                                                  float (&v)[16]) {
+  constexpr int kPerVec = 16 / sizeof(typename T::Elem);
 #pragma unroll
-      for (int e = 0; e < kPerVec; ++e) v[k * kPerVec + e] = T::load(pack.elems[e]);
-    }
-    return;
+  for (int k = 0; k < (int)sizeof(typename T::Elem); ++k) {
+    Pack16<T> pack;
+    pack.raw = raw[k];
+#pragma unroll
+    for (int e = 0; e < kPerVec; ++e) v[k * kPerVec + e] = T::load(pack.elems[e]);
   }
-#pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = 0.0f;
 }
 
 // Quantizes the lane's 16 values of step `step` (warp-wide: every lane calls

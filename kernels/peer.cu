@@ -729,20 +729,26 @@ struct QuantizeRows {
     return hidden >= 16 && hidden % 16 == 0 && wire_row_vecs == code_vecs() + units();
   }
 
-  // Steps [u.begin, u.end) of token t, two loaded at a time: emit(step,
-  // codes, scales) per step, warp-wide (the stores are the caller's).
+  // Steps [u.begin, u.end) of token t, kBatch loaded before any is
+  // quantized (8 vectors in flight per lane): emit(step, codes, scales) per
+  // step, warp-wide (the stores are the caller's).
+  static constexpr int kBatch = 8 / sizeof(typename T::Elem);
+
   template <typename Emit>
   __device__ __forceinline__ void quantize(int token, const RowUnit& u, Emit emit) const {
     const typename T::Elem* row = rows + (i64)token * hidden;
-    for (int step = u.begin; step < u.end; step += 2) {
-      float v[2][16];
-      fp8_load_sixteen<T>(row, hidden, step, v[0]);
-      fp8_load_sixteen<T>(row, step + 1 < u.end ? hidden : 0, step + 1, v[1]);  // 0: none
+    for (int step = u.begin; step < u.end; step += kBatch) {
+      uint4 raw[kBatch][sizeof(typename T::Elem)];
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
+      for (int i = 0; i < kBatch; ++i)  // a step past the unit: hidden 0, zeros
+        fp8_load_sixteen<T>(row, step + i < u.end ? hidden : 0, step + i, raw[i]);
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
         if (step + i < u.end) {
+          float v[16];
+          fp8_widen_sixteen<T>(raw[i], v);
           uint4 scales;
-          const uint4 codes = fp8_quantize_sixteen(v[i], hidden, step + i, &scales);
+          const uint4 codes = fp8_quantize_sixteen(v, hidden, step + i, &scales);
           emit(step + i, codes, scales);
         }
       }
