@@ -377,7 +377,7 @@ extern "C" __global__ void peer_drain_v16(uint4* out, const u64* peers, int rank
 // fail by name.
 // ===========================================================================
 
-#define ROW_COPY_UNROLL 8  // 16-byte vectors in flight per lane in the copies
+#define ROW_COPY_UNROLL 4  // 16-byte vectors in flight per lane in the copies
 #define ROW_SUM_UNROLL 2   // 16-byte vectors per lane per step of the sums
 #define ROW_SUM_BATCH 4    // member rows loaded before their in-order adds
 #define ROW_MAX_LANES 32   // ep_size and top_k limit: one lane per entry

@@ -113,7 +113,7 @@ _WAIT_KINDS = {1: "acknowledge reading step", 2: "deliver its chunk of step"}
 # The fused row kernels (kernels/peer.cu, peer_<name>): one warp per row.
 _ROW_THREADS = 512
 _ROW_WARPS = _ROW_THREADS // 32
-_COPY_STEP = 32 * 8  # vectors a warp moves per step (kernels/peer.cu ROW_COPY_UNROLL)
+_COPY_STEP = 32 * 4  # vectors a warp moves per step (kernels/peer.cu ROW_COPY_UNROLL)
 _SUM_STEP = 32 * 2  # vectors a warp sums per step (ROW_SUM_UNROLL)
 MAX_FUSED_RANKS = 32  # one lane per rank's entry of a token
 MAX_FUSED_TOP_K = 32  # one lane per member of a row

@@ -171,7 +171,7 @@ def test_row_grid_takes_every_sm_splits_senders_and_chunks_and_follows_configure
   # decode (1.8 MB a destination): a chunk per sender block, rows split into copy steps
   grid = peer.row_grid("dispatch", 2, 128, 128, rows_7168_bf16, 132)
   assert (grid.chunk_rows, grid.num_chunks, grid.send_segment, grid.recv_segment) == (3, 43,
-                                                                                        256, 256)
+                                                                                        128, 128)
   # never more chunks than the flags hold, and every slot row in one chunk
   for ep_size, slots in ((2, 100_000), (8, 3), (3, 1)):
     grid = peer.row_grid("combine", ep_size, slots, slots, 4, 132)
@@ -184,7 +184,7 @@ def test_row_grid_takes_every_sm_splits_senders_and_chunks_and_follows_configure
   grid = peer.row_grid("dispatch", 2, 8192, 8192, fp8_rows, 132, send_units=14)
   assert (grid.chunk_rows, grid.send_segment, grid.recv_segment) == (24, 7, fp8_rows)
   grid = peer.row_grid("dispatch", 2, 128, 128, fp8_rows, 132, send_units=14)
-  assert (grid.chunk_rows, grid.send_segment, grid.recv_segment) == (3, 2, 256)
+  assert (grid.chunk_rows, grid.send_segment, grid.recv_segment) == (3, 2, 128)
   peer.configure(row_blocks=32, send_blocks=8)
   grid = peer.row_grid("dispatch", 2, 8192, 8192, rows_7168_bf16, 132)
   assert (grid.send_blocks, grid.recv_blocks, grid.blocks) == (8, 24, 32)
