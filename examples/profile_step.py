@@ -59,7 +59,6 @@ import gzip  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import NamedTuple  # noqa: E402
@@ -72,6 +71,7 @@ from examples.data import make_corpus  # noqa: E402
 from examples.train_config import (DEFAULT_CONFIG, Config, config_to_yaml,  # noqa: E402
                                    load_config, split_config_path)
 from moe_ep import distributed  # noqa: E402
+from moe_ep.bench import common  # noqa: E402
 from moe_ep.transport import NAMED_SCOPES as TRANSPORT_SCOPES  # noqa: E402
 
 DEFAULT_OUT = _REPO / "benchmarks" / "results"
@@ -752,18 +752,6 @@ def run_steps(config: Config, *, steps: int, warmup: int, trace_dir: pathlib.Pat
   return Measured(train_step, setup.mesh, untraced_s, traced_s)
 
 
-def git_commit() -> str | None:
-  """``HEAD``'s hash, ``+dirty`` where tracked files differ from it."""
-  try:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True,
-                          text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO,
-                           capture_output=True, text=True, check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return None
-  return head + ("+dirty" if dirty else "")
-
-
 def profile(config: Config, *, steps: int = 5, warmup: int = 3, name: str = "run",
             overrides: tuple[str, ...] = (), trace_dir: pathlib.Path | None = None) -> dict:
   """Runs, traces and classifies ``steps`` train steps of ``config``;
@@ -817,7 +805,7 @@ def profile(config: Config, *, steps: int = 5, warmup: int = 3, name: str = "run
           "transport_kernel_scopes": classifier.kernel_scopes,
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
       },
-      "git_commit": git_commit(),
+      "git_commit": common.git_commit(_REPO),
       "date": datetime.datetime.now().isoformat(timespec="seconds"),
       "config_yaml": config_to_yaml(config),
   }

@@ -8,12 +8,27 @@ import os
 import pathlib
 import platform
 import statistics
+import subprocess
 import time
 
 import jax
 import jax.numpy as jnp
 
 RESULTS_DIR = pathlib.Path("benchmarks/results")
+_CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def git_commit(checkout: pathlib.Path = _CHECKOUT) -> str | None:
+  """``HEAD``'s hash of ``checkout`` (default: the one this code runs from),
+  ``+dirty`` where tracked files differ from it; None outside a git checkout."""
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           cwd=checkout, capture_output=True, text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return head + ("+dirty" if dirty else "")
 
 
 def environment() -> dict:
@@ -29,6 +44,7 @@ def environment() -> dict:
       "python": platform.python_version(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "commit": git_commit(),
   }
   try:
     import cupy
