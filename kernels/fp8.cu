@@ -94,13 +94,8 @@ __device__ __forceinline__ void quantize_pack(const typename T::Elem* __restrict
     const int c = b * FP8_BLOCK + 4 * lane;
     float v[4];
     load_quad<T>(row, c, hidden, v);
-    bool finite = true;
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      finite = finite && fp8_is_finite(v[i]);
-      amax = fmaxf(amax, fabsf(v[i]));  // a non-finite block's amax is unused
-    }
+    bool finite;
+    float amax = fp8_lane_amax(v, &finite);
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1)
       amax = fmaxf(amax, __shfl_xor_sync(MOE_EP_FULL_MASK, amax, offset));
@@ -110,12 +105,7 @@ __device__ __forceinline__ void quantize_pack(const typename T::Elem* __restrict
     if (finite) {
       const int exponent = fp8_scale_exponent(amax);
       scale = fp8_pow2(exponent);
-      const float inverse = fp8_pow2(-exponent);
-      float y[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)  // exact: a power-of-two factor
-        y[i] = fminf(fmaxf(v[i] * inverse, -FP8_MAX), FP8_MAX);
-      codes = f32x2_to_e4m3x2(y[0], y[1]) | (f32x2_to_e4m3x2(y[2], y[3]) << 16);
+      codes = fp8_codes4(v, fp8_pow2(-exponent));
     } else {
       scale = __uint_as_float(FP8_CANONICAL_NAN);
       codes = 0u;

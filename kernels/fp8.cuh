@@ -69,6 +69,31 @@ __device__ __forceinline__ void e4m3x2_to_f32x2(u32 codes, float* lo, float* hi)
 
 __device__ __forceinline__ int fp8_code_bytes(int hidden) { return (hidden + 15) & ~15; }
 
+// A lane's part of a block's amax (max |v[i]|), and whether all its values
+// are finite; a non-finite block's amax is unused.
+template <int N>
+__device__ __forceinline__ float fp8_lane_amax(const float (&v)[N], bool* finite) {
+  bool all_finite = true;
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    all_finite = all_finite && fp8_is_finite(v[i]);
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+  *finite = all_finite;
+  return amax;
+}
+
+// Four values of a finite block -> their four codes (byte i for v[i]): times
+// the block's power-of-two inverse scale (exact), clipped to +-448 (which
+// never binds with this scale; a cast never makes NaN), rounded to e4m3.
+__device__ __forceinline__ u32 fp8_codes4(const float* v, float inverse) {
+  float y[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) y[i] = fminf(fmaxf(v[i] * inverse, -FP8_MAX), FP8_MAX);
+  return f32x2_to_e4m3x2(y[0], y[1]) | (f32x2_to_e4m3x2(y[2], y[3]) << 16);
+}
+
 // --- one warp step of the quantize fused with the peer dispatch's senders ----
 // Rows with hidden % 16 == 0: lane l takes channels c = 512 * step + 16 * l +
 // [0, 16) (all in the row or all past it), so lanes 8j .. 8j + 7 hold scale
@@ -112,13 +137,8 @@ __device__ __forceinline__ void fp8_widen_sixteen(const uint4 (&raw)[sizeof(type
 __device__ __forceinline__ uint4 fp8_quantize_sixteen(const float (&v)[16], int hidden, int step,
                                                       uint4* scales) {
   const int lane = (int)(threadIdx.x & 31u);
-  bool finite = true;
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    finite = finite && fp8_is_finite(v[i]);
-    amax = fmaxf(amax, fabsf(v[i]));  // a non-finite block's amax is unused
-  }
+  bool finite;
+  float amax = fp8_lane_amax(v, &finite);
 #pragma unroll
   for (int offset = 4; offset > 0; offset >>= 1)  // over the block's 8 lanes
     amax = fmaxf(amax, __shfl_xor_sync(MOE_EP_FULL_MASK, amax, offset));
@@ -130,16 +150,8 @@ __device__ __forceinline__ uint4 fp8_quantize_sixteen(const float (&v)[16], int 
     const int exponent = fp8_scale_exponent(amax);
     scale = __float_as_uint(fp8_pow2(exponent));
     const float inverse = fp8_pow2(-exponent);
-    u32 words[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      float y[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)  // exact: a power-of-two factor
-        y[i] = fminf(fmaxf(v[4 * k + i] * inverse, -FP8_MAX), FP8_MAX);
-      words[k] = f32x2_to_e4m3x2(y[0], y[1]) | (f32x2_to_e4m3x2(y[2], y[3]) << 16);
-    }
-    codes = make_uint4(words[0], words[1], words[2], words[3]);
+    codes = make_uint4(fp8_codes4(v, inverse), fp8_codes4(v + 4, inverse),
+                       fp8_codes4(v + 8, inverse), fp8_codes4(v + 12, inverse));
   } else {
     scale = FP8_CANONICAL_NAN;
     const u32 nan = FP8_NAN_CODE * 0x01010101u;
