@@ -391,8 +391,9 @@ __device__ __forceinline__ bool row_args_ok(int rank, int ep_size, int send_capa
          row_vecs >= 1 && segment_vecs >= 1 && (blockDim.x & 31u) == 0u;
 }
 
-// Unit `unit` of rows split into `segments` segments of segment_vecs vectors:
-// its row and its vectors [begin, end).
+// Unit `unit` of rows split into `segments` segments of segment_vecs units
+// (16-byte vectors; the FP8 dispatch's own rows and senders: quantize steps):
+// its row and its units [begin, end).
 struct RowUnit {
   i64 row;
   int begin;
@@ -558,7 +559,7 @@ __device__ __forceinline__ Exchange open_exchange(const u64* peers, int rank, in
 }
 
 // The chunking of one fused exchange: S slot rows per destination in chunks
-// of chunk_rows, each row split into `segments` units of segment_vecs vectors.
+// of chunk_rows.
 struct Chunks {
   int send_capacity;
   int chunk_rows;
@@ -898,11 +899,13 @@ extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch(
 
 #define DEFINE_PEER_DISPATCH_FP8_KERNEL(SUFFIX, TYPE)                                            \
   extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch_fp8_##SUFFIX(               \
-      const TYPE::Elem* rows, const int* send_token, const int* recv_pos, const int* slab_row,   \
-      uint4* slabs, const u64* peers, int rank, int ep_size, int num_tokens, int send_capacity,  \
-      int top_k, int num_slab_rows, int row_vecs, int hidden, int chunk_rows, int num_chunks,    \
-      int send_blocks, int send_segment_steps, int recv_segment_vecs, i64 slot_bytes,            \
-      i64 data_offset, u32* failed, PeerFailure* record, u64 timeout_ns, int site) {             \
+      const TYPE::Elem* __restrict__ rows, const int* __restrict__ send_token,                   \
+      const int* __restrict__ recv_pos, const int* __restrict__ slab_row,                        \
+      uint4* __restrict__ slabs, const u64* __restrict__ peers, int rank, int ep_size,           \
+      int num_tokens, int send_capacity, int top_k, int num_slab_rows, int row_vecs, int hidden, \
+      int chunk_rows, int num_chunks, int send_blocks, int send_segment_steps,                   \
+      int recv_segment_vecs, i64 slot_bytes, i64 data_offset, u32* failed, PeerFailure* record,  \
+      u64 timeout_ns, int site) {                                                                \
     dispatch_rows(QuantizeRows<TYPE>{rows, hidden}, send_token, recv_pos, slab_row, slabs,       \
                   peers, rank, ep_size, num_tokens, send_capacity, top_k, num_slab_rows,         \
                   row_vecs, chunk_rows, num_chunks, send_blocks, send_segment_steps,             \

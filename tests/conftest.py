@@ -2,6 +2,7 @@
 
 import functools
 import os
+import re
 
 # Must happen before JAX initialises its backends. No GPU memory preallocation:
 # multi-process GPU tests start children that need the GPUs too.
@@ -127,3 +128,10 @@ def make_mesh(shape: tuple, names: tuple, backend: str = "xla") -> jax.sharding.
   count = int(np.prod(shape))
   devices = np.array(devices_for(backend, count)).reshape(shape)
   return jax.sharding.Mesh(devices, names)
+
+
+def custom_call_scopes(text: str) -> list[tuple[str, str]]:
+  """``(target, location name)`` of every custom call in debug-info MLIR."""
+  names = dict(re.findall(r'^(#loc\d+) = loc\("([^"]*)"', text, flags=re.M))
+  calls = re.findall(r"custom_call @(\w+)\(.*loc\((#loc\d+)\)\s*$", text, flags=re.M)
+  return [(target, names.get(loc, "")) for target, loc in calls]

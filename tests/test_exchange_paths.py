@@ -2,7 +2,6 @@
 and that the layer's results do not depend on it: the peer exchange moves the
 same bytes, so every value and gradient downstream is bitwise equal."""
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from conftest import devices_for, gpu_devices, make_mesh
+from conftest import custom_call_scopes, devices_for, gpu_devices, make_mesh
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
 from moe_ep.bench import hlo
 from moe_ep.transport import (NAMED_SCOPES, _resolve_exchange, combine, dispatch,
@@ -144,11 +143,6 @@ def test_peer_row_paths_lower_to_one_fused_callback_each_and_no_row_passes(monke
   assert sum("/exchange_weights/" in s for s in scopes) == 1
   assert "all_to_all" not in text
 
-
-def custom_call_scopes(text: str) -> list[tuple[str, str]]:
-  names = dict(re.findall(r'^(#loc\d+) = loc\("([^"]*)"', text, flags=re.M))
-  calls = re.findall(r"custom_call @(\w+)\(.*loc\((#loc\d+)\)\s*$", text, flags=re.M)
-  return [(target, names.get(loc, "")) for target, loc in calls]
 
 
 def test_peer_row_paths_off_cuda_run_the_all_to_all_path_bitwise(monkeypatch):

@@ -19,8 +19,11 @@ _CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def git_commit(checkout: pathlib.Path = _CHECKOUT) -> str | None:
-  """``HEAD``'s hash of ``checkout`` (default: the one this code runs from),
-  ``+dirty`` where tracked files differ from it; None outside a git checkout."""
+  """``HEAD``'s hash of ``checkout`` (default: the source checkout this code
+  runs from), ``+dirty`` where tracked files differ from it; None outside a
+  git checkout of this project (an installed wheel)."""
+  if not (checkout / "pyproject.toml").is_file():
+    return None
   try:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True,
                           text=True, check=True).stdout.strip()

@@ -152,11 +152,17 @@ class _Grid:
     peer.configure()
 
 
-def _grids(ep_size: int, tokens: int, send_capacity: int, row_vecs: int) -> dict:
-  """The fused row kernels' grids as now configured (dispatch and combine)."""
-  return {kind: dataclasses.asdict(peer.row_grid(kind, ep_size, tokens, send_capacity, row_vecs,
-                                                 _multiprocessors() or 1))
-          for kind in ("dispatch", "combine")}
+def _grids(ep_size: int, tokens: int, send_capacity: int, hidden: int) -> dict:
+  """The fused row kernels' grids as now configured for bf16 rows of
+  ``hidden`` (dispatch and combine) and for the FP8 dispatch."""
+  sms = _multiprocessors() or 1
+  grids = {kind: dataclasses.asdict(peer.row_grid(kind, ep_size, tokens, send_capacity,
+                                                  hidden * 2 // 16, sms))
+           for kind in ("dispatch", "combine")}
+  grids["dispatch_fp8"] = dataclasses.asdict(peer.row_grid(
+      "dispatch", ep_size, tokens, send_capacity, fp8.wire_bytes(hidden) // 16, sms,
+      send_units=-(-hidden // 512)))  # quantize steps of 512 channels
+  return grids
 
 
 def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_factor,
@@ -263,14 +269,14 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
       timings["fp8_bitwise_equal_to_all_to_all"] = _same_bits(fp8_slabs,
                                                               result["fp8_reference"])
     if path == "peer":
-      timings["default_grid"] = _grids(ep_size, tokens, send_capacity, row_bytes // 16)
+      timings["default_grid"] = _grids(ep_size, tokens, send_capacity, hidden)
     if path == "peer" and grids:
       timings["grids"] = []
       for row_blocks, send_blocks in grids:
         with _Grid(row_blocks, send_blocks):
           timings["grids"].append({
               "requested": {"row_blocks": row_blocks, "send_blocks": send_blocks},
-              "grid": _grids(ep_size, tokens, send_capacity, row_bytes // 16),
+              "grid": _grids(ep_size, tokens, send_capacity, hidden),
               "dispatch_rows": _with_gbs(
                   _timed(mesh, rows_fn, (x, dispatched.handle), repeat=repeat, iters=iters),
                   nbytes["dispatch_off_device"], nbytes["dispatch_received"]),

@@ -262,8 +262,8 @@ def _rows_to_slabs_fp8(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> j
   received row is dequantized straight into its slab rows (one fused pass),
   the quantize fused with the send expand, the wire rows crossing by either
   exchange's drop-in. With one, the receiver only expands the wire rows into
-  FP8 slabs ``[L, C, W]`` (:func:`_rows_to_fp8_slabs`: on the peer path the
-  fused row kernels move them, as they move bf16 rows), which carry the name
+  FP8 slabs ``[L, C, W]`` (:func:`_rows_to_fp8_slabs`: on the peer path one
+  fused kernel quantizes, moves and places them), which carry the name
   ``"{checkpoint_name}.tokens"``, and XLA dequantizes them: a remat policy
   that saves the dispatch then keeps the FP8 slabs (about half the bf16
   residual) and backward recomputes only the dequantize, never the exchange.

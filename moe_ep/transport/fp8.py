@@ -43,8 +43,10 @@ An all-zero wire row dequantizes to an all-zero row (codes 0, scales 0), so
 
 The pure-JAX functions run on every platform and are the reference. The
 ``cuda_*`` functions run ``kernels/fp8.cu`` through ``buffer_callback`` (as
-:mod:`moe_ep.transport.cupy` does) and give the same bytes and values; they
-need compute capability 8.9+ (the e4m3 conversion instructions).
+:mod:`moe_ep.transport.cupy` does) and give the same bytes and values; they,
+and the peer dispatch that quantizes as it sends (``kernels/peer.cu``'s
+``peer_dispatch_fp8_*``), need compute capability 8.9+ (the e4m3 conversion
+instructions; :func:`check_compute_capability`).
 """
 
 from __future__ import annotations

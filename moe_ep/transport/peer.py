@@ -902,7 +902,8 @@ class RowGrid:
     chunk_rows: slot rows per signalled chunk.
     num_chunks: chunks per destination (``ceil(S / chunk_rows)``).
     send_segment, recv_segment: 16-byte vectors per unit of a sender's and a
-      receiver's warp (:func:`row_segment`).
+      receiver's warp (:func:`row_segment`); the FP8 dispatch's senders
+      count quantize steps of 512 channels instead.
   """
 
   send_blocks: int
@@ -1086,14 +1087,15 @@ def _fused_dispatch_fp8(rows, send_token, recv_pos, slab_row, *, axis_name: str,
   ep_size, send_capacity, top_k = recv_pos.shape
   num_slab_rows = slab_row.shape[0]
   width = fp8.wire_bytes(hidden)
+  for device in np.asarray(mesh.devices).flat:  # this process's GPUs: e4m3 needs sm_89+
+    if device.platform == "gpu" and device.process_index == jax.process_index():
+      fp8.check_compute_capability(_ordinal(device))
   launches = _fused_launches(
       "dispatch", f"dispatch_fp8_{_SUM_SUFFIX[np.dtype(rows.dtype).name]}", "dispatch_rows_fp8",
       np.uint8, width, mesh, axis_name, ep_size, num_tokens, send_capacity,
       (send_capacity, top_k, num_slab_rows, width // 16, hidden),
       (0, 1, 2, 3, 4),  # buffers: rows 0, send_token 1, recv_pos 2, slab_row 3, slabs 4
       send_units=-(-hidden // _FP8_STEP_CHANNELS))
-  for ordinal in launches:  # the local GPUs: the e4m3 conversions need sm_89+
-    fp8.check_compute_capability(ordinal)
   return _fused_call("dispatch rows fp8", launches, (rows, send_token, recv_pos, slab_row),
                      jax.ShapeDtypeStruct((num_slab_rows, width), np.uint8), axis_name)
 

@@ -7,10 +7,9 @@ from collections import Counter
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from conftest import make_mesh
+from conftest import custom_call_scopes, make_mesh
 from moe_ep.transport import NAMED_SCOPES, combine, dispatch
 
 EP, TOKENS, HIDDEN, EXPERTS, TOP_K = 4, 16, 8, 8, 2
@@ -32,12 +31,6 @@ def value_and_grad_step():
   args = (jnp.ones((EP * TOKENS, HIDDEN), jnp.bfloat16), jnp.ones((EP * TOKENS, TOP_K)))
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(*args)
 
-
-def custom_call_scopes(text: str) -> list[tuple[str, str]]:
-  """``(target, location name)`` of every custom call in debug-info MLIR."""
-  names = dict(re.findall(r'^(#loc\d+) = loc\("([^"]*)"', text, flags=re.M))
-  calls = re.findall(r"custom_call @(\w+)\(.*loc\((#loc\d+)\)\s*$", text, flags=re.M)
-  return [(target, names.get(loc, "")) for target, loc in calls]
 
 
 def test_cuda_lowering_uses_named_buffer_callbacks(pretend_cupy):

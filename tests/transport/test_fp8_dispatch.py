@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from conftest import cpu_compiler_options, make_mesh
+from conftest import cpu_compiler_options, custom_call_scopes, make_mesh
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
 from moe_ep.bench import hlo
 from moe_ep.config import from_dict
@@ -383,8 +383,7 @@ def test_cupy_named_fp8_slabs_equal_the_fused_receive_bitwise(ep_size):
 # --- the peer path's fused quantize (kernels/peer.cu peer_dispatch_fp8_*) --------
 
 
-def fp8_slabs_fn(mesh, backend: str, exchange: str, tokens: int, capacity: int,
-                 send_capacity: int):
+def fp8_slabs_fn(mesh, backend: str, exchange: str, capacity: int, send_capacity: int):
   """Per rank: ``(x, idx, weights) -> FP8 slabs [L, C, W]`` uint8, what the
   layer's named FP8 dispatch produces and saves (the routing, then
   ``_rows_to_fp8_slabs``)."""
@@ -401,6 +400,39 @@ def fp8_slabs_fn(mesh, backend: str, exchange: str, tokens: int, capacity: int,
   return per_rank
 
 
+def fp8_slabs_problem(seed: int, ranks: int, steps: int, tokens: int, hidden: int, dtype):
+  """``(x [steps, R*T, H], idx, weights)``: per step, rows of magnitudes over
+  the dtype's range with a NaN block, an inf block, a zero row, float32
+  subnormals, one value far above its block's others and a NaN in the last
+  channel (a short last block whose lanes past the row are poisoned too),
+  and skewed routes."""
+  rng = np.random.default_rng(seed)
+  span = 3 if dtype == jnp.float16 else 30  # float16 tops out at 65504
+  magnitude = 10.0 ** rng.uniform(-span, span, (steps, ranks * tokens, 1))
+  x = (rng.normal(size=(steps, ranks * tokens, hidden)) * magnitude).astype(np.float32)
+  x[:, 0, 5] = np.nan
+  x[:, 1, 300] = np.inf
+  x[:, 2, :] = 0.0
+  x[:, 3, 200:260] = 1e-40  # float32 subnormals (narrower dtypes: 0, both paths alike)
+  x[:, 4, 0] = 6e4 * 10.0 ** rng.uniform(-span, 0)
+  x[:, 4, 1:128] = 1e-3  # its block's others round to e4m3 zero or subnormals
+  x[:, 5, hidden - 1] = np.nan
+  idx = np.stack([make_routing("skewed", rng, ranks, tokens, TOP_K,
+                               NUM_EXPERTS).reshape(-1, TOP_K) for _ in range(steps)])
+  weights = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
+  return x.astype(dtype), idx, weights
+
+
+def scanned_fp8_slabs(mesh, backend: str, exchange: str, capacity: int, send_capacity: int,
+                      problem):
+  """The FP8 slabs of every step of ``problem``, one scan over the steps."""
+  per_rank = fp8_slabs_fn(mesh, backend, exchange, capacity, send_capacity)
+  body = lambda carry, step: (carry, per_rank(*step))
+  spec = P(None, "ep")
+  return np.asarray(jax.jit(jax.shard_map(lambda *xs: jax.lax.scan(body, None, xs)[1],
+                                          mesh=mesh, in_specs=spec, out_specs=spec))(*problem))
+
+
 @pytest.mark.parametrize("hidden, quantize_in_peer_kernel", [(208, True), (200, False)])
 def test_peer_fp8_slabs_lower_to_one_fused_quantizing_callback(monkeypatch, pretend_cupy, hidden,
                                                                quantize_in_peer_kernel):
@@ -409,14 +441,13 @@ def test_peer_fp8_slabs_lower_to_one_fused_quantizing_callback(monkeypatch, pret
   (uint8 rows of W bytes), with no quantize pass, row pass or all_to_all
   of rows; with H % 16 != 0 a quantize pass feeds the fused byte rows."""
   from moe_ep.transport import peer
-  from test_exchange_paths import custom_call_scopes
   monkeypatch.setattr(peer, "unsupported_reason", lambda mesh, axis: None)
   mesh = make_mesh((4,), ("ep",))
   rng = np.random.default_rng(0)
   x = jnp.ones((4 * TOKENS, hidden), jnp.bfloat16)
   idx = make_routing("balanced", rng, 4, TOKENS, TOP_K, NUM_EXPERTS).reshape(-1, TOP_K)
   weights = jnp.ones(idx.shape, jnp.float32)
-  fn = jax.shard_map(fp8_slabs_fn(mesh, "auto", "peer", TOKENS, 16, TOKENS), mesh=mesh,
+  fn = jax.shard_map(fp8_slabs_fn(mesh, "auto", "peer", 16, TOKENS), mesh=mesh,
                      in_specs=P("ep"), out_specs=P("ep"))
   text = jax.jit(fn).trace(x, idx, weights).lower(
       lowering_platforms=("cuda",)).as_text(debug_info=True)
@@ -431,48 +462,51 @@ def test_peer_fp8_slabs_lower_to_one_fused_quantizing_callback(monkeypatch, pret
   assert "all_to_all" not in text
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_peer_fp8_slabs_off_cuda_are_the_all_to_all_bytes(monkeypatch, dtype):
+  """On CPU devices the peer path's FP8 dispatch runs its other branch (the
+  quantize, XLA's all_to_all, the expand): the same bytes as
+  exchange="all_to_all", over 3 scan steps on 4 ranks with drops."""
+  from moe_ep.transport import peer
+  monkeypatch.setattr(peer, "unsupported_reason", lambda mesh, axis: None)
+  mesh = make_mesh((4,), ("ep",))
+  problem = fp8_slabs_problem(3, 4, 3, 32, 1040, dtype)
+  got, want = (scanned_fp8_slabs(mesh, "xla", exchange, 8, 24, problem)
+               for exchange in ("peer", "all_to_all"))
+  assert got.shape[-1] == fp8.wire_bytes(1040) and (want != 0).any()
+  np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("hidden, tokens", [(1040, 64), (4112, 8)])
-def test_peer_quantizing_dispatch_gives_the_pure_jax_fp8_slabs_bitwise(dtype, hidden, tokens):
+@pytest.mark.parametrize("dtype, hidden, tokens, grid", [
+    (jnp.bfloat16, 1040, 64, None), (jnp.float32, 1040, 64, None),
+    (jnp.bfloat16, 4112, 8, None), (jnp.float32, 4112, 8, None),
+    (jnp.float16, 7168, 64, (8, 2)), (jnp.bfloat16, 7168, 64, (8, 2))])
+def test_peer_quantizing_dispatch_gives_the_pure_jax_fp8_slabs_bitwise(dtype, hidden, tokens,
+                                                                       grid):
   """Two GPUs: the FP8 slabs the peer kernel quantizes as it sends (and as
   it places this rank's own rows) are byte for byte the pure-JAX quantize's
   carried by XLA's all_to_all, over 6 scan steps of fresh rows and routes
-  (drops: capacity factor 1.0 and a binding send capacity). The rows hold
-  a NaN block, an inf block, values past e4m3's range, float32 subnormals,
-  a zero row and magnitudes from 1e-30 to 1e30. H = 1040: 65 code vectors,
-  the last quantize step and scale block short; H = 4112 with 8 tokens: rows
-  split into segments on both sides."""
+  (drops: capacity factor 1.0 and a binding send capacity; the rows of
+  fp8_slabs_problem). H = 1040: 65 code vectors, the last quantize step and
+  scale block short; H = 4112 with 8 tokens: rows split into one-step
+  segments; H = 7168 on 8 blocks of which 2 send (``grid``): senders take
+  7-step units (a batch of 4, then 3) and own rows 4 + 4 + 4 + 2 steps."""
   from conftest import devices_for
+  from moe_ep.transport import peer
   devices = devices_for("cupy", 2)
   mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
-  steps = 6
   capacity = expert_capacity_for(tokens, TOP_K, NUM_EXPERTS, 2, 1.0)
   send_capacity = max(1, (tokens * 3) // 4)
-  rng = np.random.default_rng(hidden + tokens)
-  magnitude = 10.0 ** rng.uniform(-30, 30, (steps, 2 * tokens, 1))
-  x = (rng.normal(size=(steps, 2 * tokens, hidden)) * magnitude).astype(np.float32)
-  x[:, 0, 5] = np.nan
-  x[:, 1, 300] = np.inf
-  x[:, 2, :] = 0.0
-  x[:, 3, 200:260] = 1e-40  # float32 subnormals (bf16: flushed or not, both paths alike)
-  x[:, 4, 700] = 1e5  # far past 448 times the block's other values
-  x = x.astype(dtype)
-  idx = np.stack([make_routing("skewed", rng, 2, tokens, TOP_K, NUM_EXPERTS).reshape(-1, TOP_K)
-                  for _ in range(steps)])
-  weights = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
-  spec = P(None, "ep")
-
-  def program(backend, exchange):
-    per_rank = fp8_slabs_fn(mesh, backend, exchange, tokens, capacity, send_capacity)
-    body = lambda carry, step: (carry, per_rank(*step))
-    return jax.jit(jax.shard_map(lambda *xs: jax.lax.scan(body, None, xs)[1], mesh=mesh,
-                                 in_specs=spec, out_specs=spec))(x, idx, weights)
-
-  from moe_ep.transport import peer
-  got = np.asarray(program("cupy", "peer"))
+  problem = fp8_slabs_problem(hidden + tokens, 2, 6, tokens, hidden, dtype)
+  if grid is not None:
+    peer.configure(row_blocks=grid[0], send_blocks=grid[1])
+  try:
+    got = scanned_fp8_slabs(mesh, "cupy", "peer", capacity, send_capacity, problem)
+  finally:
+    peer.configure()
   peer.raise_if_failed()
-  want = np.asarray(program("xla", "all_to_all"))
+  want = scanned_fp8_slabs(mesh, "xla", "all_to_all", capacity, send_capacity, problem)
   assert got.shape == want.shape and got.shape[-1] == fp8.wire_bytes(hidden)
   np.testing.assert_array_equal(got, want)
   assert (want != 0).any(axis=-1).sum() > 0  # rows were moved at all

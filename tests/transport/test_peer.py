@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import gpu_devices, make_mesh
+from conftest import custom_call_scopes, gpu_devices, make_mesh
 from moe_ep.launch import launch
 from moe_ep.transport import kernel_source, peer
 
@@ -352,11 +352,6 @@ def test_exchange_on_cpu_equals_all_to_all_bitwise(dtype, per_rank_shape):
   np.testing.assert_array_equal(np.asarray(got).reshape(per_group.shape),
                                 reference_all_to_all(per_group, 4))
 
-
-def custom_call_scopes(text: str) -> list[tuple[str, str]]:
-  names = dict(re.findall(r'^(#loc\d+) = loc\("([^"]*)"', text, flags=re.M))
-  calls = re.findall(r"custom_call @(\w+)\(.*loc\((#loc\d+)\)\s*$", text, flags=re.M)
-  return [(target, names.get(loc, "")) for target, loc in calls]
 
 
 def test_cuda_lowering_is_one_named_command_buffer_callback_and_no_all_to_all():
