@@ -165,6 +165,14 @@ def _grids(ep_size: int, tokens: int, send_capacity: int, hidden: int) -> dict:
   return grids
 
 
+def _routing_only(spec, num_experts: int):
+  """Dispatch's routing alone (route, metadata exchange, slab layout), what
+  dispatch adds to its row path: ``(idx, weights) -> RoutingHandle``."""
+  return lambda idx, weights: transport._routing(
+      spec, *transport._merge_duplicate_routes(transport._valid_ids(idx, num_experts),
+                                               weights))[0]
+
+
 def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_factor,
          backend: str, iters: int, repeat: int = 10, grids=(), with_fp8=False) -> dict:
   """Dispatch, dispatch rows and combine on each path at one shape; with
@@ -216,12 +224,8 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
                                   "combine")):
       timings[name] = _with_gbs(_timed(mesh, fn, args, repeat=repeat, iters=iters),
                                 nbytes[f"{kind}_off_device"], nbytes[f"{kind}_received"])
-    # Dispatch's routing alone (route, metadata exchange, slab layout): what
-    # dispatch adds to its row path.
-    timings["routing"] = _timed(mesh, lambda idx, weights: transport._routing(
-        spec, *transport._merge_duplicate_routes(transport._valid_ids(idx, num_experts),
-                                                 weights))[0],
-        (idx, weights), repeat=repeat, iters=iters)
+    timings["routing"] = _timed(mesh, _routing_only(spec, num_experts), (idx, weights),
+                                repeat=repeat, iters=iters)
     timings["bitwise_equal_to_all_to_all"] = (_same_bits(dispatched.tokens, reference[0])
                                               and _same_bits(y, reference[1]))
     if with_fp8:
@@ -361,11 +365,16 @@ def decode_case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, ca
     handle = jax.jit(_smap(mesh, lambda *a: dispatch(
         *a, num_experts=num_experts, expert_capacity=capacity, axis_name="ep",
         send_capacity=send_capacity, **exchange).handle))(x, idx, weights)
-    result[path] = {
-        "round_trip_us": 1e3 * _timed(mesh, round_trip, (x, idx, weights), repeat=repeat,
-                                      iters=iters)["ms"],
-        "rows_round_trip_us": 1e3 * _timed(mesh, rows_round_trip, (x, handle), repeat=repeat,
-                                           iters=iters)["ms"]}
+    slabs = jax.jit(_smap(mesh, lambda x, h: transport._rows_to_slabs(spec, x, h)))(x, handle)
+    # The round trip's parts, each alone (where the decode time goes).
+    parts = {
+        "round_trip_us": (round_trip, (x, idx, weights)),
+        "rows_round_trip_us": (rows_round_trip, (x, handle)),
+        "routing_us": (_routing_only(spec, num_experts), (idx, weights)),
+        "dispatch_rows_us": (lambda x, h: transport._rows_to_slabs(spec, x, h), (x, handle)),
+        "combine_rows_us": (lambda s, h: transport._slabs_to_rows(spec, s, h), (slabs, handle))}
+    result[path] = {name: 1e3 * _timed(mesh, fn, args, repeat=repeat, iters=iters)["ms"]
+                    for name, (fn, args) in parts.items()}
   return result
 
 
@@ -451,5 +460,8 @@ def summary(result: dict) -> str:
     if path in d:
       lines.append(f"  decode T={d['tokens_per_rank']} E={d['num_experts']} {path}: round trip "
                    f"{d[path]['round_trip_us']:.1f} us (rows alone "
-                   f"{d[path]['rows_round_trip_us']:.1f} us)")
+                   f"{d[path]['rows_round_trip_us']:.1f} us: dispatch "
+                   f"{d[path]['dispatch_rows_us']:.1f} + combine "
+                   f"{d[path]['combine_rows_us']:.1f}; routing alone "
+                   f"{d[path]['routing_us']:.1f} us)")
   return "\n".join(lines)

@@ -79,3 +79,8 @@ def test_ep_cases_agree_bitwise_and_time_fp8(smoke):
     # The named receive (FP8 slabs dequantized by XLA) gives the fused one's bits.
     assert timings["dispatch_fp8_named"]["same_slabs_as_fused"]
     assert timings["dispatch_fp8"]["speedup_vs_bf16"] > 0
+  # Every part of the decode round trip is timed on its own.
+  decode = result["decode"]["all_to_all"]
+  assert set(decode) == {"round_trip_us", "rows_round_trip_us", "routing_us",
+                         "dispatch_rows_us", "combine_rows_us"}
+  assert all(value > 0 for value in decode.values()), decode
