@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import pathlib
@@ -16,6 +17,8 @@ import jax.numpy as jnp
 
 RESULTS_DIR = pathlib.Path("benchmarks/results")
 _CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
+# What source_digest covers: the package and the kernels.
+_SOURCE_FILES = (("moe_ep", "*.py"), ("kernels", "*.cu"), ("kernels", "*.cuh"))
 
 
 def git_commit(checkout: pathlib.Path = _CHECKOUT) -> str | None:
@@ -34,6 +37,23 @@ def git_commit(checkout: pathlib.Path = _CHECKOUT) -> str | None:
   return head + ("+dirty" if dirty else "")
 
 
+def source_digest(checkout: pathlib.Path = _CHECKOUT) -> str | None:
+  """The first 16 hex digits of the SHA-256 over the package's and kernels'
+  source files of ``checkout`` (each one's relative path, then its bytes, in
+  path order): which code a result ran, which a commit can be checked
+  against also where the checkout's git history is not that code's (a copied
+  working tree, whose HEAD is older). None outside a source checkout."""
+  if not (checkout / "pyproject.toml").is_file():
+    return None
+  digest = hashlib.sha256()
+  files = sorted({path for folder, pattern in _SOURCE_FILES
+                  for path in (checkout / folder).rglob(pattern)})
+  for path in files:
+    digest.update(path.relative_to(checkout).as_posix().encode() + b"\0")
+    digest.update(path.read_bytes() + b"\0")
+  return digest.hexdigest()[:16]
+
+
 def environment() -> dict:
   """Device and version facts recorded with every result."""
   import flax
@@ -48,6 +68,7 @@ def environment() -> dict:
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "commit": git_commit(),
+      "source_digest": source_digest(),
   }
   try:
     import cupy

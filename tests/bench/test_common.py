@@ -1,0 +1,36 @@
+"""Which code a benchmark result ran: ``common.source_digest`` over a copy of
+the checkout's sources."""
+
+import pathlib
+import shutil
+
+from moe_ep.bench import common
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def copy_sources(target: pathlib.Path) -> pathlib.Path:
+  for folder in ("moe_ep", "kernels"):
+    shutil.copytree(REPO / folder, target / folder, ignore=shutil.ignore_patterns("__pycache__"))
+  shutil.copy2(REPO / "pyproject.toml", target / "pyproject.toml")
+  return target
+
+
+def test_source_digest_names_the_code_not_the_folder(tmp_path):
+  first = copy_sources(tmp_path / "a")
+  second = copy_sources(tmp_path / "b")
+  digest = common.source_digest(first)
+  assert digest == common.source_digest(REPO) == common.source_digest(second)
+  assert len(digest) == 16 and int(digest, 16) >= 0
+  (second / "README.md").write_text("not source")  # outside the package and kernels
+  (second / "moe_ep" / "__pycache__").mkdir(exist_ok=True)
+  (second / "moe_ep" / "__pycache__" / "x.pyc").write_bytes(b"\0")
+  assert common.source_digest(second) == digest
+  kernel = second / "kernels" / "peer.cu"
+  kernel.write_bytes(kernel.read_bytes() + b" ")  # one byte more in a kernel
+  edited = common.source_digest(second)
+  assert edited != digest
+  kernel.rename(second / "kernels" / "peer2.cu")  # the same bytes under another name
+  assert common.source_digest(second) not in (digest, edited)
+  (second / "pyproject.toml").unlink()
+  assert common.source_digest(second) is None  # not a source checkout
