@@ -161,7 +161,7 @@ def _grids(ep_size: int, tokens: int, send_capacity: int, hidden: int) -> dict:
            for kind in ("dispatch", "combine")}
   grids["dispatch_fp8"] = dataclasses.asdict(peer.row_grid(
       "dispatch", ep_size, tokens, send_capacity, fp8.wire_bytes(hidden) // 16, sms,
-      send_units=-(-hidden // 512)))  # quantize steps of 512 channels
+      send_units=peer.fp8_send_units(hidden)))
   return grids
 
 

@@ -82,6 +82,7 @@ __all__ = [
     "dispatch_rows",
     "ep_groups",
     "exchange",
+    "fp8_send_units",
     "fused_rows_problem",
     "raise_if_failed",
     "reachability_problem",
@@ -954,6 +955,12 @@ def row_grid(kind: str, ep_size: int, num_tokens: int, send_capacity: int, row_v
                                           step))
 
 
+def fp8_send_units(hidden: int) -> int:
+  """A sender's units per row in the FP8 dispatch (``row_grid``'s
+  ``send_units``): quantize steps of 512 channels (kernels/fp8.cuh)."""
+  return -(-hidden // _FP8_STEP_CHANNELS)
+
+
 def row_segment(rows: int, row_vecs: int, warps: int, step: int) -> int:
   """16-byte vectors per unit of work of a row kernel: whole rows when there
   are rows enough to give each of ``warps`` warps two, else rows split into
@@ -1095,7 +1102,7 @@ def _fused_dispatch_fp8(rows, send_token, recv_pos, slab_row, *, axis_name: str,
       np.uint8, width, mesh, axis_name, ep_size, num_tokens, send_capacity,
       (send_capacity, top_k, num_slab_rows, width // 16, hidden),
       (0, 1, 2, 3, 4),  # buffers: rows 0, send_token 1, recv_pos 2, slab_row 3, slabs 4
-      send_units=-(-hidden // _FP8_STEP_CHANNELS))
+      send_units=fp8_send_units(hidden))
   return _fused_call("dispatch rows fp8", launches, (rows, send_token, recv_pos, slab_row),
                      jax.ShapeDtypeStruct((num_slab_rows, width), np.uint8), axis_name)
 
