@@ -1,12 +1,17 @@
 // Routing layout of dispatch: integer work only, no float atomics.
 //
-// Both sides rank items stably by key with the same three passes over tiles
+// Both sides rank items stably by key with the same two launches over tiles
 // of blockDim.x items (one item per thread):
 //   *_count  per tile and key, how many items carry the key (warp ballots or
 //            __match_any_sync, combined through shared memory);
-//   *_scan   one block: exclusive scan over tiles per key, totals;
-//   *_rank   per item: tile offset + earlier warps' counts + earlier lanes'
-//            matches = its stable rank among items with its key.
+//   *_rank   every block sums the earlier tiles' counts (its tile offset) and
+//            all of them (the totals); per item: tile offset + earlier warps'
+//            counts + earlier lanes' matches = its stable rank among items
+//            with its key; then the blocks fill what no item owns (padding
+//            past the totals, per-key summaries) grid-stride.
+// Two launches rather than a scan launch between them: at decode sizes every
+// launch is latency on the dispatch's critical path, and re-reading
+// tiles * keys counts from L2 per block costs less than one.
 // Items are tokens on the sender (keys: destination ranks; a token carries
 // every rank one of its K experts lives on) and received members (src, slot,
 // k) on the receiver (key: local expert), so ranks follow token order, which
@@ -74,26 +79,144 @@ extern "C" __global__ void route_count(const int* __restrict__ topk_idx, int num
 }
 
 // ---------------------------------------------------------------------------
-// route_scan: exclusive scan of the per-tile destination counts, destination
-// totals, and the demand words of the metadata.
-//   grid: 1 block; any block size.
-//   outputs: tile_dest_offsets [tiles, R], dest_totals [R], meta demand words.
+// Per key, the sum of tile_counts[tile, key] over tiles < before (prefix) and
+// over all tiles (total), into shared memory; ends with __syncthreads. Every
+// block of a rank kernel sums the count kernel's tiles itself, so no scan
+// launch sits between count and rank (integer sums: exact in any order).
 // ---------------------------------------------------------------------------
-extern "C" __global__ void route_scan(const int* __restrict__ tile_dest_counts,
-                                      const int* __restrict__ tile_expert_counts, int num_tiles,
-                                      int ep_size, int num_experts, int local_experts,
-                                      int meta_width, int demand_offset,
-                                      int* __restrict__ tile_dest_offsets,
-                                      int* __restrict__ dest_totals, int* __restrict__ meta) {
-  for (int d = threadIdx.x; d < ep_size; d += blockDim.x) {
-    int running = 0;
-    for (int tile = 0; tile < num_tiles; ++tile) {
-      tile_dest_offsets[(i64)tile * ep_size + d] = running;
-      running += tile_dest_counts[(i64)tile * ep_size + d];
+__device__ void sum_tiles(const int* __restrict__ tile_counts, int num_tiles, int keys,
+                          int before, int* prefix, int* total) {
+  for (int key = threadIdx.x; key < keys; key += blockDim.x) prefix[key] = total[key] = 0;
+  __syncthreads();
+  const int groups = max(1, (int)blockDim.x / keys);  // threads summing one key
+  for (int i = threadIdx.x; i < groups * keys; i += blockDim.x) {
+    const int key = i % keys, group = i / keys;
+    int below = 0, all = 0;
+    for (int tile = group; tile < num_tiles; tile += groups) {
+      const int count = tile_counts[(i64)tile * keys + key];
+      all += count;
+      if (tile < before) below += count;
     }
-    dest_totals[d] = running;
+    if (all) atomicAdd(&total[key], all);
+    if (below) atomicAdd(&prefix[key], below);
   }
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+  __syncthreads();
+}
+
+// ---------------------------------------------------------------------------
+// route_rank: each token's slot in its chunk to every rank it routes to, the
+// route slots and metadata words of the tile, and (all blocks, grid-stride)
+// the empty slots past each chunk's fill and the demand words.
+//   grid: max(tiles, ceil(R * S / blockDim.x)), tiles as route_count (blocks
+//   past the tiles only pad); block: as route_count;
+//   shared memory: (warps + 3) * R + blockDim.x * (R + 1 + 2 * K) ints.
+//   inputs: topk_idx [T, K], topk_weights [T, K] float32, route_count's
+//   tile_dest_counts [tiles, R] and tile_expert_counts [tiles, E].
+//   outputs: send_slot [T, R] (-1: no route or beyond S), send_token [R, S]
+//   (-1 past the fill), route_slot [T, K], meta [R, meta_width].
+//   bounds: a slot >= S is dropped on the wire (written as -1).
+// The tile's ids and weights are staged in shared memory by one coalesced
+// load (at decode sizes the kernel is a chain of load latencies otherwise).
+// A tile's kept slots to rank d are one run [tile_offset[d], +kept), so the
+// tile writes its [T, K] and metadata words as contiguous runs, consecutive
+// threads on consecutive words (a thread per token would stride K words).
+// ---------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(1024)
+route_rank(const int* __restrict__ topk_idx, const float* __restrict__ topk_weights,
+           int num_tokens, int top_k, int num_experts, int local_experts, int ep_size,
+           int send_capacity, int num_tiles, const int* __restrict__ tile_dest_counts,
+           const int* __restrict__ tile_expert_counts, int* __restrict__ send_slot,
+           int* __restrict__ send_token, int* __restrict__ route_slot, int* __restrict__ meta,
+           int meta_width, int demand_offset) {
+  extern __shared__ int shared[];
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int* warp_counts = shared;                            // [warps, R]
+  int* tile_offset = warp_counts + warps * ep_size;     // [R]
+  int* dest_total = tile_offset + ep_size;              // [R]
+  int* tile_count = dest_total + ep_size;               // [R]
+  int* token_slot = tile_count + ep_size;               // [blockDim, R]: kept slot or -1
+  int* slot_token = token_slot + blockDim.x * ep_size;  // [blockDim]: token of a kept slot
+  int* tile_ids = slot_token + blockDim.x;              // [blockDim, K]
+  float* tile_weights = (float*)(tile_ids + blockDim.x * top_k);  // [blockDim, K]
+  sum_tiles(tile_dest_counts, num_tiles, ep_size, min((int)blockIdx.x, num_tiles),
+            tile_offset, dest_total);
+  const i64 members = (i64)send_capacity * top_k;
+  const i64 tile_first = (i64)blockIdx.x * blockDim.x;
+  const i64 t = tile_first + threadIdx.x;
+  if (blockIdx.x < num_tiles) {  // whole block: the ballots need every lane
+    const int tile_tokens = (int)min((i64)blockDim.x, num_tokens - tile_first);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < tile_tokens * top_k; i += blockDim.x) {
+      tile_ids[i] = topk_idx[tile_first * top_k + i];
+      tile_weights[i] = topk_weights[tile_first * top_k + i];
+    }
+    __syncthreads();
+    const bool active = t < num_tokens;
+    const int* ids = tile_ids + (active ? threadIdx.x : 0) * top_k;
+    for (int d = 0; d < ep_size; ++d) {
+      const bool member = active && routes_to(ids, top_k, num_experts, local_experts, d);
+      const u32 ballot = __ballot_sync(MOE_EP_FULL_MASK, member);
+      if (lane == 0) warp_counts[warp * ep_size + d] = __popc(ballot);
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < ep_size; d += blockDim.x) {
+      int count = 0;
+      for (int w = 0; w < warps; ++w) count += warp_counts[w * ep_size + d];
+      tile_count[d] = count;
+    }
+    for (int d = 0; d < ep_size; ++d) {
+      const bool member = active && routes_to(ids, top_k, num_experts, local_experts, d);
+      const u32 ballot = __ballot_sync(MOE_EP_FULL_MASK, member);
+      int slot = tile_offset[d] + __popc(ballot & lanemask_lt());
+      for (int w = 0; w < warp; ++w) slot += warp_counts[w * ep_size + d];
+      const bool kept = member && slot < send_capacity;
+      token_slot[threadIdx.x * ep_size + d] = kept ? slot : -1;
+      if (!active) continue;
+      send_slot[t * ep_size + d] = kept ? slot : -1;
+      if (kept) send_token[(i64)d * send_capacity + slot] = (int)t;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < tile_tokens * top_k; i += blockDim.x) {
+      const int local = i / top_k;
+      const int e = tile_ids[i];
+      int value = -1;
+      if (valid_expert(e, num_experts)) {
+        const int d = e / local_experts, slot = token_slot[local * ep_size + d];
+        if (slot >= 0) value = d * send_capacity + slot;
+      }
+      route_slot[tile_first * top_k + i] = value;
+    }
+    for (int d = 0; d < ep_size; ++d) {
+      const int first = tile_offset[d];
+      const int kept = max(0, min(send_capacity, first + tile_count[d]) - first);
+      const int slot = token_slot[threadIdx.x * ep_size + d];
+      if (slot >= 0) slot_token[slot - first] = threadIdx.x;
+      __syncthreads();
+      int* ids_out = meta + (i64)d * meta_width + (i64)first * top_k;
+      for (int i = threadIdx.x; i < kept * top_k; i += blockDim.x) {
+        const int route = slot_token[i / top_k] * top_k + i % top_k;
+        const int e = tile_ids[route];
+        const bool on_rank = valid_expert(e, num_experts) && e / local_experts == d;
+        ids_out[i] = on_rank ? e % local_experts : -1;
+        ids_out[members + i] = on_rank ? __float_as_int(tile_weights[route]) : 0;
+      }
+      __syncthreads();  // slot_token is refilled for the next rank
+    }
+  }
+  // The slots past each chunk's fill, and their metadata words (coalesced).
+  const i64 stride = (i64)gridDim.x * blockDim.x;
+  for (int d = 0; d < ep_size; ++d) {
+    const int filled = min(dest_total[d], send_capacity);
+    for (i64 s = filled + t; s < send_capacity; s += stride)
+      send_token[(i64)d * send_capacity + s] = -1;
+    int* row = meta + (i64)d * meta_width;
+    for (i64 word = (i64)filled * top_k + t; word < members; word += stride) {
+      row[word] = -1;
+      row[members + word] = 0;
+    }
+  }
+  for (i64 i = t; i < num_experts; i += stride) {
+    const int e = (int)i;
     int routes = 0;
     for (int tile = 0; tile < num_tiles; ++tile)
       routes += tile_expert_counts[(i64)tile * num_experts + e];
@@ -102,98 +225,17 @@ extern "C" __global__ void route_scan(const int* __restrict__ tile_dest_counts,
 }
 
 // ---------------------------------------------------------------------------
-// route_rank: each token's slot in its chunk to every rank it routes to.
-//   grid/block/shared: as route_count, shared memory warps * R ints.
-//   outputs: send_slot [T, R] (-1: no route or beyond S), send_token [R, S]
-//   at kept slots (route_finish fills the rest), route_slot [T, K].
-//   bounds: a slot >= S is dropped on the wire (written as -1).
-// ---------------------------------------------------------------------------
-extern "C" __global__ void route_rank(const int* __restrict__ topk_idx, int num_tokens, int top_k,
-                                      int num_experts, int local_experts, int ep_size,
-                                      int send_capacity,
-                                      const int* __restrict__ tile_dest_offsets,
-                                      int* __restrict__ send_slot, int* __restrict__ send_token,
-                                      int* __restrict__ route_slot) {
-  extern __shared__ int shared[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int* warp_counts = shared;  // [warps, R]
-  const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  const bool active = t < num_tokens;
-  const int* ids = topk_idx + (active ? t : 0) * top_k;
-  for (int d = 0; d < ep_size; ++d) {
-    const bool member = active && routes_to(ids, top_k, num_experts, local_experts, d);
-    const u32 ballot = __ballot_sync(MOE_EP_FULL_MASK, member);
-    if (lane == 0) warp_counts[warp * ep_size + d] = __popc(ballot);
-  }
-  __syncthreads();
-  for (int d = 0; d < ep_size; ++d) {
-    const bool member = active && routes_to(ids, top_k, num_experts, local_experts, d);
-    const u32 ballot = __ballot_sync(MOE_EP_FULL_MASK, member);
-    int slot = tile_dest_offsets[(i64)blockIdx.x * ep_size + d] + __popc(ballot & lanemask_lt());
-    for (int w = 0; w < warp; ++w) slot += warp_counts[w * ep_size + d];
-    if (!active) continue;
-    const bool kept = member && slot < send_capacity;
-    send_slot[t * ep_size + d] = kept ? slot : -1;
-    if (kept) send_token[(i64)d * send_capacity + slot] = (int)t;
-    if (!member) continue;
-    for (int k = 0; k < top_k; ++k) {
-      const int e = ids[k];
-      if (valid_expert(e, num_experts) && e / local_experts == d)
-        route_slot[t * top_k + k] = kept ? d * send_capacity + slot : -1;
-    }
-  }
-  if (!active) return;
-  for (int k = 0; k < top_k; ++k)
-    if (!valid_expert(ids[k], num_experts)) route_slot[t * top_k + k] = -1;
-}
-
-// ---------------------------------------------------------------------------
-// route_finish: per send slot, the token it carries (-1 past the filled
-// slots) and the metadata words of its K members.
-//   grid: ceil(R * S / blockDim.x); any block size.
-//   inputs: topk_idx [T, K], topk_weights [T, K] float32, dest_totals [R].
-//   outputs: send_token [R, S] (padding), meta id and weight words.
-//   bounds: a token index outside [0, T) is treated as "no token".
-// ---------------------------------------------------------------------------
-extern "C" __global__ void route_finish(const int* __restrict__ topk_idx,
-                                        const float* __restrict__ topk_weights, int num_tokens,
-                                        int top_k, int num_experts, int local_experts,
-                                        int ep_size, int send_capacity,
-                                        const int* __restrict__ dest_totals,
-                                        int* __restrict__ send_token, int* __restrict__ meta,
-                                        int meta_width) {
-  const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (i64)ep_size * send_capacity) return;
-  const int d = (int)(i / send_capacity), s = (int)(i % send_capacity);
-  const int filled = min(dest_totals[d], send_capacity);
-  int t = -1;
-  if (s < filled) {
-    t = send_token[i];
-  } else {
-    send_token[i] = -1;
-  }
-  if (t >= num_tokens) t = -1;
-  int* row = meta + (i64)d * meta_width;
-  const i64 members = (i64)send_capacity * top_k;
-  for (int k = 0; k < top_k; ++k) {
-    const int e = t >= 0 ? topk_idx[(i64)t * top_k + k] : -1;
-    const bool on_rank = t >= 0 && valid_expert(e, num_experts) && e / local_experts == d;
-    row[(i64)s * top_k + k] = on_rank ? e % local_experts : -1;
-    row[members + (i64)s * top_k + k] =
-        on_rank ? __float_as_int(topk_weights[(i64)t * top_k + k]) : 0;
-  }
-}
-
-// ---------------------------------------------------------------------------
 // Receiver. Member i = (src * S + s) * K + k of N = R * S * K; its key is the
 // local expert id in meta[src, s * K + k] (outside [0, L): not routed).
+// Members and slab positions are int32 (the handle's own type; Python refuses
+// N or L * C >= 2**31): 64-bit division is a long subroutine on the GPU.
 // ---------------------------------------------------------------------------
-__device__ __forceinline__ int member_key(const int* meta, i64 member, i64 num_members,
+__device__ __forceinline__ int member_key(const int* meta, int member, int num_members,
                                           int send_capacity, int top_k, int meta_width,
                                           int local_experts) {
   if (member >= num_members) return -1;
-  const i64 per_src = (i64)send_capacity * top_k;
-  const int key = meta[(member / per_src) * meta_width + member % per_src];
+  const int per_src = send_capacity * top_k;
+  const int key = meta[(i64)(member / per_src) * meta_width + member % per_src];
   return (key >= 0 && key < local_experts) ? key : -1;
 }
 
@@ -219,8 +261,8 @@ extern "C" __global__ void slab_count(const int* __restrict__ meta, int ep_size,
   int* warp_counts = shared;  // [warps, L]
   for (int i = threadIdx.x; i < warps * local_experts; i += blockDim.x) warp_counts[i] = 0;
   __syncthreads();
-  const i64 num_members = (i64)ep_size * send_capacity * top_k;
-  const i64 member = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  const int num_members = ep_size * send_capacity * top_k;
+  const int member = blockIdx.x * blockDim.x + threadIdx.x;
   count_warp_keys(member_key(meta, member, num_members, send_capacity, top_k, meta_width,
                              local_experts),
                   warp_counts, local_experts);
@@ -233,82 +275,70 @@ extern "C" __global__ void slab_count(const int* __restrict__ meta, int ep_size,
 }
 
 // ---------------------------------------------------------------------------
-// slab_scan: exclusive scan over tiles per local expert; counts (kept, at most
-// C) and demand (the routes every source sent for it, before any drop).
-//   grid: 1 block.  outputs: tile_offsets [tiles, L], counts [L], demand [L].
+// slab_rank: each member's slab position (members ranked >= C are dropped),
+// and (all blocks, grid-stride) the padding rows past each expert's count,
+// the counts and the demand.
+//   grid: max(tiles, ceil(L * C / blockDim.x)), tiles as slab_count (blocks
+//   past the tiles only pad); block: as slab_count;
+//   shared memory: (warps + 2) * L ints.
+//   inputs: meta [R, meta_width], slab_count's tile_counts [tiles, L].
+//   outputs: recv_pos [N] (l * C + c or -1); slab_row [L, C] (-1 on padding)
+//   and slab_weights [L, C] (0 on padding); counts [L] (kept, at most C);
+//   demand [L] (the routes every source sent for it, before any drop).
 // ---------------------------------------------------------------------------
-extern "C" __global__ void slab_scan(const int* __restrict__ tile_counts, int num_tiles,
-                                     int local_experts, int expert_capacity, int ep_size,
-                                     int meta_width, int demand_offset,
-                                     const int* __restrict__ meta,
-                                     int* __restrict__ tile_offsets, int* __restrict__ counts,
-                                     int* __restrict__ demand) {
-  for (int l = threadIdx.x; l < local_experts; l += blockDim.x) {
-    int running = 0;
-    for (int tile = 0; tile < num_tiles; ++tile) {
-      tile_offsets[(i64)tile * local_experts + l] = running;
-      running += tile_counts[(i64)tile * local_experts + l];
+extern "C" __global__ void __launch_bounds__(1024)
+slab_rank(const int* __restrict__ meta, int ep_size, int send_capacity, int top_k,
+          int local_experts, int expert_capacity, int meta_width, int demand_offset,
+          int num_tiles, const int* __restrict__ tile_counts, int* __restrict__ recv_pos,
+          int* __restrict__ slab_row, float* __restrict__ slab_weights, int* __restrict__ counts,
+          int* __restrict__ demand) {
+  extern __shared__ int shared[];
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32;
+  int* warp_counts = shared;                          // [warps, L]
+  int* tile_offset = shared + warps * local_experts;  // [L]
+  int* expert_total = tile_offset + local_experts;    // [L]
+  for (int i = threadIdx.x; i < warps * local_experts; i += blockDim.x) warp_counts[i] = 0;
+  sum_tiles(tile_counts, num_tiles, local_experts, min((int)blockIdx.x, num_tiles), tile_offset,
+            expert_total);  // its barriers also order the zeroing above
+  const int num_members = ep_size * send_capacity * top_k;
+  const int per_src = send_capacity * top_k;
+  const int member = blockIdx.x * blockDim.x + threadIdx.x;
+  if (blockIdx.x < num_tiles) {  // whole block: __match_any_sync needs every lane
+    const int key = member_key(meta, member, num_members, send_capacity, top_k, meta_width,
+                               local_experts);
+    const int weight_bits =  // loaded beside the key, not after the ranking
+        key >= 0 ? meta[(i64)(member / per_src) * meta_width + per_src + member % per_src] : 0;
+    const u32 peers = count_warp_keys(key, warp_counts, local_experts);
+    __syncthreads();
+    if (member < num_members) {
+      int pos = -1;
+      if (key >= 0) {
+        pos = tile_offset[key] + __popc(peers & lanemask_lt());
+        for (int w = 0; w < warp; ++w) pos += warp_counts[w * local_experts + key];
+        if (pos >= expert_capacity) pos = -1;
+      }
+      if (pos >= 0) {
+        const int slab_index = key * expert_capacity + pos;
+        recv_pos[member] = slab_index;
+        slab_row[slab_index] = member / top_k;
+        slab_weights[slab_index] = __int_as_float(weight_bits);
+      } else {
+        recv_pos[member] = -1;
+      }
     }
-    counts[l] = min(running, expert_capacity);
+  }
+  const int stride = gridDim.x * blockDim.x;
+  for (int i = member; i < local_experts * expert_capacity; i += stride) {
+    const int l = i / expert_capacity;
+    if (i - l * expert_capacity < expert_total[l]) continue;  // a member's row
+    slab_row[i] = -1;
+    slab_weights[i] = 0.0f;
+  }
+  for (int l = member; l < local_experts; l += stride) {
     int routes = 0;
     for (int src = 0; src < ep_size; ++src)
       routes += meta[(i64)src * meta_width + demand_offset + l];
+    counts[l] = min(expert_total[l], expert_capacity);
     demand[l] = routes;
-  }
-}
-
-// ---------------------------------------------------------------------------
-// slab_rank: each member's slab position; members ranked >= C are dropped.
-//   grid/block/shared: as slab_count.
-//   outputs: recv_pos [N] (l * C + c or -1), slab_row [L, C] and
-//   slab_weights [L, C] at kept positions (slab_pad fills the rest).
-// ---------------------------------------------------------------------------
-extern "C" __global__ void slab_rank(const int* __restrict__ meta, int ep_size, int send_capacity,
-                                     int top_k, int local_experts, int expert_capacity,
-                                     int meta_width, const int* __restrict__ tile_offsets,
-                                     int* __restrict__ recv_pos, int* __restrict__ slab_row,
-                                     float* __restrict__ slab_weights) {
-  extern __shared__ int shared[];
-  const int warps = blockDim.x / 32, warp = threadIdx.x / 32;
-  int* warp_counts = shared;  // [warps, L]
-  for (int i = threadIdx.x; i < warps * local_experts; i += blockDim.x) warp_counts[i] = 0;
-  __syncthreads();
-  const i64 num_members = (i64)ep_size * send_capacity * top_k;
-  const i64 member = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  const int key = member_key(meta, member, num_members, send_capacity, top_k, meta_width,
-                             local_experts);
-  const u32 peers = count_warp_keys(key, warp_counts, local_experts);
-  __syncthreads();
-  if (member >= num_members) return;
-  if (key < 0) {
-    recv_pos[member] = -1;
-    return;
-  }
-  int pos = tile_offsets[(i64)blockIdx.x * local_experts + key] + __popc(peers & lanemask_lt());
-  for (int w = 0; w < warp; ++w) pos += warp_counts[w * local_experts + key];
-  if (pos >= expert_capacity) {
-    recv_pos[member] = -1;
-    return;
-  }
-  const i64 slab_index = (i64)key * expert_capacity + pos;
-  const i64 per_src = (i64)send_capacity * top_k;
-  recv_pos[member] = (int)slab_index;
-  slab_row[slab_index] = (int)(member / top_k);
-  slab_weights[slab_index] = __int_as_float(
-      meta[(member / per_src) * meta_width + per_src + member % per_src]);
-}
-
-// ---------------------------------------------------------------------------
-// slab_pad: slab rows at or past counts[l] hold no member.
-//   grid: ceil(L * C / blockDim.x).  outputs: slab_row = -1, slab_weights = 0.
-// ---------------------------------------------------------------------------
-extern "C" __global__ void slab_pad(const int* __restrict__ counts, int local_experts,
-                                    int expert_capacity, int* __restrict__ slab_row,
-                                    float* __restrict__ slab_weights) {
-  const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (i64)local_experts * expert_capacity) return;
-  if (i % expert_capacity >= counts[i / expert_capacity]) {
-    slab_row[i] = -1;
-    slab_weights[i] = 0.0f;
   }
 }

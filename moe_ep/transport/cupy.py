@@ -38,15 +38,13 @@ _INSTALL_HINT = ("backend='cupy' needs CuPy: pip install 'moe_ep[cuda13]' (CUDA 
 KERNELS = {
     "rows.cu": ("expand_rows_v16", "expand_rows_v8", "expand_rows_v4", "expand_rows_v2",
                 "gather_sum_rows_f32", "gather_sum_rows_bf16", "gather_sum_rows_f16"),
-    "layout.cu": ("route_count", "route_scan", "route_rank", "route_finish",
-                  "slab_count", "slab_scan", "slab_rank", "slab_pad"),
+    "layout.cu": ("route_count", "route_rank", "slab_count", "slab_rank"),
 }
 _SUM_KERNELS = {jnp.dtype(jnp.float32): "gather_sum_rows_f32",
                 jnp.dtype(jnp.bfloat16): "gather_sum_rows_bf16",
                 jnp.dtype(jnp.float16): "gather_sum_rows_f16"}
 _MAX_THREADS = 256
 _SHARED_INTS = 12288  # 48 KiB of dynamic shared memory, the default limit
-_SCAN_THREADS = 256
 
 _compiled: dict[int, dict[str, object]] = {}  # device ordinal -> kernel name -> RawKernel
 _compile_lock = threading.Lock()
@@ -217,19 +215,36 @@ def _tile_threads(num_keys: int, extra_ints: int = 0) -> int:
   return 32 * min(32, warps)
 
 
+def _route_rank_shared_ints(threads: int, ep_size: int, top_k: int) -> int:
+  return (threads // 32 + 3) * ep_size + threads * (ep_size + 1 + 2 * top_k)
+
+
+def _route_threads(ep_size: int, num_experts: int, top_k: int) -> int:
+  """Threads per token tile of ``route_count``/``route_rank``: at most 8
+  warps, so a few thousand tokens already spread over tens of
+  multiprocessors, and both kernels' shared memory must fit."""
+  for warps in range(8, 0, -1):
+    threads = 32 * warps
+    if max(warps * ep_size + num_experts,
+           _route_rank_shared_ints(threads, ep_size, top_k)) <= _SHARED_INTS:
+      return threads
+  raise ValueError(f"ep_size={ep_size}, num_experts={num_experts} and top_k={top_k} do not "
+                   "fit the routing kernels' shared memory")
+
+
 # --- the four backend functions ---------------------------------------------------
 
 
 def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capacity: int):
-  """Kernels ``route_count``, ``route_scan``, ``route_rank``, ``route_finish``;
-  see :func:`moe_ep.transport.xla.route`."""
+  """Kernels ``route_count``, ``route_rank``; see :func:`moe_ep.transport.xla.route`."""
   num_tokens, top_k = topk_idx.shape
   local_experts = num_experts // ep_size
   width = meta_layout.width(send_capacity, top_k, local_experts)
   demand_offset = 2 * send_capacity * top_k
-  threads = _tile_threads(ep_size, extra_ints=num_experts)
+  threads = _route_threads(ep_size, num_experts, top_k)
   tiles = -(-num_tokens // threads)
-  workspace = (tiles * ep_size, tiles * ep_size, tiles * num_experts, ep_size)
+  rank_blocks = max(tiles, -(-ep_size * send_capacity // threads))
+  workspace = (tiles * ep_size, tiles * num_experts)
   shapes = [jax.ShapeDtypeStruct((num_tokens, ep_size), jnp.int32),
             jax.ShapeDtypeStruct((ep_size, send_capacity), jnp.int32),
             jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32),
@@ -238,21 +253,15 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
 
   def callback(ctx, outs, idx, weights):
     send_slot, send_token, route_slot, meta, scratch = (_pointer(b) for b in outs)
-    dest_counts, dest_offsets, expert_counts, dest_totals = (
-        scratch + np.uint64(4 * o) for o in np.cumsum((0,) + workspace[:-1]))
+    dest_counts, expert_counts = scratch, scratch + np.uint64(4 * workspace[0])
     sizes = _i32(num_tokens, top_k, num_experts, local_experts, ep_size)
     with _on_xla_stream(ctx, idx) as launch:
       launch("route_count", tiles, threads, _pointer(idx), *sizes, dest_counts, expert_counts,
              shared_ints=threads // 32 * ep_size + num_experts)
-      launch("route_scan", 1, _SCAN_THREADS, dest_counts, expert_counts,
-             *_i32(tiles, ep_size, num_experts, local_experts, width, demand_offset),
-             dest_offsets, dest_totals, meta)
-      launch("route_rank", tiles, threads, _pointer(idx), *sizes, np.int32(send_capacity),
-             dest_offsets, send_slot, send_token, route_slot,
-             shared_ints=threads // 32 * ep_size)
-      launch("route_finish", -(-ep_size * send_capacity // _MAX_THREADS), _MAX_THREADS,
-             _pointer(idx), _pointer(weights), *sizes, np.int32(send_capacity), dest_totals,
-             send_token, meta, np.int32(width))
+      launch("route_rank", rank_blocks, threads, _pointer(idx), _pointer(weights), *sizes,
+             *_i32(send_capacity, tiles), dest_counts, expert_counts, send_slot, send_token,
+             route_slot, meta, *_i32(width, demand_offset),
+             shared_ints=_route_rank_shared_ints(threads, ep_size, top_k))
 
   outputs = _call("moe_cupy_route", callback, shapes, topk_idx.astype(jnp.int32),
                   topk_weights.astype(jnp.float32))
@@ -260,37 +269,37 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
 
 
 def slab_layout(recv_meta, *, top_k: int, num_local_experts: int, expert_capacity: int):
-  """Kernels ``slab_count``, ``slab_scan``, ``slab_rank``, ``slab_pad``;
-  see :func:`moe_ep.transport.xla.slab_layout`."""
+  """Kernels ``slab_count``, ``slab_rank``; see :func:`moe_ep.transport.xla.slab_layout`."""
   ep_size, width = recv_meta.shape
   local_experts, capacity = num_local_experts, expert_capacity
   send_capacity = (width - local_experts) // (2 * top_k)
   num_members = ep_size * send_capacity * top_k
-  threads = _tile_threads(local_experts)
+  for name, size in (("R * S * K received members", num_members),
+                     ("L * C slab rows", local_experts * capacity)):
+    if size >= 2**31:  # the kernels index them in int32, as the handle holds them
+      raise ValueError(f"{name} = {size} must be < 2**31 (int32 positions)")
+  threads = _tile_threads(local_experts, extra_ints=2 * local_experts)
   tiles = -(-num_members // threads)
+  rank_blocks = max(tiles, -(-local_experts * capacity // threads))
   shapes = [jax.ShapeDtypeStruct((ep_size, send_capacity, top_k), jnp.int32),
             jax.ShapeDtypeStruct((local_experts, capacity), jnp.int32),
             jax.ShapeDtypeStruct((local_experts, capacity), jnp.float32),
             jax.ShapeDtypeStruct((local_experts,), jnp.int32),
             jax.ShapeDtypeStruct((local_experts,), jnp.int32),
-            jax.ShapeDtypeStruct((2 * tiles * local_experts,), jnp.int32)]
+            jax.ShapeDtypeStruct((tiles * local_experts,), jnp.int32)]
 
   def callback(ctx, outs, meta):
-    recv_pos, slab_row, slab_weights, counts, demand, scratch = (_pointer(b) for b in outs)
-    tile_counts, tile_offsets = scratch, scratch + np.uint64(4 * tiles * local_experts)
-    shared = threads // 32 * local_experts
+    recv_pos, slab_row, slab_weights, counts, demand, tile_counts = (
+        _pointer(b) for b in outs)
     with _on_xla_stream(ctx, meta) as launch:
       launch("slab_count", tiles, threads, _pointer(meta),
              *_i32(ep_size, send_capacity, top_k, local_experts, width), tile_counts,
-             shared_ints=shared)
-      launch("slab_scan", 1, _SCAN_THREADS, tile_counts,
-             *_i32(tiles, local_experts, capacity, ep_size, width, 2 * send_capacity * top_k),
-             _pointer(meta), tile_offsets, counts, demand)
-      launch("slab_rank", tiles, threads, _pointer(meta),
-             *_i32(ep_size, send_capacity, top_k, local_experts, capacity, width),
-             tile_offsets, recv_pos, slab_row, slab_weights, shared_ints=shared)
-      launch("slab_pad", -(-local_experts * capacity // _MAX_THREADS), _MAX_THREADS, counts,
-             *_i32(local_experts, capacity), slab_row, slab_weights)
+             shared_ints=threads // 32 * local_experts)
+      launch("slab_rank", rank_blocks, threads, _pointer(meta),
+             *_i32(ep_size, send_capacity, top_k, local_experts, capacity, width,
+                   2 * send_capacity * top_k, tiles),
+             tile_counts, recv_pos, slab_row, slab_weights, counts, demand,
+             shared_ints=(threads // 32 + 2) * local_experts)
 
   return tuple(_call("moe_cupy_slab_layout", callback, shapes, recv_meta)[:5])
 

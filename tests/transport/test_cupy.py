@@ -53,7 +53,7 @@ def test_route_matches_xla_exactly(tokens, top_k, num_experts, ep_size, send_cap
 
 @pytest.mark.parametrize("ep_size, send_capacity, top_k, local_experts, capacity", [
     (1, 5, 1, 1, 1), (1, 400, 8, 64, 40), (4, 300, 8, 16, 90), (8, 700, 4, 4, 3000),
-    (2, 1000, 2, 300, 9)])
+    (2, 1000, 2, 300, 9), (2, 64, 4, 2048, 2)])  # last: more experts than threads a block
 def test_slab_layout_matches_xla_exactly(ep_size, send_capacity, top_k, local_experts, capacity):
   cupy_backend, reference = backends()
   rng = np.random.default_rng(send_capacity)
