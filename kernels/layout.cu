@@ -26,14 +26,33 @@ __device__ __forceinline__ bool valid_expert(int expert, int num_experts) {
   return expert >= 0 && expert < num_experts;
 }
 
-__device__ __forceinline__ bool routes_to(const int* ids, int top_k, int num_experts,
-                                          int local_experts, int dest) {
-  for (int k = 0; k < top_k; ++k) {
-    const int e = ids[k];
-    if (valid_expert(e, num_experts) && e / local_experts == dest) return true;
-  }
+// Rank dest owns experts [dest * L, (dest + 1) * L): a range test, not a
+// division (integer division by a runtime value is ~25 instructions, and the
+// routing kernels are instruction bound at decode sizes).
+__device__ __forceinline__ bool routes_to(const int* ids, int top_k, int local_experts,
+                                          int dest) {
+  const int first = dest * local_experts, end = first + local_experts;
+  for (int k = 0; k < top_k; ++k)
+    if (ids[k] >= first && ids[k] < end) return true;
   return false;
 }
+
+// (i / width, i % width) for i = threadIdx.x, + blockDim.x, ...: one division
+// up front, then carries.
+struct RowCol {
+  int row, col, row_step, col_step, width;
+  __device__ __forceinline__ explicit RowCol(int width)
+      : row(threadIdx.x / width), col(threadIdx.x % width), row_step(blockDim.x / width),
+        col_step(blockDim.x % width), width(width) {}
+  __device__ __forceinline__ void advance() {
+    row += row_step;
+    col += col_step;
+    if (col >= width) {
+      col -= width;
+      ++row;
+    }
+  }
+};
 
 // ---------------------------------------------------------------------------
 // route_count: per tile of tokens, members per destination rank and routes
@@ -64,7 +83,7 @@ extern "C" __global__ void route_count(const int* __restrict__ topk_idx, int num
     }
   }
   for (int d = 0; d < ep_size; ++d) {
-    const bool member = active && routes_to(ids, top_k, num_experts, local_experts, d);
+    const bool member = active && routes_to(ids, top_k, local_experts, d);
     const u32 ballot = __ballot_sync(MOE_EP_FULL_MASK, member);
     if (lane == 0) warp_counts[warp * ep_size + d] = __popc(ballot);
   }
@@ -109,14 +128,14 @@ __device__ void sum_tiles(const int* __restrict__ tile_counts, int num_tiles, in
 // the empty slots past each chunk's fill and the demand words.
 //   grid: max(tiles, ceil(R * S / blockDim.x)), tiles as route_count (blocks
 //   past the tiles only pad); block: as route_count;
-//   shared memory: (warps + 3) * R + blockDim.x * (R + 1 + 2 * K) ints.
+//   shared memory: (warps + 3) * R + blockDim.x * (R + 1 + 3 * K) ints.
 //   inputs: topk_idx [T, K], topk_weights [T, K] float32, route_count's
 //   tile_dest_counts [tiles, R] and tile_expert_counts [tiles, E].
 //   outputs: send_slot [T, R] (-1: no route or beyond S), send_token [R, S]
 //   (-1 past the fill), route_slot [T, K], meta [R, meta_width].
 //   bounds: a slot >= S is dropped on the wire (written as -1).
-// The tile's ids and weights are staged in shared memory by one coalesced
-// load (at decode sizes the kernel is a chain of load latencies otherwise).
+// The tile's routes are staged in shared memory by one coalesced load, as
+// (destination rank, local expert, weight), each id divided once.
 // A tile's kept slots to rank d are one run [tile_offset[d], +kept), so the
 // tile writes its [T, K] and metadata words as contiguous runs, consecutive
 // threads on consecutive words (a thread per token would stride K words).
@@ -136,8 +155,9 @@ route_rank(const int* __restrict__ topk_idx, const float* __restrict__ topk_weig
   int* tile_count = dest_total + ep_size;               // [R]
   int* token_slot = tile_count + ep_size;               // [blockDim, R]: kept slot or -1
   int* slot_token = token_slot + blockDim.x * ep_size;  // [blockDim]: token of a kept slot
-  int* tile_ids = slot_token + blockDim.x;              // [blockDim, K]
-  float* tile_weights = (float*)(tile_ids + blockDim.x * top_k);  // [blockDim, K]
+  int* tile_dest = slot_token + blockDim.x;              // [blockDim, K]: rank, or -1
+  int* tile_local = tile_dest + blockDim.x * top_k;      // [blockDim, K]: local expert
+  float* tile_weights = (float*)(tile_local + blockDim.x * top_k);  // [blockDim, K]
   sum_tiles(tile_dest_counts, num_tiles, ep_size, min((int)blockIdx.x, num_tiles),
             tile_offset, dest_total);
   const i64 members = (i64)send_capacity * top_k;
@@ -147,14 +167,17 @@ route_rank(const int* __restrict__ topk_idx, const float* __restrict__ topk_weig
     const int tile_tokens = (int)min((i64)blockDim.x, num_tokens - tile_first);
 #pragma unroll 4
     for (int i = threadIdx.x; i < tile_tokens * top_k; i += blockDim.x) {
-      tile_ids[i] = topk_idx[tile_first * top_k + i];
+      const int e = topk_idx[tile_first * top_k + i];
+      const int d = valid_expert(e, num_experts) ? e / local_experts : -1;
+      tile_dest[i] = d;
+      tile_local[i] = e - d * local_experts;
       tile_weights[i] = topk_weights[tile_first * top_k + i];
     }
     __syncthreads();
     const bool active = t < num_tokens;
-    const int* ids = tile_ids + (active ? threadIdx.x : 0) * top_k;
+    const int* dests = tile_dest + (active ? threadIdx.x : 0) * top_k;  // ranks: 1-wide ranges
     for (int d = 0; d < ep_size; ++d) {
-      const bool member = active && routes_to(ids, top_k, num_experts, local_experts, d);
+      const bool member = active && routes_to(dests, top_k, 1, d);
       const u32 ballot = __ballot_sync(MOE_EP_FULL_MASK, member);
       if (lane == 0) warp_counts[warp * ep_size + d] = __popc(ballot);
     }
@@ -165,7 +188,7 @@ route_rank(const int* __restrict__ topk_idx, const float* __restrict__ topk_weig
       tile_count[d] = count;
     }
     for (int d = 0; d < ep_size; ++d) {
-      const bool member = active && routes_to(ids, top_k, num_experts, local_experts, d);
+      const bool member = active && routes_to(dests, top_k, 1, d);
       const u32 ballot = __ballot_sync(MOE_EP_FULL_MASK, member);
       int slot = tile_offset[d] + __popc(ballot & lanemask_lt());
       for (int w = 0; w < warp; ++w) slot += warp_counts[w * ep_size + d];
@@ -176,15 +199,11 @@ route_rank(const int* __restrict__ topk_idx, const float* __restrict__ topk_weig
       if (kept) send_token[(i64)d * send_capacity + slot] = (int)t;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < tile_tokens * top_k; i += blockDim.x) {
-      const int local = i / top_k;
-      const int e = tile_ids[i];
-      int value = -1;
-      if (valid_expert(e, num_experts)) {
-        const int d = e / local_experts, slot = token_slot[local * ep_size + d];
-        if (slot >= 0) value = d * send_capacity + slot;
-      }
-      route_slot[tile_first * top_k + i] = value;
+    RowCol token(top_k);  // (tile token, k) of route i
+    for (int i = threadIdx.x; i < tile_tokens * top_k; i += blockDim.x, token.advance()) {
+      const int d = tile_dest[i];
+      const int slot = d >= 0 ? token_slot[token.row * ep_size + d] : -1;
+      route_slot[tile_first * top_k + i] = slot >= 0 ? d * send_capacity + slot : -1;
     }
     for (int d = 0; d < ep_size; ++d) {
       const int first = tile_offset[d];
@@ -193,11 +212,11 @@ route_rank(const int* __restrict__ topk_idx, const float* __restrict__ topk_weig
       if (slot >= 0) slot_token[slot - first] = threadIdx.x;
       __syncthreads();
       int* ids_out = meta + (i64)d * meta_width + (i64)first * top_k;
-      for (int i = threadIdx.x; i < kept * top_k; i += blockDim.x) {
-        const int route = slot_token[i / top_k] * top_k + i % top_k;
-        const int e = tile_ids[route];
-        const bool on_rank = valid_expert(e, num_experts) && e / local_experts == d;
-        ids_out[i] = on_rank ? e % local_experts : -1;
+      RowCol member(top_k);  // (slot - first, k) of word i
+      for (int i = threadIdx.x; i < kept * top_k; i += blockDim.x, member.advance()) {
+        const int route = slot_token[member.row] * top_k + member.col;
+        const bool on_rank = tile_dest[route] == d;
+        ids_out[i] = on_rank ? tile_local[route] : -1;
         ids_out[members + i] = on_rank ? __float_as_int(tile_weights[route]) : 0;
       }
       __syncthreads();  // slot_token is refilled for the next rank

@@ -216,7 +216,7 @@ def _tile_threads(num_keys: int, extra_ints: int = 0) -> int:
 
 
 def _route_rank_shared_ints(threads: int, ep_size: int, top_k: int) -> int:
-  return (threads // 32 + 3) * ep_size + threads * (ep_size + 1 + 2 * top_k)
+  return (threads // 32 + 3) * ep_size + threads * (ep_size + 1 + 3 * top_k)
 
 
 def _route_threads(ep_size: int, num_experts: int, top_k: int) -> int:
