@@ -234,12 +234,26 @@ route_rank(const int* __restrict__ topk_idx, const float* __restrict__ topk_weig
       row[members + word] = 0;
     }
   }
-  for (i64 i = t; i < num_experts; i += stride) {
-    const int e = (int)i;
+  // Demand words: a group of `width` lanes per expert (the power of two >=
+  // the tiles, at most 32) splits the tiles, then a shuffle sum; neither a
+  // thread nor a warp per expert loads in series when tiles or experts are many.
+  int width = 1;
+  while (width < 32 && width < num_tiles) width *= 2;
+  const int groups = 32 / width, group = lane / width, part = lane % width;
+  const i64 experts_per_pass = stride / 32 * groups;
+  for (i64 base = t / 32 * groups; base < num_experts; base += experts_per_pass) {
+    const i64 e = base + group;  // the loop is warp-uniform: every lane shuffles
     int routes = 0;
-    for (int tile = 0; tile < num_tiles; ++tile)
-      routes += tile_expert_counts[(i64)tile * num_experts + e];
-    meta[(i64)(e / local_experts) * meta_width + demand_offset + e % local_experts] = routes;
+    if (e < num_experts)
+      for (int tile = part; tile < num_tiles; tile += width)
+        routes += tile_expert_counts[(i64)tile * num_experts + e];
+    for (int offset = width / 2; offset > 0; offset >>= 1)
+      routes += __shfl_xor_sync(MOE_EP_FULL_MASK, routes, offset);
+    if (part == 0 && e < num_experts) {
+      const int expert = (int)e;
+      meta[(i64)(expert / local_experts) * meta_width + demand_offset + expert % local_experts] =
+          routes;
+    }
   }
 }
 

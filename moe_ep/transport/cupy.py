@@ -219,11 +219,16 @@ def _route_rank_shared_ints(threads: int, ep_size: int, top_k: int) -> int:
   return (threads // 32 + 3) * ep_size + threads * (ep_size + 1 + 3 * top_k)
 
 
-def _route_threads(ep_size: int, num_experts: int, top_k: int) -> int:
-  """Threads per token tile of ``route_count``/``route_rank``: at most 8
-  warps, so a few thousand tokens already spread over tens of
-  multiprocessors, and both kernels' shared memory must fit."""
-  for warps in range(8, 0, -1):
+_ROUTE_TILES = 128  # token tiles to aim for: about one per multiprocessor of an H100/H200
+
+
+def _route_threads(num_tokens: int, ep_size: int, num_experts: int, top_k: int) -> int:
+  """Threads per token tile of ``route_count``/``route_rank``: 1 to 8 warps,
+  as few as give about ``_ROUTE_TILES`` tiles (the kernels are latency
+  bound: more tiles, more multiprocessors on them), and both kernels'
+  shared memory must fit."""
+  most = min(8, max(1, -(-num_tokens // (32 * _ROUTE_TILES))))
+  for warps in range(most, 0, -1):
     threads = 32 * warps
     if max(warps * ep_size + num_experts,
            _route_rank_shared_ints(threads, ep_size, top_k)) <= _SHARED_INTS:
@@ -241,7 +246,7 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
   local_experts = num_experts // ep_size
   width = meta_layout.width(send_capacity, top_k, local_experts)
   demand_offset = 2 * send_capacity * top_k
-  threads = _route_threads(ep_size, num_experts, top_k)
+  threads = _route_threads(num_tokens, ep_size, num_experts, top_k)
   tiles = -(-num_tokens // threads)
   rank_blocks = max(tiles, -(-ep_size * send_capacity // threads))
   workspace = (tiles * ep_size, tiles * num_experts)
