@@ -123,3 +123,36 @@ def test_cupy_backend_without_cupy_names_the_extra(monkeypatch):
       call(backend="cupy")
   finally:
     transport_backend.resolve.cache_clear()
+
+
+@pytest.mark.parametrize("tokens", [1, 100, 4096, 8192, 100_000])
+@pytest.mark.parametrize("ep_size, num_experts, top_k", [(1, 8, 2), (8, 256, 8), (64, 4096, 16)])
+def test_routing_tiles_fit_shared_memory_and_spread(tokens, ep_size, num_experts, top_k):
+  """The CuPy routing kernels' token tiles: whole warps, at most 8, both
+  kernels' dynamic shared memory within the 48 KiB default, and about
+  ``_ROUTE_TILES`` tiles (more only where a tile has 8 warps or one more
+  warp would not fit)."""
+  def fits(threads):
+    count_ints = threads // 32 * ep_size + num_experts
+    rank_ints = cupy_backend._route_rank_shared_ints(threads, ep_size, top_k)
+    return max(count_ints, rank_ints) <= cupy_backend._SHARED_INTS
+
+  threads = cupy_backend._route_threads(tokens, ep_size, num_experts, top_k)
+  assert threads % 32 == 0 and 32 <= threads <= 256 and fits(threads)
+  tiles = -(-tokens // threads)
+  assert tiles <= cupy_backend._ROUTE_TILES or threads == 256 or not fits(threads + 32)
+
+
+def test_routing_that_cannot_fit_shared_memory_is_named():
+  with pytest.raises(ValueError, match="ep_size=512, num_experts=512 and top_k=8 do not fit"):
+    cupy_backend._route_threads(1024, 512, 512, 8)
+
+
+def test_slab_layout_beyond_int32_positions_is_named():
+  """R * S * K received members are indexed in int32 by the kernels (as the
+  handle stores them): larger fails at trace time, before any kernel."""
+  ep_size, top_k, local_experts, send_capacity = 2, 8, 4, 2**27
+  meta = jax.ShapeDtypeStruct((ep_size, 2 * send_capacity * top_k + local_experts), jnp.int32)
+  with pytest.raises(ValueError, match=r"R \* S \* K received members = 2147483648 must be"):
+    jax.eval_shape(lambda m: cupy_backend.slab_layout(
+        m, top_k=top_k, num_local_experts=local_experts, expert_capacity=8), meta)
