@@ -54,6 +54,27 @@ struct RowCol {
   }
 };
 
+// Per warp and destination rank, how many of the warp's tokens route there
+// (`ids`: the token's K ids, rank d owning [d * range, (d + 1) * range));
+// warp_counts [warps, R]; ends with __syncthreads.
+__device__ __forceinline__ void count_warp_dests(const int* ids, int top_k, int range,
+                                                 bool active, int ep_size, int* warp_counts) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int d = 0; d < ep_size; ++d) {
+    const bool member = active && routes_to(ids, top_k, range, d);
+    const u32 ballot = __ballot_sync(MOE_EP_FULL_MASK, member);
+    if (lane == 0) warp_counts[warp * ep_size + d] = __popc(ballot);
+  }
+  __syncthreads();
+}
+
+// The tile's tokens routed to rank d: count_warp_dests' counts summed.
+__device__ __forceinline__ int tile_total(const int* warp_counts, int warps, int ep_size, int d) {
+  int total = 0;
+  for (int w = 0; w < warps; ++w) total += warp_counts[w * ep_size + d];
+  return total;
+}
+
 // ---------------------------------------------------------------------------
 // route_count: per tile of tokens, members per destination rank and routes
 // per expert.
@@ -68,8 +89,8 @@ extern "C" __global__ void route_count(const int* __restrict__ topk_idx, int num
                                        int ep_size, int* __restrict__ tile_dest_counts,
                                        int* __restrict__ tile_expert_counts) {
   extern __shared__ int shared[];
-  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int* warp_counts = shared;                 // [warps, R]
+  const int warps = blockDim.x / 32;
+  int* warp_counts = shared;                    // [warps, R]
   int* expert_hist = shared + warps * ep_size;  // [E]
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) expert_hist[e] = 0;
   __syncthreads();
@@ -82,17 +103,9 @@ extern "C" __global__ void route_count(const int* __restrict__ topk_idx, int num
       if (valid_expert(e, num_experts)) atomicAdd(&expert_hist[e], 1);  // int: exact
     }
   }
-  for (int d = 0; d < ep_size; ++d) {
-    const bool member = active && routes_to(ids, top_k, local_experts, d);
-    const u32 ballot = __ballot_sync(MOE_EP_FULL_MASK, member);
-    if (lane == 0) warp_counts[warp * ep_size + d] = __popc(ballot);
-  }
-  __syncthreads();
-  for (int d = threadIdx.x; d < ep_size; d += blockDim.x) {
-    int total = 0;
-    for (int w = 0; w < warps; ++w) total += warp_counts[w * ep_size + d];
-    tile_dest_counts[(i64)blockIdx.x * ep_size + d] = total;
-  }
+  count_warp_dests(ids, top_k, local_experts, active, ep_size, warp_counts);
+  for (int d = threadIdx.x; d < ep_size; d += blockDim.x)
+    tile_dest_counts[(i64)blockIdx.x * ep_size + d] = tile_total(warp_counts, warps, ep_size, d);
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x)
     tile_expert_counts[(i64)blockIdx.x * num_experts + e] = expert_hist[e];
 }
@@ -176,17 +189,9 @@ route_rank(const int* __restrict__ topk_idx, const float* __restrict__ topk_weig
     __syncthreads();
     const bool active = t < num_tokens;
     const int* dests = tile_dest + (active ? threadIdx.x : 0) * top_k;  // ranks: 1-wide ranges
-    for (int d = 0; d < ep_size; ++d) {
-      const bool member = active && routes_to(dests, top_k, 1, d);
-      const u32 ballot = __ballot_sync(MOE_EP_FULL_MASK, member);
-      if (lane == 0) warp_counts[warp * ep_size + d] = __popc(ballot);
-    }
-    __syncthreads();
-    for (int d = threadIdx.x; d < ep_size; d += blockDim.x) {
-      int count = 0;
-      for (int w = 0; w < warps; ++w) count += warp_counts[w * ep_size + d];
-      tile_count[d] = count;
-    }
+    count_warp_dests(dests, top_k, 1, active, ep_size, warp_counts);
+    for (int d = threadIdx.x; d < ep_size; d += blockDim.x)
+      tile_count[d] = tile_total(warp_counts, warps, ep_size, d);
     for (int d = 0; d < ep_size; ++d) {
       const bool member = active && routes_to(dests, top_k, 1, d);
       const u32 ballot = __ballot_sync(MOE_EP_FULL_MASK, member);
