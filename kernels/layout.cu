@@ -68,10 +68,10 @@ __device__ __forceinline__ void count_warp_dests(const int* ids, int top_k, int 
   __syncthreads();
 }
 
-// The tile's tokens routed to rank d: count_warp_dests' counts summed.
-__device__ __forceinline__ int tile_total(const int* warp_counts, int warps, int ep_size, int d) {
+// The tile's items with key d: the warps' counts [warps, keys] summed.
+__device__ __forceinline__ int tile_total(const int* warp_counts, int warps, int keys, int d) {
   int total = 0;
-  for (int w = 0; w < warps; ++w) total += warp_counts[w * ep_size + d];
+  for (int w = 0; w < warps; ++w) total += warp_counts[w * keys + d];
   return total;
 }
 
@@ -305,11 +305,9 @@ extern "C" __global__ void slab_count(const int* __restrict__ meta, int ep_size,
                              local_experts),
                   warp_counts, local_experts);
   __syncthreads();
-  for (int l = threadIdx.x; l < local_experts; l += blockDim.x) {
-    int total = 0;
-    for (int w = 0; w < warps; ++w) total += warp_counts[w * local_experts + l];
-    tile_counts[(i64)blockIdx.x * local_experts + l] = total;
-  }
+  for (int l = threadIdx.x; l < local_experts; l += blockDim.x)
+    tile_counts[(i64)blockIdx.x * local_experts + l] =
+        tile_total(warp_counts, warps, local_experts, l);
 }
 
 // ---------------------------------------------------------------------------

@@ -215,6 +215,10 @@ def _tile_threads(num_keys: int, extra_ints: int = 0) -> int:
   return 32 * min(32, warps)
 
 
+def _route_count_shared_ints(threads: int, ep_size: int, num_experts: int) -> int:
+  return threads // 32 * ep_size + num_experts
+
+
 def _route_rank_shared_ints(threads: int, ep_size: int, top_k: int) -> int:
   return (threads // 32 + 3) * ep_size + threads * (ep_size + 1 + 3 * top_k)
 
@@ -230,7 +234,7 @@ def _route_threads(num_tokens: int, ep_size: int, num_experts: int, top_k: int) 
   most = min(8, max(1, -(-num_tokens // (32 * _ROUTE_TILES))))
   for warps in range(most, 0, -1):
     threads = 32 * warps
-    if max(warps * ep_size + num_experts,
+    if max(_route_count_shared_ints(threads, ep_size, num_experts),
            _route_rank_shared_ints(threads, ep_size, top_k)) <= _SHARED_INTS:
       return threads
   raise ValueError(f"ep_size={ep_size}, num_experts={num_experts} and top_k={top_k} do not "
@@ -262,7 +266,7 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
     sizes = _i32(num_tokens, top_k, num_experts, local_experts, ep_size)
     with _on_xla_stream(ctx, idx) as launch:
       launch("route_count", tiles, threads, _pointer(idx), *sizes, dest_counts, expert_counts,
-             shared_ints=threads // 32 * ep_size + num_experts)
+             shared_ints=_route_count_shared_ints(threads, ep_size, num_experts))
       launch("route_rank", rank_blocks, threads, _pointer(idx), _pointer(weights), *sizes,
              *_i32(send_capacity, tiles), dest_counts, expert_counts, send_slot, send_token,
              route_slot, meta, *_i32(width, demand_offset),

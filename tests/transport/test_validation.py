@@ -133,7 +133,7 @@ def test_routing_tiles_fit_shared_memory_and_spread(tokens, ep_size, num_experts
   ``_ROUTE_TILES`` tiles (more only where a tile has 8 warps or one more
   warp would not fit)."""
   def fits(threads):
-    count_ints = threads // 32 * ep_size + num_experts
+    count_ints = cupy_backend._route_count_shared_ints(threads, ep_size, num_experts)
     rank_ints = cupy_backend._route_rank_shared_ints(threads, ep_size, top_k)
     return max(count_ints, rank_ints) <= cupy_backend._SHARED_INTS
 
