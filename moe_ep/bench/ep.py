@@ -254,11 +254,10 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
 
       # What the layer's named FP8 dispatch produces and saves: the FP8 slabs
       # (codes and scales), which XLA dequantizes where the expert GEMM reads them.
+      fp8_routing = _routing_only(fp8_spec, num_experts)
+
       def fp8_slabs_fn(x, idx, weights):
-        idx, weights = transport._merge_duplicate_routes(
-            transport._valid_ids(idx, num_experts), weights)
-        handle = transport._routing(fp8_spec, idx, weights)[0]
-        return transport._rows_to_fp8_slabs(fp8_spec, x, handle)
+        return transport._rows_to_fp8_slabs(fp8_spec, x, fp8_routing(idx, weights))
 
       for name, fn, args, bf16 in (
           ("dispatch_fp8_slabs", fp8_slabs_fn, (x, idx, weights), "dispatch"),
