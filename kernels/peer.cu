@@ -668,21 +668,53 @@ __device__ __forceinline__ i64 receiver_warps(int send_blocks) {
 #define RECV_GROUP 1  // consecutive units a receiver warp takes (a chunk's rows then spread
                       // over many warps: a short tail after the last chunk lands)
 
-// Copies one unit of `row` into the slab rows of the members in `members`
-// (lane k holds member k's slab row).
+// Copies one unit of `row` into `out` (one wire row; none if null) and into
+// the slab rows of the members in `members` (lane k holds member k's slab row).
 template <bool kFromPeerBuffer>
 __device__ __forceinline__ void copy_to_members(const uint4* __restrict__ row,
+                                                uint4* __restrict__ out,
                                                 uint4* __restrict__ slabs, int row_vecs,
                                                 int member, u32 members, const RowUnit& u) {
   for (int base = u.begin; base < u.end; base += 32 * ROW_COPY_UNROLL) {
     uint4 values[ROW_COPY_UNROLL];
     load_step<ROW_COPY_UNROLL, kFromPeerBuffer>(row, base, u.end, values);
+    if (out != nullptr) store_step<ROW_COPY_UNROLL>(values, out, base, u.end);
     for (u32 m = members; m != 0u; m &= m - 1u) {
       const int k = __ffs(m) - 1;
       store_step<ROW_COPY_UNROLL>(
           values, slabs + (i64)__shfl_sync(MOE_EP_FULL_MASK, member, k) * row_vecs, base, u.end);
     }
   }
+}
+
+// Where token t's row goes, as the maps say (warp-wide, t warp-uniform): its
+// wire rows are the (rank d, slot s) with send_slot[t, d] = s in [0, S) and
+// send_token[d * S + s] = t. own_slot: this rank's slot, or -1. first_remote:
+// the lowest other rank with a wire row of t, or -1, and first_remote_slot
+// its slot. The sender of that row also places the own row in this rank's
+// slabs (so the token row is read, and FP8-quantized, once); the receivers'
+// own-rows pass skips it.
+struct TokenWires {
+  int own_slot;
+  int first_remote;
+  int first_remote_slot;
+};
+
+__device__ __forceinline__ TokenWires token_wires(const int* __restrict__ send_slot,
+                                                  const int* __restrict__ send_token, int token,
+                                                  int rank, int ep_size, int send_capacity) {
+  const int lane = lane_index();
+  int slot = lane < ep_size ? __ldg(send_slot + (i64)token * ep_size + lane) : -1;
+  if (slot >= send_capacity ||
+      (slot >= 0 && __ldg(send_token + (i64)lane * send_capacity + slot) != token))
+    slot = -1;
+  const u32 wired = __ballot_sync(MOE_EP_FULL_MASK, slot >= 0);
+  const u32 remote = wired & ~(1u << rank);
+  TokenWires w;
+  w.own_slot = __shfl_sync(MOE_EP_FULL_MASK, slot, rank);
+  w.first_remote = remote != 0u ? __ffs(remote) - 1 : -1;
+  w.first_remote_slot = __shfl_sync(MOE_EP_FULL_MASK, slot, remote != 0u ? w.first_remote : 0);
+  return w;
 }
 
 // How dispatch's senders and its own-rows receivers turn token t into its
@@ -698,20 +730,12 @@ struct CopyRows {
   __device__ __forceinline__ bool fits(int wire_row_vecs) const { return row_vecs == wire_row_vecs; }
   __device__ __forceinline__ int units() const { return row_vecs; }
 
-  // Units [u.begin, u.end) of token t's wire row into `out` (one wire row).
-  __device__ __forceinline__ void to_row(int token, const RowUnit& u, uint4* __restrict__ out) const {
-    const uint4* row = rows + (i64)token * row_vecs;
-    for (int base = u.begin; base < u.end; base += 32 * ROW_COPY_UNROLL) {
-      uint4 values[ROW_COPY_UNROLL];
-      load_step<ROW_COPY_UNROLL, false>(row, base, u.end, values);
-      store_step<ROW_COPY_UNROLL>(values, out, base, u.end);
-    }
-  }
-
-  // The same units into the slab rows of the members in `members`.
-  __device__ __forceinline__ void to_members(int token, const RowUnit& u, uint4* __restrict__ slabs,
-                                             int member, u32 members) const {
-    copy_to_members<false>(rows + (i64)token * row_vecs, slabs, row_vecs, member, members, u);
+  // Units [u.begin, u.end) of token t's wire row into `out` (one wire row;
+  // none if null) and into the slab rows of the members in `members` (lane k
+  // holds member k's slab row).
+  __device__ __forceinline__ void place(int token, const RowUnit& u, uint4* __restrict__ out,
+                                        uint4* __restrict__ slabs, int member, u32 members) const {
+    copy_to_members<false>(rows + (i64)token * row_vecs, out, slabs, row_vecs, member, members, u);
   }
 };
 
@@ -765,14 +789,12 @@ struct QuantizeRows {
     if (lane_index() == 0) out[code_vecs() + step] = scales;
   }
 
-  __device__ __forceinline__ void to_row(int token, const RowUnit& u, uint4* __restrict__ out) const {
-    quantize(token, u, [&](int step, uint4 codes, uint4 scales) { store(out, step, codes, scales); });
-  }
-
-  __device__ __forceinline__ void to_members(int token, const RowUnit& u, uint4* __restrict__ slabs,
-                                             int member, u32 members) const {
+  // As CopyRows::place, each step quantized once for all its stores.
+  __device__ __forceinline__ void place(int token, const RowUnit& u, uint4* __restrict__ out,
+                                        uint4* __restrict__ slabs, int member, u32 members) const {
     const int row_vecs = code_vecs() + units();
     quantize(token, u, [&](int step, uint4 codes, uint4 scales) {
+      if (out != nullptr) store(out, step, codes, scales);
       for (u32 m = members; m != 0u; m &= m - 1u) {
         const int n = __shfl_sync(MOE_EP_FULL_MASK, member, __ffs(m) - 1);
         store(slabs + (i64)n * row_vecs, step, codes, scales);
@@ -787,12 +809,15 @@ struct QuantizeRows {
 // uint8 (fp8.cuh's wire rows), the same exchange with each token quantized
 // by the warp that sends or places it (hidden % 16 == 0), so no separate
 // quantize pass: the bytes of quantize_pack followed by peer_dispatch.
-//   senders:   chunk (q, d): for slot s of the chunk, token send_token[d * S +
-//              s] (if in [0, T)) stored into row s of this rank's slot on d.
+//   senders:   chunk (q, d): for slot s of the chunk, token t = send_token[d *
+//              S + s] (if in [0, T)) stored into row s of this rank's slot on
+//              d; if d is t's first remote rank (token_wires), t's own row
+//              too, from the same loads, into its members' slab rows here.
 //   receivers: units in this order, RECV_GROUP consecutive ones per warp,
 //              warps striding: (1) padding slab rows n (slab_row[n] outside
-//              [0, R * S)) zeroed; (2) this rank's own slots s: token
-//              send_token[rank * S + s] copied into its members' slab rows;
+//              [0, R * S)) zeroed; (2) this rank's own slots s whose token
+//              goes to no other rank: token send_token[rank * S + s] copied
+//              into its members' slab rows;
 //              (3) the other ranks' slots, chunk by chunk in q-major order:
 //              wait for the chunk's flag, copy row s of src's slot into the
 //              members recv_pos[src * S + s].
@@ -804,14 +829,15 @@ struct QuantizeRows {
 //              steps).
 //   grid:      send_blocks + at least one receiver block, 32 * w threads.
 //   inputs:    rows [T, row_vecs] uint4 (FP8: [T, hidden] T::Elem),
-//              send_token [R * S], recv_pos [R * S, K], slab_row [L * C]
-//              int32; peers [R] channel bases.
+//              send_token [R * S], send_slot [T, R], recv_pos [R * S, K],
+//              slab_row [L * C] int32; peers [R] channel bases.
 //   output:    slabs [L * C, row_vecs] uint4, every row written once.
 // ---------------------------------------------------------------------------
 template <typename Source>
 __device__ __forceinline__ void dispatch_rows(
-    const Source& source, const int* __restrict__ send_token, const int* __restrict__ recv_pos,
-    const int* __restrict__ slab_row, uint4* __restrict__ slabs, const u64* __restrict__ peers,
+    const Source& source, const int* __restrict__ send_token, const int* __restrict__ send_slot,
+    const int* __restrict__ recv_pos, const int* __restrict__ slab_row,
+    uint4* __restrict__ slabs, const u64* __restrict__ peers,
     int rank, int ep_size, int num_tokens, int send_capacity, int top_k, int num_slab_rows,
     int row_vecs, int chunk_rows, int num_chunks, int send_blocks, int send_segment,
     int recv_segment_vecs, i64 slot_bytes, i64 data_offset, u32* failed, PeerFailure* record,
@@ -830,7 +856,14 @@ __device__ __forceinline__ void dispatch_rows(
                 [&](int dest, i64 s, const RowUnit& u, uint4* out) {
                   const int token = __ldg(send_token + (i64)dest * send_capacity + s);
                   if (token < 0 || token >= num_tokens) return;
-                  source.to_row(token, u, out);
+                  const TokenWires w =
+                      token_wires(send_slot, send_token, token, rank, ep_size, send_capacity);
+                  int member = -1;
+                  if (w.own_slot >= 0 && w.first_remote == dest && w.first_remote_slot == s)
+                    member = member_row(recv_pos, (i64)rank * send_capacity + w.own_slot, top_k,
+                                        num_slab_rows);
+                  const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
+                  source.place(token, u, out, slabs, member, members);
                 });
     finish_exchange(ex);
     return;
@@ -861,7 +894,10 @@ __device__ __forceinline__ void dispatch_rows(
         const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
         const int token = __ldg(send_token + wire);
         if (members == 0u || token < 0 || token >= num_tokens) continue;
-        source.to_members(token, u, slabs, member, members);
+        const TokenWires w =
+            token_wires(send_slot, send_token, token, rank, ep_size, send_capacity);
+        if (w.own_slot == u.row && w.first_remote >= 0) continue;  // its sender places it
+        source.place(token, u, nullptr, slabs, member, members);
       } else {  // (3) the other ranks' rows, chunk by chunk
         const i64 rest = unit - padding_units - own_units;
         const i64 chunk = rest / chunk_units;
@@ -875,7 +911,7 @@ __device__ __forceinline__ void dispatch_rows(
         const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
         if (members == 0u) continue;
         warp_wait_chunk(ex, src, q, &seen);
-        copy_to_members<true>(slot_on(ex, ex.own, src, rank) + s * row_vecs, slabs, row_vecs,
+        copy_to_members<true>(slot_on(ex, ex.own, src, rank) + s * row_vecs, nullptr, slabs, row_vecs,
                               member, members, u);
       }
     }
@@ -885,29 +921,30 @@ __device__ __forceinline__ void dispatch_rows(
 
 extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch(
     const uint4* __restrict__ rows, const int* __restrict__ send_token,
-    const int* __restrict__ recv_pos, const int* __restrict__ slab_row,
-    uint4* __restrict__ slabs, const u64* __restrict__ peers, int rank, int ep_size,
-    int num_tokens, int send_capacity, int top_k, int num_slab_rows, int row_vecs,
-    int chunk_rows, int num_chunks, int send_blocks, int send_segment_vecs,
+    const int* __restrict__ send_slot, const int* __restrict__ recv_pos,
+    const int* __restrict__ slab_row, uint4* __restrict__ slabs, const u64* __restrict__ peers,
+    int rank, int ep_size, int num_tokens, int send_capacity, int top_k, int num_slab_rows,
+    int row_vecs, int chunk_rows, int num_chunks, int send_blocks, int send_segment_vecs,
     int recv_segment_vecs, i64 slot_bytes, i64 data_offset, u32* failed, PeerFailure* record,
     u64 timeout_ns, int site) {
-  dispatch_rows(CopyRows{rows, row_vecs}, send_token, recv_pos, slab_row, slabs, peers, rank,
-                ep_size, num_tokens, send_capacity, top_k, num_slab_rows, row_vecs, chunk_rows,
-                num_chunks, send_blocks, send_segment_vecs, recv_segment_vecs, slot_bytes,
-                data_offset, failed, record, timeout_ns, site);
+  dispatch_rows(CopyRows{rows, row_vecs}, send_token, send_slot, recv_pos, slab_row, slabs,
+                peers, rank, ep_size, num_tokens, send_capacity, top_k, num_slab_rows, row_vecs,
+                chunk_rows, num_chunks, send_blocks, send_segment_vecs, recv_segment_vecs,
+                slot_bytes, data_offset, failed, record, timeout_ns, site);
 }
 
 #define DEFINE_PEER_DISPATCH_FP8_KERNEL(SUFFIX, TYPE)                                            \
   extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch_fp8_##SUFFIX(               \
       const TYPE::Elem* __restrict__ rows, const int* __restrict__ send_token,                   \
-      const int* __restrict__ recv_pos, const int* __restrict__ slab_row,                        \
-      uint4* __restrict__ slabs, const u64* __restrict__ peers, int rank, int ep_size,           \
+      const int* __restrict__ send_slot, const int* __restrict__ recv_pos,                       \
+      const int* __restrict__ slab_row, uint4* __restrict__ slabs, const u64* __restrict__ peers, \
+      int rank, int ep_size,                                                                     \
       int num_tokens, int send_capacity, int top_k, int num_slab_rows, int row_vecs, int hidden, \
       int chunk_rows, int num_chunks, int send_blocks, int send_segment_steps,                   \
       int recv_segment_vecs, i64 slot_bytes, i64 data_offset, u32* failed, PeerFailure* record,  \
       u64 timeout_ns, int site) {                                                                \
-    dispatch_rows(QuantizeRows<TYPE>{rows, hidden}, send_token, recv_pos, slab_row, slabs,       \
-                  peers, rank, ep_size, num_tokens, send_capacity, top_k, num_slab_rows,         \
+    dispatch_rows(QuantizeRows<TYPE>{rows, hidden}, send_token, send_slot, recv_pos, slab_row,   \
+                  slabs, peers, rank, ep_size, num_tokens, send_capacity, top_k, num_slab_rows,  \
                   row_vecs, chunk_rows, num_chunks, send_blocks, send_segment_steps,             \
                   recv_segment_vecs, slot_bytes, data_offset, failed, record, timeout_ns, site); \
   }

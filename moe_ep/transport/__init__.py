@@ -205,8 +205,8 @@ def _rows_to_slabs(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.A
     return ops.expand_rows(rows, _token_member_pos(handle), token_of_slab_row).reshape(slab_shape)
   if _fused_peer_rows(spec, rows.dtype, hidden, handle.top_k, sums=False):
     slabs = _peer().dispatch_rows(
-        rows, handle.send_token, handle.recv_pos, slab_row, axis_name=spec.axis_name,
-        mesh=spec.mesh,
+        rows, handle.send_token, handle.send_slot, handle.recv_pos, slab_row,
+        axis_name=spec.axis_name, mesh=spec.mesh,
         all_to_all_path=lambda r: _exchanged_rows_to_slabs(_on_all_to_all(spec), r, handle))
     return slabs.reshape(slab_shape)
   return _exchanged_rows_to_slabs(spec, rows, handle).reshape(slab_shape)
@@ -304,7 +304,7 @@ def _rows_to_fp8_slabs(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> j
   if spec.ep_size > 1 and _fused_peer_rows(spec, rows.dtype, rows.shape[-1], handle.top_k,
                                            sums=False, wire_dtype=WIRE_DTYPES[0]):
     slabs = _peer().dispatch_rows(
-        rows, handle.send_token, handle.recv_pos, handle.slab_row.reshape(-1),
+        rows, handle.send_token, handle.send_slot, handle.recv_pos, handle.slab_row.reshape(-1),
         axis_name=spec.axis_name, mesh=spec.mesh, wire_dtype=WIRE_DTYPES[0],
         all_to_all_path=lambda r: _rows_to_fp8_slabs(_on_all_to_all(spec), r, handle).reshape(
             -1, width))

@@ -1026,22 +1026,23 @@ def _fused_call(name: str, launches: dict[int, list[_Kernel]], inputs, out_shape
 
 
 def _check_maps(mesh, axis_name: str, recv_pos, *, wire_rows=None, send_token=None,
-                slab_row=None) -> tuple[int, int, int]:
+                send_slot=None, slab_row=None) -> tuple[int, int, int]:
   """``(R, S, K)`` from the maps' shapes, checked against each other and the mesh."""
   _check_axis(mesh, axis_name)
   ep_size = mesh.shape[axis_name]
   if recv_pos.ndim != 3 or recv_pos.shape[0] != ep_size:
     raise ValueError(f"recv_pos shape {recv_pos.shape} must be [R, S, K] with R={ep_size} "
                      f"(the size of axis {axis_name!r})")
-  if wire_rows is not None and (wire_rows.ndim != 2 or wire_rows.shape[1] != ep_size):
-    raise ValueError(f"wire_rows shape {wire_rows.shape} must be [T, R] with R={ep_size}")
+  for name, value in (("wire_rows", wire_rows), ("send_slot", send_slot)):
+    if value is not None and (value.ndim != 2 or value.shape[1] != ep_size):
+      raise ValueError(f"{name} shape {value.shape} must be [T, R] with R={ep_size}")
   if send_token is not None and send_token.shape != recv_pos.shape[:2]:
     raise ValueError(f"send_token shape {send_token.shape} must be [R, S] = "
                      f"{list(recv_pos.shape[:2])} (recv_pos' leading axes)")
   if slab_row is not None and slab_row.ndim != 1:
     raise ValueError(f"slab_row shape {slab_row.shape} must be [L * C]")
   for name, value in (("wire_rows", wire_rows), ("send_token", send_token),
-                      ("recv_pos", recv_pos), ("slab_row", slab_row)):
+                      ("send_slot", send_slot), ("recv_pos", recv_pos), ("slab_row", slab_row)):
     if value is not None and value.dtype != np.int32:
       raise ValueError(f"{name} must be int32; got {value.dtype}")
   return ep_size, recv_pos.shape[1], recv_pos.shape[2]
@@ -1075,7 +1076,7 @@ def _fused_launches(kind: str, function_name: str, site_what: str, dtype, hidden
   return launches
 
 
-def _fused_dispatch(rows, send_token, recv_pos, slab_row, *, axis_name: str, mesh):
+def _fused_dispatch(rows, send_token, send_slot, recv_pos, slab_row, *, axis_name: str, mesh):
   num_tokens, hidden = rows.shape
   ep_size, send_capacity, top_k = recv_pos.shape
   num_slab_rows = slab_row.shape[0]
@@ -1083,12 +1084,14 @@ def _fused_dispatch(rows, send_token, recv_pos, slab_row, *, axis_name: str, mes
       "dispatch", "dispatch", "dispatch_rows", rows.dtype, hidden, mesh, axis_name, ep_size,
       num_tokens, send_capacity,
       (send_capacity, top_k, num_slab_rows, hidden * rows.dtype.itemsize // 16),
-      (0, 1, 2, 3, 4))  # buffers: rows 0, send_token 1, recv_pos 2, slab_row 3, slabs 4
-  return _fused_call("dispatch rows", launches, (rows, send_token, recv_pos, slab_row),
+      (0, 1, 2, 3, 4, 5))  # buffers: rows, send_token, send_slot, recv_pos, slab_row; slabs
+  return _fused_call("dispatch rows", launches,
+                     (rows, send_token, send_slot, recv_pos, slab_row),
                      jax.ShapeDtypeStruct((num_slab_rows, hidden), rows.dtype), axis_name)
 
 
-def _fused_dispatch_fp8(rows, send_token, recv_pos, slab_row, *, axis_name: str, mesh):
+def _fused_dispatch_fp8(rows, send_token, send_slot, recv_pos, slab_row, *, axis_name: str,
+                        mesh):
   from moe_ep.transport import fp8  # imports this module's package
   num_tokens, hidden = rows.shape
   ep_size, send_capacity, top_k = recv_pos.shape
@@ -1101,9 +1104,10 @@ def _fused_dispatch_fp8(rows, send_token, recv_pos, slab_row, *, axis_name: str,
       "dispatch", f"dispatch_fp8_{_SUM_SUFFIX[np.dtype(rows.dtype).name]}", "dispatch_rows_fp8",
       np.uint8, width, mesh, axis_name, ep_size, num_tokens, send_capacity,
       (send_capacity, top_k, num_slab_rows, width // 16, hidden),
-      (0, 1, 2, 3, 4),  # buffers: rows 0, send_token 1, recv_pos 2, slab_row 3, slabs 4
+      (0, 1, 2, 3, 4, 5),  # buffers: rows, send_token, send_slot, recv_pos, slab_row; slabs
       send_units=fp8_send_units(hidden))
-  return _fused_call("dispatch rows fp8", launches, (rows, send_token, recv_pos, slab_row),
+  return _fused_call("dispatch rows fp8", launches,
+                     (rows, send_token, send_slot, recv_pos, slab_row),
                      jax.ShapeDtypeStruct((num_slab_rows, width), np.uint8), axis_name)
 
 
@@ -1120,17 +1124,20 @@ def _fused_combine(slabs, recv_pos, wire_rows, *, axis_name: str, mesh):
                      jax.ShapeDtypeStruct((num_tokens, hidden), slabs.dtype), axis_name)
 
 
-def dispatch_rows(rows: jax.Array, send_token: jax.Array, recv_pos: jax.Array,
-                  slab_row: jax.Array, *, axis_name: str, mesh: jax.sharding.Mesh,
+def dispatch_rows(rows: jax.Array, send_token: jax.Array, send_slot: jax.Array,
+                  recv_pos: jax.Array, slab_row: jax.Array, *, axis_name: str,
+                  mesh: jax.sharding.Mesh,
                   all_to_all_path, wire_dtype: str | None = None) -> jax.Array:
   """Dispatch's row path, fused: ``rows [T, H]`` -> slabs ``[L * C, H]``
   (call it inside ``shard_map`` over ``mesh``).
 
   On CUDA one ``buffer_callback`` launching ``peer_dispatch`` once: its
   sender blocks store each token row into the slot of every other rank it
-  goes to, chunk by chunk; its receiver blocks meanwhile zero the padding
-  rows and copy this rank's own rows straight into its slabs, then expand
-  each chunk the other ranks send as soon as it has arrived. Elsewhere
+  goes to, chunk by chunk, and with the first of them the token's own row
+  into this rank's slabs (one read of the row); its receiver blocks
+  meanwhile zero the padding rows and place the own rows of tokens that go
+  to no other rank, then expand each chunk the other ranks send as soon as
+  it has arrived. Elsewhere
   ``all_to_all_path(rows)``. Check :func:`fused_rows_problem` first.
 
   With ``wire_dtype="float8_e4m3fn"`` (``peer_dispatch_fp8_<dtype>``) the
@@ -1141,6 +1148,9 @@ def dispatch_rows(rows: jax.Array, send_token: jax.Array, recv_pos: jax.Array,
   Args:
     rows: ``[T, H]`` one row per token.
     send_token: ``[R, S]`` int32 token in slot s of the chunk to rank d, or -1.
+    send_slot: ``[T, R]`` int32 slot of token t in its chunk to rank d, or -1
+      (the inverse of ``send_token``): decides only which block places an
+      own row; the slabs depend on the other maps alone.
     recv_pos: ``[R, S, K]`` int32 slab row of member k of the row received
       from rank src in slot s, or -1.
     slab_row: ``[L * C]`` int32 ``src * S + s`` feeding each slab row, or -1
@@ -1154,7 +1164,8 @@ def dispatch_rows(rows: jax.Array, send_token: jax.Array, recv_pos: jax.Array,
     ``[L * C, H]`` in ``rows.dtype`` (FP8: ``[L * C, W]`` uint8 wire rows,
     all-zero on padding rows), bitwise ``all_to_all_path(rows)``.
   """
-  _check_maps(mesh, axis_name, recv_pos, send_token=send_token, slab_row=slab_row)
+  _check_maps(mesh, axis_name, recv_pos, send_token=send_token, send_slot=send_slot,
+              slab_row=slab_row)
   if rows.ndim != 2:
     raise ValueError(f"rows shape {rows.shape} must be [T, H]")
   if wire_dtype is not None and (problem := fused_rows_problem(
@@ -1164,7 +1175,7 @@ def dispatch_rows(rows: jax.Array, send_token: jax.Array, recv_pos: jax.Array,
   fused = _fused_dispatch if wire_dtype is None else _fused_dispatch_fp8
   with jax.named_scope("exchange_rows"):
     return jax.lax.platform_dependent(
-        rows, send_token, recv_pos, slab_row,
+        rows, send_token, send_slot, recv_pos, slab_row,
         cuda=functools.partial(fused, axis_name=axis_name, mesh=mesh),
         default=lambda rows, *maps: all_to_all_path(rows))
 

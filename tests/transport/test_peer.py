@@ -216,10 +216,11 @@ def test_fused_row_paths_reject_maps_that_do_not_fit_at_trace_time():
   spec = P(("dp", "ep"))
   path = lambda rows: rows  # noqa: E731
 
-  def run(rows, send_token, recv_pos, slab_row):
+  def run(rows, send_token, recv_pos, slab_row, send_slot=None):
     fn = lambda *a: peer.dispatch_rows(*a, axis_name="ep", mesh=mesh,  # noqa: E731
                                        all_to_all_path=path)
-    return shard_mapped(fn, mesh, spec)(rows, send_token, recv_pos, slab_row)
+    send_slot = wire if send_slot is None else send_slot
+    return shard_mapped(fn, mesh, spec)(rows, send_token, send_slot, recv_pos, slab_row)
 
   rows, wire = jnp.zeros((8 * 6, 16)), jnp.zeros((8 * 6, 4), jnp.int32)
   send_token = jnp.zeros((8 * 4, 5), jnp.int32)
@@ -230,6 +231,8 @@ def test_fused_row_paths_reject_maps_that_do_not_fit_at_trace_time():
     run(rows, send_token[:, :3], pos, slab_row)
   with pytest.raises(ValueError, match="recv_pos must be int32"):
     run(rows, send_token, pos.astype(jnp.int16), slab_row)
+  with pytest.raises(ValueError, match=r"send_slot shape \(6, 2\) must be \[T, R\] with R=4"):
+    run(rows, send_token, pos, slab_row, wire[:, :2])
   with pytest.raises(ValueError, match=r"rows shape \(6, 2, 8\) must be \[T, H\]"):
     run(rows.reshape(48, 2, 8), send_token, pos, slab_row)
   with pytest.raises(ValueError, match=r"wire_rows shape \(6, 3\) must be \[T, R\] with R=4"):
