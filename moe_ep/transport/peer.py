@@ -128,10 +128,12 @@ MAX_CHUNKS = 1024  # signalled chunks per destination of one fused exchange (PEE
 _CHUNKS_PER_SENDER = 8  # chunks each sender block signals, at most
 _MIN_CHUNK_BYTES = 128 << 10  # smaller chunks only to give every sender block one
 # The share of a fused exchange's blocks that store rows into the other GPUs
-# (2 H200s, T=8192, H=7168, 132 SMs: dispatch rows with 33 / 44 / 66 senders
-# 506 / 503 / 566 us, combine with 33 / 66 631 / 542 us; at T=4096 66 senders
-# were best for both: benchmarks/results/ep-20261130-200223.json).
-SEND_SHARE = {"dispatch": 1 / 3, "combine": 0.5}
+# (2 H200s, T=8192, H=7168, 132 SMs: combine with 33 / 66 senders 631 / 542
+# us, benchmarks/results/ep-20261130-200223.json; since the senders also
+# place their tokens' own rows, dispatch rows with 44 / 56 / 66 / 80 senders
+# 493 / 454 / 454 / 495 us, FP8 316 / 305 / 293 / 312 us:
+# ep-20261130-233350.json).
+SEND_SHARE = {"dispatch": 0.5, "combine": 0.5}
 
 
 class PeerTimeoutError(RuntimeError):

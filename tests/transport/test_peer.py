@@ -161,8 +161,8 @@ def test_fused_rows_problem_for_the_quantizing_dispatch(dtype, hidden, ep_size, 
 def test_row_grid_takes_every_sm_splits_senders_and_chunks_and_follows_configure():
   rows_7168_bf16 = 7168 * 2 // 16
   grid = peer.row_grid("dispatch", 2, 8192, 8192, rows_7168_bf16, 132)
-  # a third of the SMs send, 8 chunks each (rows split over the 16 warps), receivers whole rows
-  assert grid == peer.RowGrid(send_blocks=44, recv_blocks=88, chunk_rows=24, num_chunks=342,
+  # half the SMs send, 8 chunks each (rows split over the 16 warps), receivers whole rows
+  assert grid == peer.RowGrid(send_blocks=66, recv_blocks=66, chunk_rows=16, num_chunks=512,
                               send_segment=512, recv_segment=896)
   grid = peer.row_grid("combine", 4, 8192, 4096, rows_7168_bf16, 132)
   assert (grid.send_blocks, grid.recv_blocks) == (66, 66)
@@ -170,7 +170,7 @@ def test_row_grid_takes_every_sm_splits_senders_and_chunks_and_follows_configure
   assert (grid.chunk_rows, grid.num_chunks) == (24, 171)
   # decode (1.8 MB a destination): a chunk per sender block, rows split into copy steps
   grid = peer.row_grid("dispatch", 2, 128, 128, rows_7168_bf16, 132)
-  assert (grid.chunk_rows, grid.num_chunks, grid.send_segment, grid.recv_segment) == (3, 43,
+  assert (grid.chunk_rows, grid.num_chunks, grid.send_segment, grid.recv_segment) == (2, 64,
                                                                                         128, 128)
   # never more chunks than the flags hold, and every slot row in one chunk
   for ep_size, slots in ((2, 100_000), (8, 3), (3, 1)):
@@ -178,13 +178,13 @@ def test_row_grid_takes_every_sm_splits_senders_and_chunks_and_follows_configure
     assert 1 <= grid.num_chunks <= peer.MAX_CHUNKS
     assert (grid.num_chunks - 1) * grid.chunk_rows < slots <= grid.num_chunks * grid.chunk_rows
   # FP8 dispatch, H = 7168: wire rows of 462 vectors; senders count quantize
-  # steps of 512 channels (14 a row): 24-row chunks in half rows as above,
-  # decode's 3-row chunks in segments of 2 steps
+  # steps of 512 channels (14 a row): 18-row chunks in half rows as above,
+  # decode's 2-row chunks in one-step segments
   fp8_rows = 7392 // 16
   grid = peer.row_grid("dispatch", 2, 8192, 8192, fp8_rows, 132, send_units=14)
-  assert (grid.chunk_rows, grid.send_segment, grid.recv_segment) == (24, 7, fp8_rows)
+  assert (grid.chunk_rows, grid.send_segment, grid.recv_segment) == (18, 7, fp8_rows)
   grid = peer.row_grid("dispatch", 2, 128, 128, fp8_rows, 132, send_units=14)
-  assert (grid.chunk_rows, grid.send_segment, grid.recv_segment) == (3, 2, 128)
+  assert (grid.chunk_rows, grid.send_segment, grid.recv_segment) == (2, 1, 128)
   peer.configure(row_blocks=32, send_blocks=8)
   grid = peer.row_grid("dispatch", 2, 8192, 8192, rows_7168_bf16, 132)
   assert (grid.send_blocks, grid.recv_blocks, grid.blocks) == (8, 24, 32)
