@@ -24,8 +24,9 @@
 //                                     src's chunk lands in slot
 //                                     (p, src < me ? src : src - 1).
 //
-// One exchange = peer_send then peer_recv on the same stream, or one launch
-// of a fused row kernel at the end of this file (peer_dispatch,
+// One exchange = one launch: peer_exchange (peer_send's and peer_recv's
+// blocks in one grid; the write ceiling runs the two as separate launches),
+// or a fused row kernel at the end of this file (peer_dispatch,
 // peer_combine_*: the same protocol, rows moved straight between dispatch's
 // and combine's XLA buffers and the slots, sender and receiver blocks in one
 // grid). Every kernel reads s = step + 1 and parity p = s & 1; the last block
@@ -165,9 +166,10 @@ __device__ __forceinline__ void chunk_sent(u64 own, u64 peer, int rank, int ep_s
 
 // The end of a block that read part of src's chunk: once all blocks_per_peer
 // blocks for src have, acknowledges step to src; once every source is
-// acknowledged, advances this device's step counter.
+// acknowledged, advances this device's step counter (if advance_step).
 __device__ __forceinline__ void chunk_read(u64 own, const u64* peers, int rank, int ep_size,
-                                           int src, int parity, u64 step, int blocks_per_peer) {
+                                           int src, int parity, u64 step, int blocks_per_peer,
+                                           bool advance_step) {
   __syncthreads();  // every load of this block's part has returned
   if (threadIdx.x == 0) {
     u32* counters = counters_of(own, ep_size);
@@ -177,6 +179,7 @@ __device__ __forceinline__ void chunk_read(u64 own, const u64* peers, int rank, 
       recv_done[src] = 0u;
       __threadfence_system();
       atomicExch(acks_of(peers[src], ep_size) + parity * ep_size + rank, step);
+      if (!advance_step) return;
       u32* recv_sources = counters + 2 * ep_size;
       if (atomicAdd(recv_sources, 1u) == (u32)(ep_size - 2)) {
         *recv_sources = 0u;  // all sources done: every block has read the step
@@ -219,7 +222,7 @@ __device__ __forceinline__ void part_range(i64 n, int part, int parts, i64* begi
 }
 
 // ---------------------------------------------------------------------------
-// peer_send_v{16,8,4,2,1}: pushes x[d] into rank d's parity-p slot for every
+// peer_send (block `block` of its grid): pushes x[d] into rank d's parity-p slot for every
 // d != rank, raises d's flag; copies x[rank] to out[rank] (the local chunk).
 //   grid:   (ep_size - 1) * blocks_per_peer + local_blocks blocks. Block b <
 //           (ep_size - 1) * blocks_per_peer sends part b % blocks_per_peer of
@@ -238,11 +241,11 @@ __device__ __forceinline__ void peer_send(const Vec* __restrict__ x, Vec* __rest
                                           const u64* __restrict__ peers, int rank, int ep_size,
                                           i64 chunk_vecs, i64 slot_bytes, i64 data_offset,
                                           int blocks_per_peer, int local_blocks, u32* failed,
-                                          PeerFailure* record, u64 timeout_ns, int site) {
+                                          PeerFailure* record, u64 timeout_ns, int site,
+                                          int block) {
   if (ep_size < 2 || rank < 0 || rank >= ep_size || blocks_per_peer < 1 || local_blocks < 0)
     return;
   const int remote_blocks = (ep_size - 1) * blocks_per_peer;
-  const int block = blockIdx.x;
   if (block >= remote_blocks + local_blocks) return;
   i64 begin, end;
   if (block >= remote_blocks) {
@@ -267,8 +270,9 @@ __device__ __forceinline__ void peer_send(const Vec* __restrict__ x, Vec* __rest
 }
 
 // ---------------------------------------------------------------------------
-// peer_recv_v{16,8,4,2,1}: waits for each other rank's chunk, copies it to
-// out[src], acknowledges it to src; the last block advances the step.
+// peer_recv (block `block` of its grid): waits for each other rank's chunk,
+// copies it to out[src], acknowledges it to src; with advance_step the last
+// block advances the step.
 //   grid:   (ep_size - 1) * blocks_per_peer blocks; block b copies part
 //           b % blocks_per_peer of the (b / blocks_per_peer)-th other rank's
 //           chunk. block: any multiple of 32 threads.
@@ -282,9 +286,9 @@ template <typename Vec, bool kCopy = true>
 __device__ __forceinline__ void peer_recv(Vec* __restrict__ out, const u64* __restrict__ peers,
                                           int rank, int ep_size, i64 chunk_vecs, i64 slot_bytes,
                                           i64 data_offset, int blocks_per_peer, u32* failed,
-                                          PeerFailure* record, u64 timeout_ns, int site) {
+                                          PeerFailure* record, u64 timeout_ns, int site,
+                                          int block, bool advance_step) {
   if (ep_size < 2 || rank < 0 || rank >= ep_size || blocks_per_peer < 1) return;
-  const int block = blockIdx.x;
   if (block >= (ep_size - 1) * blocks_per_peer) return;
   const int nth = block / blocks_per_peer;
   const int src = nth < rank ? nth : nth + 1;
@@ -298,23 +302,55 @@ __device__ __forceinline__ void peer_recv(Vec* __restrict__ out, const u64* __re
   i64 begin, end;
   part_range(chunk_vecs, block % blocks_per_peer, blocks_per_peer, &begin, &end);
   if constexpr (kCopy) copy_range<Vec, true>(slot, out + src * chunk_vecs, begin, end);
-  chunk_read(own, peers, rank, ep_size, src, parity, step, blocks_per_peer);
+  chunk_read(own, peers, rank, ep_size, src, parity, step, blocks_per_peer, advance_step);
+}
+
+// ---------------------------------------------------------------------------
+// peer_exchange_v{16,8,4,2,1}: peer_send then peer_recv in one launch (the
+// drop-in exchange: no second launch, the receive blocks already waiting
+// while the sends run). Blocks [0, send_grid) are peer_send's grid
+// ((ep_size - 1) * blocks_per_peer + local_blocks), the rest peer_recv's.
+// The step advances once every block of the launch is done (not when every
+// source is read, as in peer_recv): a block scheduled late still reads this
+// exchange's step. Inputs, output, waits and bounds: as the two kernels.
+// ---------------------------------------------------------------------------
+template <typename Vec>
+__device__ __forceinline__ void peer_exchange(const Vec* __restrict__ x, Vec* __restrict__ out,
+                                              const u64* __restrict__ peers, int rank,
+                                              int ep_size, i64 chunk_vecs, i64 slot_bytes,
+                                              i64 data_offset, int blocks_per_peer,
+                                              int local_blocks, u32* failed, PeerFailure* record,
+                                              u64 timeout_ns, int site) {
+  if (ep_size < 2 || rank < 0 || rank >= ep_size || blocks_per_peer < 1 || local_blocks < 0)
+    return;
+  const u64 own = peers[rank];
+  const u64 step = *(volatile u64*)step_of(own, ep_size) + 1;
+  const int send_grid = (ep_size - 1) * blocks_per_peer + local_blocks;
+  if ((int)blockIdx.x < send_grid)
+    peer_send<Vec>(x, out, peers, rank, ep_size, chunk_vecs, slot_bytes, data_offset,
+                   blocks_per_peer, local_blocks, failed, record, timeout_ns, site, blockIdx.x);
+  else
+    peer_recv<Vec>(out, peers, rank, ep_size, chunk_vecs, slot_bytes, data_offset,
+                   blocks_per_peer, failed, record, timeout_ns, site, blockIdx.x - send_grid,
+                   false);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u32* blocks_done = counters_of(own, ep_size) + 2 * ep_size + 1;
+    __threadfence();
+    if (atomicAdd(blocks_done, 1u) == gridDim.x - 1) {
+      *blocks_done = 0u;  // rearm for the next launch
+      *(volatile u64*)step_of(own, ep_size) = step;
+    }
+  }
 }
 
 #define DEFINE_PEER_KERNELS(SUFFIX, VEC)                                                        \
-  extern "C" __global__ void peer_send_##SUFFIX(                                                \
+  extern "C" __global__ void peer_exchange_##SUFFIX(                                            \
       const VEC* x, VEC* out, const u64* peers, int rank, int ep_size, i64 chunk_vecs,          \
       i64 slot_bytes, i64 data_offset, int blocks_per_peer, int local_blocks, u32* failed,     \
       PeerFailure* record, u64 timeout_ns, int site) {                                          \
-    peer_send<VEC>(x, out, peers, rank, ep_size, chunk_vecs, slot_bytes, data_offset,           \
-                   blocks_per_peer, local_blocks, failed, record, timeout_ns, site);            \
-  }                                                                                             \
-  extern "C" __global__ void peer_recv_##SUFFIX(                                                \
-      VEC* out, const u64* peers, int rank, int ep_size, i64 chunk_vecs, i64 slot_bytes,        \
-      i64 data_offset, int blocks_per_peer, u32* failed, PeerFailure* record, u64 timeout_ns,  \
-      int site) {                                                                               \
-    peer_recv<VEC>(out, peers, rank, ep_size, chunk_vecs, slot_bytes, data_offset,              \
-                   blocks_per_peer, failed, record, timeout_ns, site);                          \
+    peer_exchange<VEC>(x, out, peers, rank, ep_size, chunk_vecs, slot_bytes, data_offset,       \
+                       blocks_per_peer, local_blocks, failed, record, timeout_ns, site);        \
   }
 
 DEFINE_PEER_KERNELS(v16, uint4)
@@ -323,15 +359,23 @@ DEFINE_PEER_KERNELS(v4, unsigned int)
 DEFINE_PEER_KERNELS(v2, unsigned short)
 DEFINE_PEER_KERNELS(v1, unsigned char)
 
-// peer_drain_v16: peer_recv without the copy (waits, acknowledges, advances
-// the step). With peer_send_v16 and no local blocks it measures the peer-write
-// ceiling: rows stored straight into the peers' slots, nothing copied out.
+// peer_send_v16 then peer_drain_v16 (peer_recv without the copy: waits,
+// acknowledges, advances the step) measure the peer-write ceiling: rows
+// stored straight into the peers' slots, nothing copied out.
+extern "C" __global__ void peer_send_v16(const uint4* x, uint4* out, const u64* peers, int rank,
+                                         int ep_size, i64 chunk_vecs, i64 slot_bytes,
+                                         i64 data_offset, int blocks_per_peer, int local_blocks,
+                                         u32* failed, PeerFailure* record, u64 timeout_ns,
+                                         int site) {
+  peer_send<uint4>(x, out, peers, rank, ep_size, chunk_vecs, slot_bytes, data_offset,
+                   blocks_per_peer, local_blocks, failed, record, timeout_ns, site, blockIdx.x);
+}
 extern "C" __global__ void peer_drain_v16(uint4* out, const u64* peers, int rank, int ep_size,
                                           i64 chunk_vecs, i64 slot_bytes, i64 data_offset,
                                           int blocks_per_peer, u32* failed, PeerFailure* record,
                                           u64 timeout_ns, int site) {
   peer_recv<uint4, false>(out, peers, rank, ep_size, chunk_vecs, slot_bytes, data_offset,
-                          blocks_per_peer, failed, record, timeout_ns, site);
+                          blocks_per_peer, failed, record, timeout_ns, site, blockIdx.x, true);
 }
 
 // ===========================================================================

@@ -21,11 +21,12 @@ mesh coordinates, ranked in axis order):
 * **Addresses.** Devices of one process use raw pointers with peer access
   enabled; devices of other processes are reached through CUDA IPC handles
   published once per buffer in the ``jax.distributed`` key-value store.
-* **Signalling on the device.** ``peer_send`` pushes ``x[d]`` into rank
-  ``d``'s slot of parity ``s & 1`` (``s`` = the device's step counter + 1),
-  after ``d`` has acknowledged reading that slot at step ``s - 2``, and raises
-  ``d``'s flag to ``s``; ``peer_recv`` waits for each source's flag, copies
-  its chunk out and acknowledges it, and advances the counter. Every launch
+* **Signalling on the device.** One launch of ``peer_exchange``: its send
+  blocks push ``x[d]`` into rank ``d``'s slot of parity ``s & 1`` (``s`` =
+  the device's step counter + 1), after ``d`` has acknowledged reading that
+  slot at step ``s - 2``, and raise ``d``'s flag to ``s``; its receive blocks
+  wait for each source's flag, copy its chunk out and acknowledge it; the
+  launch's last block advances the counter. Every launch
   has the same arguments, so XLA can replay it from a CUDA graph; the
   counters agree because every rank runs the same sequence of exchanges.
 * **No hangs.** Every wait ends after :func:`timeout_s` (default 30 s,
@@ -119,7 +120,7 @@ _SUM_STEP = 32 * 2  # vectors a warp sums per step (ROW_SUM_UNROLL)
 MAX_FUSED_RANKS = 32  # one lane per rank's entry of a token
 MAX_FUSED_TOP_K = 32  # one lane per member of a row
 _SUM_SUFFIX = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-_ROW_KERNELS = ("dispatch", "drain_v16",
+_ROW_KERNELS = ("dispatch", "send_v16", "drain_v16",
                 *(f"combine_{suffix}" for suffix in _SUM_SUFFIX.values()),
                 *(f"dispatch_fp8_{suffix}" for suffix in _SUM_SUFFIX.values()))
 _FP8 = "float8_e4m3fn"  # the one wire dtype the fused dispatch quantizes to
@@ -534,8 +535,8 @@ def _kernels(ordinal: int) -> dict:
     import cupy
     with cupy.cuda.Device(ordinal):
       module = cupy_backend.compile_module(_KERNEL_FILE)
-      functions = {f"{kind}_v{v}": module.get_function(f"peer_{kind}_v{v}")
-                   for kind in ("send", "recv") for v in _VECTOR_BYTES}
+      functions = {f"exchange_v{v}": module.get_function(f"peer_exchange_v{v}")
+                   for v in _VECTOR_BYTES}
       functions.update({name: module.get_function(f"peer_{name}") for name in _ROW_KERNELS})
       _modules[ordinal] = functions
   return _modules[ordinal]
@@ -743,12 +744,9 @@ def _stream(ordinal: int, handle: int):
 class _Launch:
   """One device's launch of one exchange site, fixed at trace time."""
 
-  send: object
-  recv: object
-  send_blocks: int
-  recv_blocks: int
-  args: tuple  # the kernels' arguments after x/out, as peer.cu's peer_recv takes them
-  local_blocks: np.int32
+  function: object  # peer_exchange_v<vector bytes>
+  blocks: int
+  args: tuple  # the kernel's arguments after x and out
 
 
 def _launches(channel: _Channel, site: int, timeout_ns: int) -> dict[int, _Launch]:
@@ -765,15 +763,16 @@ def _launches(channel: _Channel, site: int, timeout_ns: int) -> dict[int, _Launc
     tail = (np.uint64(_failed_words[ordinal].ptr),
             np.uint64(_records_device_ptr + ctypes.sizeof(_Failure) * ordinal),
             np.uint64(timeout_ns), np.int32(site))
-    launches[ordinal] = _Launch(kernels[f"send_v{vector}"], kernels[f"recv_v{vector}"],
-                                remote_blocks + blocks, remote_blocks, args + tail,
-                                np.int32(blocks))
+    # the send grid (a remote part per peer, as many blocks for the local
+    # chunk), then the receive grid
+    launches[ordinal] = _Launch(kernels[f"exchange_v{vector}"], 2 * remote_blocks + blocks,
+                                args + (np.int32(blocks),) + tail)
   return launches
 
 
 def _launcher(channel: _Channel | None, site: int, timeout_ns: int):
   """The buffer_callback body: checks for an earlier timeout, then launches
-  peer_send and peer_recv with the arguments fixed at trace time."""
+  peer_exchange with the arguments fixed at trace time."""
   launches = _launches(channel, site, timeout_ns) if channel is not None else {}
 
   def callback(ctx, outs, x):
@@ -787,11 +786,8 @@ def _launcher(channel: _Channel | None, site: int, timeout_ns: int):
       raise RuntimeError(f"peer exchange ran on cuda:{ordinal}, which it was not set up for "
                          f"at trace time (was it traced for another mesh or platform?)")
     x_ptr, out_ptr = cupy_backend._pointer(x), cupy_backend._pointer(out)
-    args = launch.args
     with cupy.cuda.Device(ordinal), _stream(ordinal, ctx.stream):
-      launch.send((launch.send_blocks,), (_THREADS,),
-                  (x_ptr, out_ptr, *args[:7], launch.local_blocks, *args[7:]))
-      launch.recv((launch.recv_blocks,), (_THREADS,), (out_ptr, *args))
+      launch.function((launch.blocks,), (_THREADS,), (x_ptr, out_ptr, *launch.args))
 
   return callback
 

@@ -74,7 +74,7 @@ def test_each_loader_compiles_its_files_once_per_device(monkeypatch, fresh_cache
   assert functions == {name: (file, name) for file, names in cupy_backend.KERNELS.items()
                        for name in names}
   assert fp8.compile_kernels(3)["quantize_pack_bf16"] == ("fp8.cu", "quantize_pack_bf16")
-  assert peer._kernels(5)["send_v16"] == ("peer.cu", "peer_send_v16")
+  assert peer._kernels(5)["exchange_v16"] == ("peer.cu", "peer_exchange_v16")
   assert calls[len(cupy_backend.KERNELS):] == [(3, "fp8.cu", options), (5, "peer.cu", options)]
   count = len(calls)
   cupy_backend.compile_kernels(3), fp8.compile_kernels(3), peer._kernels(5)  # cached
