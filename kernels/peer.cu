@@ -222,8 +222,9 @@ __device__ __forceinline__ void part_range(i64 n, int part, int parts, i64* begi
 }
 
 // ---------------------------------------------------------------------------
-// peer_send (block `block` of its grid): pushes x[d] into rank d's parity-p slot for every
-// d != rank, raises d's flag; copies x[rank] to out[rank] (the local chunk).
+// peer_send (block `block` of its grid): pushes x[d] into rank d's parity-p
+// slot for every d != rank, raises d's flag; copies x[rank] to out[rank] (the
+// local chunk).
 //   grid:   (ep_size - 1) * blocks_per_peer + local_blocks blocks. Block b <
 //           (ep_size - 1) * blocks_per_peer sends part b % blocks_per_peer of
 //           the chunk for the (b / blocks_per_peer)-th other rank; later blocks
@@ -955,8 +956,8 @@ __device__ __forceinline__ void dispatch_rows(
         const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
         if (members == 0u) continue;
         warp_wait_chunk(ex, src, q, &seen);
-        copy_to_members<true>(slot_on(ex, ex.own, src, rank) + s * row_vecs, nullptr, slabs, row_vecs,
-                              member, members, u);
+        copy_to_members<true>(slot_on(ex, ex.own, src, rank) + s * row_vecs, nullptr, slabs,
+                              row_vecs, member, members, u);
       }
     }
   }
@@ -982,8 +983,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch(
       const TYPE::Elem* __restrict__ rows, const int* __restrict__ send_token,                   \
       const int* __restrict__ send_slot, const int* __restrict__ recv_pos,                       \
       const int* __restrict__ slab_row, uint4* __restrict__ slabs, const u64* __restrict__ peers, \
-      int rank, int ep_size,                                                                     \
-      int num_tokens, int send_capacity, int top_k, int num_slab_rows, int row_vecs, int hidden, \
+      int rank, int ep_size, int num_tokens, int send_capacity, int top_k, int num_slab_rows,    \
+      int row_vecs, int hidden,                                                                  \
       int chunk_rows, int num_chunks, int send_blocks, int send_segment_steps,                   \
       int recv_segment_vecs, i64 slot_bytes, i64 data_offset, u32* failed, PeerFailure* record,  \
       u64 timeout_ns, int site) {                                                                \
