@@ -1,4 +1,4 @@
-"""``python -m moe_ep.bench [transport|experts|layer|overhead|ep|all] [--smoke]``."""
+"""``python -m moe_ep.bench [transport|experts|layer|overhead|ep|remat|timeline|all] [--smoke]``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ BENCHMARKS = {
     "overhead": "host overhead per buffer_callback, with and without command buffers",
     "ep": "P2: dispatch/combine bandwidth across this process's GPUs",
     "remat": "remat variants: compiled dispatch exchanges, memory_analysis() and time",
+    "timeline": "where one dispatch's and decode round trip's device time goes, kernel by kernel",
 }
 # Tiny shapes that run anywhere (CPU included) to check the programs themselves.
 SMOKE = {
@@ -29,6 +30,8 @@ SMOKE = {
     "ep": dict(token_counts=(64,), expert_counts=(8,), hidden=32, backend="xla", iters=2),
     "remat": dict(hidden=64, ffn=64, num_experts=8, batch=8, seq=16, num_layers=2, backend="xla",
                   iters=2),
+    "timeline": dict(tokens=64, num_experts=8, decode_tokens=16, decode_experts=16, hidden=32,
+                     backend="xla", calls=3),
 }
 
 

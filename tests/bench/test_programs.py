@@ -18,7 +18,7 @@ import background
 pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-PROGRAMS = ("transport", "experts", "layer", "ep", "remat")
+PROGRAMS = ("transport", "experts", "layer", "ep", "remat", "timeline")
 
 
 def run_smoke() -> tuple[subprocess.CompletedProcess, dict]:
@@ -84,3 +84,19 @@ def test_ep_cases_agree_bitwise_and_time_fp8(smoke):
   assert set(decode) == {"round_trip_us", "rows_round_trip_us", "routing_us",
                          "dispatch_rows_us", "combine_rows_us"}
   assert all(value > 0 for value in decode.values()), decode
+
+
+def test_the_timeline_splits_each_program_into_its_calls_and_shows_the_exchange(smoke):
+  """On the pure-JAX path each call of the dispatch and of the decode round
+  trip runs XLA's all_to_all (rows, and metadata); the FP8 slabs' program
+  too. Each traced call is its own group, in order, starting at 0, with the
+  same ops as the others (one program)."""
+  for name, calls in smoke["timeline"]["programs"].items():
+    assert len(calls) == 3, name
+    assert len({len(call["events"]) for call in calls}) == 1, name
+    for call in calls:
+      starts = [e["start_us"] for e in call["events"]]
+      assert starts[0] == 0 and starts == sorted(starts), name
+      assert all(e["us"] >= 0 for e in call["events"]) and call["span_us"] > 0, name
+      names = [e["name"] for e in call["events"]]
+      assert any(n.startswith("all-to-all") for n in names), (name, names)

@@ -1,0 +1,165 @@
+"""Where one call's device time goes: the kernels (GPU) or XLA ops (CPU) of
+P2's dispatch (bf16 rows, and the FP8 dispatch up to its FP8 slabs) and of
+the decode round trip, each in order with its start and duration, from a
+``jax.profiler`` trace of a few calls.
+
+What each line is: on GPU the kernels on device 0's streams (XLA's fusions
+and the transport's CuPy kernels by name, e.g. ``route_rank``,
+``peer_exchange_v16``, ``peer_dispatch``); on CPU the ops the XLA runtime
+records on its threads (every device's ops, on whichever thread ran them).
+Calls are told apart on GPU by the host's round trip between them (the
+widest gaps between kernels split them), on CPU by the host-side span of
+each call. With one process driving several GPUs, device 0's kernels that
+wait for another GPU (the peer exchanges) include that GPU's lag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import statistics
+import tempfile
+
+import jax
+import numpy as np
+
+from moe_ep import transport
+from moe_ep.bench import ep
+from moe_ep.transport import combine, dispatch, expert_capacity_for, send_capacity_for
+
+
+def _is_cpu_op(name: str) -> bool:
+  """An XLA op's event on the CPU runtime's threads (lower case: ``ynn_fusion``,
+  ``all-to-all.1``), not the runtime's own (``ThunkExecutor::Execute``,
+  ``Handle inputs``, ``Rendezvous``)."""
+  return " " not in name and name == name.lower()
+
+
+_SUMMARY_EVENTS = 40  # events per program the summary lists
+_CALL = "moe_ep_timeline_call"  # the host-side annotation around each traced call
+
+
+def _calls_of(profile, calls: int) -> list[list[tuple[float, float, str]]]:
+  """Per call, ``(start_ns, duration_ns, name)`` of device 0's kernels (GPU)
+  or of the XLA CPU runtime's ops, sorted by start."""
+  gpu = [p for p in profile.planes if p.name.startswith("/device:GPU:0")]
+  if gpu:
+    events = sorted((e.start_ns, e.duration_ns, e.name) for line in gpu[0].lines
+                    if "stream" in line.name.lower() for e in line.events)
+    return split_calls(events, calls)
+  events, windows = [], []
+  for plane in profile.planes:
+    for line in plane.lines:
+      windows += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events
+                  if e.name == _CALL]
+      if line.name.startswith("tf_XLA"):  # the client's and the Eigen pool's threads
+        events += [(e.start_ns, e.duration_ns, e.name) for e in line.events
+                   if _is_cpu_op(e.name)]
+  return [sorted(e for e in events if start <= e[0] < end) for start, end in sorted(windows)]
+
+
+def split_calls(events: list[tuple[float, float, str]], calls: int) -> list[list]:
+  """``events`` (sorted by start) split into ``calls`` groups at the widest
+  gaps between one event's end and the next one's start."""
+  if calls < 1:
+    raise ValueError(f"calls={calls} must be >= 1")
+  if len(events) < calls:
+    raise ValueError(f"{len(events)} events cannot make {calls} calls")
+  ends = np.maximum.accumulate([start + duration for start, duration, _ in events])
+  gaps = [events[i + 1][0] - ends[i] for i in range(len(events) - 1)]
+  cuts = sorted(np.argsort(gaps, kind="stable")[::-1][:calls - 1] + 1)
+  return [events[a:b] for a, b in zip([0, *cuts], [*cuts, len(events)])]
+
+
+def _call_record(group) -> dict:
+  t0 = group[0][0]
+  end = max(start + duration for start, duration, _ in group)
+  return {"span_us": (end - t0) / 1e3,
+          "busy_us": sum(duration for _, duration, _ in group) / 1e3,
+          "events": [{"name": name, "start_us": (start - t0) / 1e3, "us": duration / 1e3}
+                     for start, duration, name in group]}
+
+
+def trace_calls(fn, args, *, calls: int = 3) -> list[dict]:
+  """``fn(*args)`` (jitted) run ``calls`` times under the profiler, after
+  two untraced calls and one traced call that is dropped (the CPU tracer can
+  miss part of the first call after it starts): per call its span, the sum
+  of its events' durations and the events in order."""
+  for _ in range(2):
+    jax.block_until_ready(fn(*args))
+  folder = tempfile.mkdtemp(prefix="moe-ep-timeline-")
+  with jax.profiler.trace(folder):
+    for _ in range(calls + 1):
+      with jax.profiler.TraceAnnotation(_CALL):
+        jax.block_until_ready(fn(*args))
+  (path,) = glob.glob(folder + "/**/*.xplane.pb", recursive=True)
+  groups = _calls_of(jax.profiler.ProfileData.from_file(path), calls + 1)
+  if len(groups) != calls + 1 or not all(groups):
+    raise RuntimeError(f"the trace gave {[len(g) for g in groups]} events for {calls + 1} calls")
+  return [_call_record(group) for group in groups[1:]]
+
+
+def _case(mesh, tokens, hidden, num_experts, top_k, capacity_factor, backend, exchange) -> dict:
+  """P2's inputs at one shape, and the keyword arguments of its dispatch."""
+  ep_size = mesh.shape["ep"]
+  capacity = expert_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
+  send_capacity = send_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
+  rng = np.random.default_rng(tokens + num_experts)
+  x = ep._random_rows(mesh, ep_size * tokens, hidden, tokens + num_experts)
+  idx, weights = (ep._shard(mesh, a) for a in ep._host_routing(rng, ep_size * tokens, top_k,
+                                                               num_experts))
+  paths = dict(backend=backend, exchange=exchange, mesh=mesh)
+  shape = dict(num_experts=num_experts, expert_capacity=capacity, axis_name="ep",
+               send_capacity=send_capacity)
+  return dict(args=(x, idx, weights), paths=paths, shape=shape,
+              spec=transport._Spec(ep_size=ep_size, **shape, **paths))
+
+
+def run(tokens=8192, num_experts=64, decode_tokens=128, decode_experts=256, hidden=7168,
+        top_k=8, capacity_factor=1.25, backend="auto", exchange="auto", calls=3) -> dict:
+  """Per program (``dispatch``, ``dispatch_fp8_slabs``, ``decode_round_trip``)
+  the traced calls over every device of the job (``exchange``: as
+  :func:`~moe_ep.transport.dispatch`'s)."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
+  smap = lambda fn: jax.jit(ep._smap(mesh, fn))  # noqa: E731
+  big = _case(mesh, tokens, hidden, num_experts, top_k, capacity_factor, backend, exchange)
+  fp8_spec = dataclasses.replace(big["spec"], wire_dtype=ep.FP8)
+  fp8_routing = ep._routing_only(fp8_spec, num_experts)
+  small = _case(mesh, decode_tokens, hidden, decode_experts, top_k, capacity_factor, backend,
+                exchange)
+
+  def round_trip(x, idx, weights):
+    d = dispatch(x, idx, weights, **small["shape"], **small["paths"])
+    return combine(d.tokens, d.handle, num_tokens=decode_tokens, axis_name="ep",
+                   **small["paths"])
+
+  programs = {
+      "dispatch": (lambda x, idx, w: dispatch(x, idx, w, **big["shape"], **big["paths"]), big),
+      "dispatch_fp8_slabs": (lambda x, idx, w: transport._rows_to_fp8_slabs(
+          fp8_spec, x, fp8_routing(idx, w)), big),
+      "decode_round_trip": (round_trip, small)}
+  result = {"ep_size": mesh.shape["ep"], "processes": jax.process_count(), "hidden": hidden,
+            "top_k": top_k, "capacity_factor": capacity_factor, "transport": backend,
+            "exchange": exchange, "tokens_per_rank": tokens, "num_experts": num_experts,
+            "decode_tokens_per_rank": decode_tokens, "decode_experts": decode_experts,
+            "programs": {}}
+  for name, (fn, case) in programs.items():
+    result["programs"][name] = trace_calls(smap(fn), case["args"], calls=calls)
+  return result
+
+
+def summary(result: dict) -> str:
+  lines = [f"timeline EP={result['ep_size']} ({result['processes']} processes) "
+           f"T={result['tokens_per_rank']} E={result['num_experts']}, decode "
+           f"T={result['decode_tokens_per_rank']} E={result['decode_experts']}; device 0, "
+           f"the call of median span"]
+  for name, calls in result["programs"].items():
+    spans = [c["span_us"] for c in calls]
+    call = calls[spans.index(statistics.median_low(spans))]
+    spans_text = ", ".join(f"{s:.1f}" for s in spans)
+    lines.append(f"  {name}: span {call['span_us']:.1f} us (calls: {spans_text})")
+    lines += [f"    {e['start_us']:8.1f} +{e['us']:7.1f}  {e['name'][:70]}"
+              for e in call["events"][:_SUMMARY_EVENTS]]
+    if len(call["events"]) > _SUMMARY_EVENTS:
+      lines.append(f"    ... {len(call['events']) - _SUMMARY_EVENTS} more (in the JSON)")
+  return "\n".join(lines)
