@@ -63,6 +63,20 @@ def _host_routing(rng, tokens: int, top_k: int, num_experts: int):
   return idx, weights / weights.sum(-1, keepdims=True)
 
 
+def _inputs(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_factor,
+            seed: int) -> tuple:
+  """``(expert_capacity, send_capacity, x, idx, weights)`` of one P2 shape:
+  ``tokens`` random rows and routes per rank, sharded over the EP axis."""
+  ep_size = mesh.shape["ep"]
+  capacity = expert_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
+  send_capacity = send_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
+  rng = np.random.default_rng(seed)
+  x = _random_rows(mesh, ep_size * tokens, hidden, seed)
+  idx, weights = (_shard(mesh, a) for a in _host_routing(rng, ep_size * tokens, top_k,
+                                                         num_experts))
+  return capacity, send_capacity, x, idx, weights
+
+
 def _smap(mesh, fn):
   return jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
 
@@ -180,12 +194,8 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
   the receive, and with named FP8 slabs as the layer runs it) and its rows
   alone, with the speed-up over bf16 (bytes: the FP8 wire rows)."""
   ep_size = mesh.shape["ep"]
-  capacity = expert_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
-  send_capacity = send_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
-  rng = np.random.default_rng(tokens + num_experts)
-  x = _random_rows(mesh, ep_size * tokens, hidden, tokens + num_experts)
-  idx, weights = (_shard(mesh, a) for a in _host_routing(rng, ep_size * tokens, top_k,
-                                                         num_experts))
+  capacity, send_capacity, x, idx, weights = _inputs(mesh, tokens, hidden, num_experts, top_k,
+                                                     capacity_factor, tokens + num_experts)
   row_bytes = hidden * 2
   wire_row_bytes = fp8.wire_bytes(hidden)
   reason = _peer_reason(mesh, backend)
@@ -339,12 +349,8 @@ def decode_case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, ca
   """Decode latency: one dispatch + combine round trip (routing included, and
   the row paths alone) per path, ``tokens`` per rank."""
   ep_size = mesh.shape["ep"]
-  capacity = expert_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
-  send_capacity = send_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
-  rng = np.random.default_rng(tokens)
-  x = _random_rows(mesh, ep_size * tokens, hidden, tokens)
-  idx, weights = (_shard(mesh, a) for a in _host_routing(rng, ep_size * tokens, top_k,
-                                                         num_experts))
+  capacity, send_capacity, x, idx, weights = _inputs(mesh, tokens, hidden, num_experts, top_k,
+                                                     capacity_factor, tokens)
   reason = _peer_reason(mesh, backend)
   result = {"tokens_per_rank": tokens, "num_experts": num_experts, "expert_capacity": capacity,
             "send_capacity": send_capacity, "peer_unsupported_reason": reason}

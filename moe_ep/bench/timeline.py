@@ -25,7 +25,7 @@ import numpy as np
 
 from moe_ep import transport
 from moe_ep.bench import ep
-from moe_ep.transport import combine, dispatch, expert_capacity_for, send_capacity_for
+from moe_ep.transport import combine, dispatch
 
 
 def _is_cpu_op(name: str) -> bool:
@@ -101,18 +101,13 @@ def trace_calls(fn, args, *, calls: int = 3) -> list[dict]:
 
 def _case(mesh, tokens, hidden, num_experts, top_k, capacity_factor, backend, exchange) -> dict:
   """P2's inputs at one shape, and the keyword arguments of its dispatch."""
-  ep_size = mesh.shape["ep"]
-  capacity = expert_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
-  send_capacity = send_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
-  rng = np.random.default_rng(tokens + num_experts)
-  x = ep._random_rows(mesh, ep_size * tokens, hidden, tokens + num_experts)
-  idx, weights = (ep._shard(mesh, a) for a in ep._host_routing(rng, ep_size * tokens, top_k,
-                                                               num_experts))
+  capacity, send_capacity, *args = ep._inputs(mesh, tokens, hidden, num_experts, top_k,
+                                               capacity_factor, tokens + num_experts)
   paths = dict(backend=backend, exchange=exchange, mesh=mesh)
   shape = dict(num_experts=num_experts, expert_capacity=capacity, axis_name="ep",
                send_capacity=send_capacity)
-  return dict(args=(x, idx, weights), paths=paths, shape=shape,
-              spec=transport._Spec(ep_size=ep_size, **shape, **paths))
+  return dict(args=tuple(args), paths=paths, shape=shape,
+              spec=transport._Spec(ep_size=mesh.shape["ep"], **shape, **paths))
 
 
 def run(tokens=8192, num_experts=64, decode_tokens=128, decode_experts=256, hidden=7168,
