@@ -189,6 +189,19 @@ __device__ __forceinline__ void chunk_read(u64 own, const u64* peers, int rank, 
   }
 }
 
+// Called by every block of a launch at its end: true in thread 0 of the last
+// block to get there (every block has then counted itself), once per launch,
+// with the counter rearmed for the next launch.
+__device__ __forceinline__ bool last_block_of_launch(u64 own, int ep_size) {
+  __syncthreads();  // every load and store of this block has been issued and returned
+  if (threadIdx.x != 0) return false;
+  u32* blocks_done = counters_of(own, ep_size) + 2 * ep_size + 1;
+  __threadfence();
+  if (atomicAdd(blocks_done, 1u) != gridDim.x - 1) return false;
+  *blocks_done = 0u;
+  return true;
+}
+
 // dst[i] = src[i] for i in [begin, end): loads UNROLL vectors per thread,
 // then stores them. `from_peer_buffer` reads through L2 only (the data was
 // stored by another GPU; L1 may hold a previous step's lines).
@@ -334,15 +347,7 @@ __device__ __forceinline__ void peer_exchange(const Vec* __restrict__ x, Vec* __
     peer_recv<Vec>(out, peers, rank, ep_size, chunk_vecs, slot_bytes, data_offset,
                    blocks_per_peer, failed, record, timeout_ns, site, blockIdx.x - send_grid,
                    false);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    u32* blocks_done = counters_of(own, ep_size) + 2 * ep_size + 1;
-    __threadfence();
-    if (atomicAdd(blocks_done, 1u) == gridDim.x - 1) {
-      *blocks_done = 0u;  // rearm for the next launch
-      *(volatile u64*)step_of(own, ep_size) = step;
-    }
-  }
+  if (last_block_of_launch(own, ep_size)) *(volatile u64*)step_of(own, ep_size) = step;
 }
 
 #define DEFINE_PEER_KERNELS(SUFFIX, VEC)                                                        \
@@ -686,20 +691,12 @@ __device__ __forceinline__ void warp_wait_chunk(const Exchange& ex, int src, int
 // The end of every block: once all blocks of the grid are done, acknowledges
 // step s to every other rank (its rows here are read) and advances the step.
 __device__ __forceinline__ void finish_exchange(const Exchange& ex) {
-  __syncthreads();  // every load and store of this block has been issued and returned
-  if (threadIdx.x == 0) {
-    u32* blocks_done = counters_of(ex.own, ex.ep_size) + 2 * ex.ep_size + 1;
-    __threadfence();
-    if (atomicAdd(blocks_done, 1u) == gridDim.x - 1) {
-      *blocks_done = 0u;  // rearm for the next launch
-      __threadfence_system();
-      for (int src = 0; src < ex.ep_size; ++src)
-        if (src != ex.rank)
-          atomicExch(acks_of(ex.peers[src], ex.ep_size) + ex.parity * ex.ep_size + ex.rank,
-                     ex.step);
-      *(volatile u64*)step_of(ex.own, ex.ep_size) = ex.step;
-    }
-  }
+  if (!last_block_of_launch(ex.own, ex.ep_size)) return;
+  __threadfence_system();
+  for (int src = 0; src < ex.ep_size; ++src)
+    if (src != ex.rank)
+      atomicExch(acks_of(ex.peers[src], ex.ep_size) + ex.parity * ex.ep_size + ex.rank, ex.step);
+  *(volatile u64*)step_of(ex.own, ex.ep_size) = ex.step;
 }
 
 // Receiver warps: index and count among the receiver blocks.
