@@ -1166,6 +1166,9 @@ def dispatch_rows(rows: jax.Array, send_token: jax.Array, send_slot: jax.Array,
               slab_row=slab_row)
   if rows.ndim != 2:
     raise ValueError(f"rows shape {rows.shape} must be [T, H]")
+  if send_slot.shape[0] != rows.shape[0]:  # the kernel reads send_slot[t] for every t < T
+    raise ValueError(f"send_slot shape {send_slot.shape} must be [T, R] with T={rows.shape[0]} "
+                     f"(rows' tokens)")
   if wire_dtype is not None and (problem := fused_rows_problem(
       rows.dtype, rows.shape[1], mesh.shape[axis_name], recv_pos.shape[2], sums=False,
       wire_dtype=wire_dtype)):

@@ -233,6 +233,8 @@ def test_fused_row_paths_reject_maps_that_do_not_fit_at_trace_time():
     run(rows, send_token, pos.astype(jnp.int16), slab_row)
   with pytest.raises(ValueError, match=r"send_slot shape \(6, 2\) must be \[T, R\] with R=4"):
     run(rows, send_token, pos, slab_row, wire[:, :2])
+  with pytest.raises(ValueError, match=r"send_slot shape \(5, 4\) must be \[T, R\] with T=6"):
+    run(rows, send_token, pos, slab_row, wire[:8 * 5])
   with pytest.raises(ValueError, match=r"rows shape \(6, 2, 8\) must be \[T, H\]"):
     run(rows.reshape(48, 2, 8), send_token, pos, slab_row)
   with pytest.raises(ValueError, match=r"wire_rows shape \(6, 3\) must be \[T, R\] with R=4"):
