@@ -5,9 +5,10 @@
 // scales, scale floor, NaN/inf blocks) are documented in
 // moe_ep/transport/fp8.py, whose pure-JAX functions give the same bytes.
 //
-// Wire row of H channels, W bytes (W and Hc multiples of 16, B = ceil(H/128)):
+// Wire row of H channels, W bytes (B = ceil(H/128)):
 //   [0, H) codes | [H, Hc) zero | [Hc, Hc + 4B) float32 scales | [.., W) zero
-// with Hc = round_up(H, 16), W = round_up(Hc + 4B, 16).
+// with Hc = round_up(H, 16), W = round_up(Hc + 4B, 128): whole 128-byte lines,
+// so every row of a slab starts a line.
 //
 // The e4m3 conversions use the sm_89+ PTX cvt instructions (the ones
 // <cuda_fp8.h>'s __nv_cvt_float2_to_fp8x2 emits there). Compiled for an older
@@ -68,6 +69,11 @@ __device__ __forceinline__ void e4m3x2_to_f32x2(u32 codes, float* lo, float* hi)
 }
 
 __device__ __forceinline__ int fp8_code_bytes(int hidden) { return (hidden + 15) & ~15; }
+
+// W of the layout above.
+__device__ __forceinline__ int fp8_wire_bytes(int hidden) {
+  return (fp8_code_bytes(hidden) + 4 * ((hidden + FP8_BLOCK - 1) / FP8_BLOCK) + 127) & ~127;
+}
 
 // A lane's part of a block's amax (max |v[i]|), and whether all its values
 // are finite; a non-finite block's amax is unused.

@@ -791,9 +791,11 @@ struct QuantizeRows {
   __device__ __forceinline__ int units() const {
     return (hidden + FP8_STEP_CHANNELS - 1) / FP8_STEP_CHANNELS;
   }
-  // A wire row: hidden / 16 code vectors, then one vector of 4 scales per step.
+  // A wire row: hidden / 16 code vectors, one vector of 4 scales per step,
+  // then fewer than 8 zero vectors up to fp8.cuh's W.
+  __device__ __forceinline__ int wire_vecs() const { return fp8_wire_bytes(hidden) / 16; }
   __device__ __forceinline__ bool fits(int wire_row_vecs) const {
-    return hidden >= 16 && hidden % 16 == 0 && wire_row_vecs == code_vecs() + units();
+    return hidden >= 16 && hidden % 16 == 0 && wire_row_vecs == wire_vecs();
   }
 
   // Steps [u.begin, u.end) of token t, kBatch loaded before any is
@@ -823,18 +825,23 @@ struct QuantizeRows {
   }
 
   // Stores one step's codes (lanes whose channels are in the row) and scales
-  // (lane 0) into the wire row `out`.
+  // (lane 0) into the wire row `out`; the last step also its zero vectors
+  // (lanes 1 .. 7).
   __device__ __forceinline__ void store(uint4* __restrict__ out, int step, uint4 codes,
                                         uint4 scales) const {
-    const int v = step * 32 + lane_index();
+    const int lane = lane_index();
+    const int v = step * 32 + lane;
     if (v < code_vecs()) out[v] = codes;
-    if (lane_index() == 0) out[code_vecs() + step] = scales;
+    if (lane == 0) out[code_vecs() + step] = scales;
+    const int padding = code_vecs() + units() + lane - 1;
+    if (step == units() - 1 && lane >= 1 && padding < wire_vecs())
+      out[padding] = make_uint4(0u, 0u, 0u, 0u);
   }
 
   // As CopyRows::place, each step quantized once for all its stores.
   __device__ __forceinline__ void place(int token, const RowUnit& u, uint4* __restrict__ out,
                                         uint4* __restrict__ slabs, int member, u32 members) const {
-    const int row_vecs = code_vecs() + units();
+    const int row_vecs = wire_vecs();
     quantize(token, u, [&](int step, uint4 codes, uint4 scales) {
       if (out != nullptr) store(out, step, codes, scales);
       for (u32 m = members; m != 0u; m &= m - 1u) {

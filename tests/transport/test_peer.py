@@ -177,10 +177,10 @@ def test_row_grid_takes_every_sm_splits_senders_and_chunks_and_follows_configure
     grid = peer.row_grid("combine", ep_size, slots, slots, 4, 132)
     assert 1 <= grid.num_chunks <= peer.MAX_CHUNKS
     assert (grid.num_chunks - 1) * grid.chunk_rows < slots <= grid.num_chunks * grid.chunk_rows
-  # FP8 dispatch, H = 7168: wire rows of 462 vectors; senders count quantize
+  # FP8 dispatch, H = 7168: wire rows of 464 vectors; senders count quantize
   # steps of 512 channels (14 a row): 18-row chunks in half rows as above,
   # decode's 2-row chunks in one-step segments
-  fp8_rows = 7392 // 16
+  fp8_rows = 7424 // 16
   grid = peer.row_grid("dispatch", 2, 8192, 8192, fp8_rows, 132, send_units=14)
   assert (grid.chunk_rows, grid.send_segment, grid.recv_segment) == (18, 7, fp8_rows)
   grid = peer.row_grid("dispatch", 2, 128, 128, fp8_rows, 132, send_units=14)
