@@ -1046,80 +1046,120 @@ def _check_maps(mesh, axis_name: str, recv_pos, *, wire_rows=None, send_token=No
   return ep_size, recv_pos.shape[1], recv_pos.shape[2]
 
 
-def _fused_launches(kind: str, function_name: str, site_what: str, dtype, hidden: int, mesh,
-                    axis_name: str, ep_size: int, num_tokens: int, send_capacity: int,
-                    sizes: tuple, buffers: tuple, send_units: int | None = None) -> dict:
-  """Every local device's one launch of a fused row kernel moving rows of
-  ``hidden`` elements of ``dtype`` on the channel of ``[S, H]`` chunks:
-  ``(peers, rank, ep_size, num_tokens, *sizes, chunking..., slots, tail)``
-  after the buffer pointers (``send_units``: as :func:`row_grid`)."""
-  row_bytes = hidden * np.dtype(dtype).itemsize
-  row_vecs = row_bytes // 16
-  layout = ChannelLayout(ep_size, send_capacity * row_bytes)
+@dataclasses.dataclass(frozen=True)
+class RowKernel:
+  """One fused row kernel at one shape: which kernel, the rows its channel's
+  slots hold and its size arguments. ``kind``: :func:`row_grid`'s; ``function``:
+  the kernel's key in the compiled module; ``site``: what a timeout names;
+  ``sizes``: the int32 arguments after ``num_tokens`` and before the chunking;
+  ``send_units``: as :func:`row_grid`'s."""
+
+  kind: str
+  function: str
+  site: str
+  slot_dtype: str
+  slot_hidden: int
+  num_tokens: int
+  send_capacity: int
+  sizes: tuple[int, ...]
+  send_units: int | None = None
+
+  @property
+  def row_vecs(self) -> int:
+    """16-byte vectors of one slot row."""
+    return self.slot_hidden * np.dtype(self.slot_dtype).itemsize // 16
+
+  def layout(self, ep_size: int) -> ChannelLayout:
+    return ChannelLayout(ep_size, self.send_capacity * self.row_vecs * 16)
+
+  def grid(self, ep_size: int, multiprocessors: int) -> RowGrid:
+    return row_grid(self.kind, ep_size, self.num_tokens, self.send_capacity, self.row_vecs,
+                    multiprocessors, self.send_units)
+
+  def args(self, grid: RowGrid, layout: ChannelLayout, peers: int, rank: int,
+           tail: tuple) -> tuple:
+    """The kernel's arguments after its buffers' pointers: ``peers`` (the
+    device address of the ranks' channel bases), ``rank``, the sizes, the
+    chunking and the slots, then ``tail`` (:func:`_device_tail`)."""
+    return (np.uint64(peers), np.int32(rank), np.int32(layout.ep_size), np.int32(self.num_tokens),
+            *(np.int32(v) for v in self.sizes), np.int32(grid.chunk_rows),
+            np.int32(grid.num_chunks), np.int32(grid.send_blocks), np.int32(grid.send_segment),
+            np.int32(grid.recv_segment), np.int64(layout.slot_bytes),
+            np.int64(layout.data_offset), *tail)
+
+
+def dispatch_kernel(dtype, num_tokens: int, hidden: int, send_capacity: int, top_k: int,
+                    num_slab_rows: int, wire_dtype: str | None = None) -> RowKernel:
+  """:func:`dispatch_rows`' kernel for ``[T, H]`` rows of ``dtype`` (FP8:
+  quantizing them into wire rows of ``W`` bytes)."""
+  if wire_dtype is None:
+    row_vecs = hidden * np.dtype(dtype).itemsize // 16
+    return RowKernel("dispatch", "dispatch", "dispatch_rows", np.dtype(dtype).name, hidden,
+                     num_tokens, send_capacity, (send_capacity, top_k, num_slab_rows, row_vecs))
+  from moe_ep.transport import fp8  # imports this module's package
+  width = fp8.wire_bytes(hidden)
+  return RowKernel("dispatch", f"dispatch_fp8_{_SUM_SUFFIX[np.dtype(dtype).name]}",
+                   "dispatch_rows_fp8", "uint8", width, num_tokens, send_capacity,
+                   (send_capacity, top_k, num_slab_rows, width // 16, hidden),
+                   fp8_send_units(hidden))
+
+
+def combine_kernel(dtype, num_tokens: int, hidden: int, send_capacity: int, top_k: int,
+                   num_slab_rows: int) -> RowKernel:
+  """:func:`combine_rows`' kernel for slab rows of ``hidden`` elements of ``dtype``."""
+  return RowKernel("combine", f"combine_{_SUM_SUFFIX[np.dtype(dtype).name]}", "combine_rows",
+                   np.dtype(dtype).name, hidden, num_tokens, send_capacity,
+                   (send_capacity, top_k, num_slab_rows, hidden))
+
+
+def _fused_launches(kernel: RowKernel, mesh, axis_name: str, ep_size: int,
+                    buffers: tuple) -> dict:
+  """Every local device's one launch of ``kernel`` on its channel, the
+  callback's ``buffers`` (indices into its inputs then outputs) first."""
+  layout = kernel.layout(ep_size)
   channel = _gpu_channel(mesh, axis_name, layout)
-  site = _site(site_what, (ep_size, send_capacity, hidden), dtype,
-               channel.key if channel is not None else "")
+  site = _site(kernel.site, (ep_size, kernel.send_capacity, kernel.slot_hidden),
+               kernel.slot_dtype, channel.key if channel is not None else "")
   timeout_ns = int(timeout_s() * 1e9)
   launches = {}
   for ordinal, state in (channel.on_device.items() if channel is not None else ()):
-    grid = row_grid(kind, ep_size, num_tokens, send_capacity, row_vecs,
-                    _multiprocessors(ordinal), send_units)
+    grid = kernel.grid(ep_size, _multiprocessors(ordinal))
     launches[ordinal] = [_Kernel(
-        _kernels(ordinal)[function_name], grid.blocks, buffers,
-        (np.uint64(state.peers.data.ptr), np.int32(state.rank), np.int32(ep_size),
-         np.int32(num_tokens), *(np.int32(v) for v in sizes), np.int32(grid.chunk_rows),
-         np.int32(grid.num_chunks), np.int32(grid.send_blocks), np.int32(grid.send_segment),
-         np.int32(grid.recv_segment), np.int64(layout.slot_bytes), np.int64(layout.data_offset),
-         *_device_tail(ordinal, site, timeout_ns)))]
+        _kernels(ordinal)[kernel.function], grid.blocks, buffers,
+        kernel.args(grid, layout, state.peers.data.ptr, state.rank,
+                    _device_tail(ordinal, site, timeout_ns)))]
   return launches
 
 
-def _fused_dispatch(rows, send_token, send_slot, recv_pos, slab_row, *, axis_name: str, mesh):
+def _fused_dispatch(rows, send_token, send_slot, recv_pos, slab_row, *, axis_name: str, mesh,
+                    wire_dtype: str | None = None):
   num_tokens, hidden = rows.shape
   ep_size, send_capacity, top_k = recv_pos.shape
   num_slab_rows = slab_row.shape[0]
-  launches = _fused_launches(
-      "dispatch", "dispatch", "dispatch_rows", rows.dtype, hidden, mesh, axis_name, ep_size,
-      num_tokens, send_capacity,
-      (send_capacity, top_k, num_slab_rows, hidden * rows.dtype.itemsize // 16),
-      (0, 1, 2, 3, 4, 5))  # buffers: rows, send_token, send_slot, recv_pos, slab_row; slabs
-  return _fused_call("dispatch rows", launches,
+  if wire_dtype is not None:
+    from moe_ep.transport import fp8  # imports this module's package
+    for device in np.asarray(mesh.devices).flat:  # this process's GPUs: e4m3 needs sm_89+
+      if device.platform == "gpu" and device.process_index == jax.process_index():
+        fp8.check_compute_capability(_ordinal(device))
+  kernel = dispatch_kernel(rows.dtype, num_tokens, hidden, send_capacity, top_k, num_slab_rows,
+                           wire_dtype)
+  launches = _fused_launches(  # buffers: rows, send_token, send_slot, recv_pos, slab_row; slabs
+      kernel, mesh, axis_name, ep_size, (0, 1, 2, 3, 4, 5))
+  return _fused_call("dispatch rows" + (" fp8" if wire_dtype else ""), launches,
                      (rows, send_token, send_slot, recv_pos, slab_row),
-                     jax.ShapeDtypeStruct((num_slab_rows, hidden), rows.dtype), axis_name)
-
-
-def _fused_dispatch_fp8(rows, send_token, send_slot, recv_pos, slab_row, *, axis_name: str,
-                        mesh):
-  from moe_ep.transport import fp8  # imports this module's package
-  num_tokens, hidden = rows.shape
-  ep_size, send_capacity, top_k = recv_pos.shape
-  num_slab_rows = slab_row.shape[0]
-  width = fp8.wire_bytes(hidden)
-  for device in np.asarray(mesh.devices).flat:  # this process's GPUs: e4m3 needs sm_89+
-    if device.platform == "gpu" and device.process_index == jax.process_index():
-      fp8.check_compute_capability(_ordinal(device))
-  launches = _fused_launches(
-      "dispatch", f"dispatch_fp8_{_SUM_SUFFIX[np.dtype(rows.dtype).name]}", "dispatch_rows_fp8",
-      np.uint8, width, mesh, axis_name, ep_size, num_tokens, send_capacity,
-      (send_capacity, top_k, num_slab_rows, width // 16, hidden),
-      (0, 1, 2, 3, 4, 5),  # buffers: rows, send_token, send_slot, recv_pos, slab_row; slabs
-      send_units=fp8_send_units(hidden))
-  return _fused_call("dispatch rows fp8", launches,
-                     (rows, send_token, send_slot, recv_pos, slab_row),
-                     jax.ShapeDtypeStruct((num_slab_rows, width), np.uint8), axis_name)
+                     jax.ShapeDtypeStruct((num_slab_rows, kernel.slot_hidden),
+                                          kernel.slot_dtype), axis_name)
 
 
 def _fused_combine(slabs, recv_pos, wire_rows, *, axis_name: str, mesh):
   num_slab_rows, hidden = slabs.shape
   ep_size, send_capacity, top_k = recv_pos.shape
-  num_tokens = wire_rows.shape[0]
-  launches = _fused_launches(
-      "combine", f"combine_{_SUM_SUFFIX[np.dtype(slabs.dtype).name]}", "combine_rows",
-      slabs.dtype, hidden, mesh, axis_name, ep_size, num_tokens, send_capacity,
-      (send_capacity, top_k, num_slab_rows, hidden),
-      (0, 1, 2, 3))  # buffers: slabs 0, recv_pos 1, wire_rows 2, y 3
+  kernel = combine_kernel(slabs.dtype, wire_rows.shape[0], hidden, send_capacity, top_k,
+                          num_slab_rows)
+  launches = _fused_launches(  # buffers: slabs 0, recv_pos 1, wire_rows 2, y 3
+      kernel, mesh, axis_name, ep_size, (0, 1, 2, 3))
   return _fused_call("combine rows", launches, (slabs, recv_pos, wire_rows),
-                     jax.ShapeDtypeStruct((num_tokens, hidden), slabs.dtype), axis_name)
+                     jax.ShapeDtypeStruct((wire_rows.shape[0], hidden), slabs.dtype), axis_name)
 
 
 def dispatch_rows(rows: jax.Array, send_token: jax.Array, send_slot: jax.Array,
@@ -1173,11 +1213,11 @@ def dispatch_rows(rows: jax.Array, send_token: jax.Array, send_slot: jax.Array,
       rows.dtype, rows.shape[1], mesh.shape[axis_name], recv_pos.shape[2], sums=False,
       wire_dtype=wire_dtype)):
     raise ValueError(f"wire_dtype={wire_dtype!r}: {problem}")
-  fused = _fused_dispatch if wire_dtype is None else _fused_dispatch_fp8
   with jax.named_scope("exchange_rows"):
     return jax.lax.platform_dependent(
         rows, send_token, send_slot, recv_pos, slab_row,
-        cuda=functools.partial(fused, axis_name=axis_name, mesh=mesh),
+        cuda=functools.partial(_fused_dispatch, axis_name=axis_name, mesh=mesh,
+                               wire_dtype=wire_dtype),
         default=lambda rows, *maps: all_to_all_path(rows))
 
 
