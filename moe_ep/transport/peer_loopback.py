@@ -1,0 +1,111 @@
+"""Every rank of an EP group running its fused peer row kernel on ONE GPU,
+in turn: each rank's channel is a buffer in that GPU's memory, so the
+kernels' indexing, chunking, flags and own-row placement run as at EP=R
+without R GPUs. For tests (one rank's output against the pure-JAX path, at
+any R), compute-sanitizer (one process, one GPU) and timing a kernel's local
+memory traffic; it is not a transport and moves nothing between GPUs.
+
+How rank ``r``'s output comes about: fresh channels at step 0, every rank
+but ``r`` with its own flags raised beforehand (its receivers find every
+chunk "arrived" at once and read whatever its slots hold; their outputs are
+thrown away); those ranks run first, each storing its rows into ``r``'s
+slots and raising ``r``'s flags of step 1; then ``r`` runs and finds every
+chunk it waits for, as on R GPUs. Its wait is bounded like any peer wait: a
+kernel that waited in vain raises :class:`RuntimeError` naming the peer.
+
+Needs CuPy and a CUDA GPU (the FP8 kernel: compute capability 8.9+).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from moe_ep.transport import peer
+
+_RAISED = 0x3F  # every byte of a raised flag: a step no exchange reaches
+
+
+@dataclasses.dataclass
+class Launch:
+  """A rank's kernel ready to run again on its inputs, every flag raised
+  (nothing waits) and the other ranks' rows of the full exchange in its
+  slots: each run gives the same output. For timing. ``out``: its output
+  buffer; ``held``: the device buffers the launch reads."""
+
+  run: object
+  out: object
+  grid: peer.RowGrid
+  held: tuple
+
+
+def _ranks_first(rank: int, ep_size: int) -> list[int]:
+  return [q for q in range(ep_size) if q != rank] + [rank]
+
+
+def _checked(failed, record, what: str) -> None:
+  if int(failed[0]) != 0:
+    kind, peer_rank, _, rank = (int(v) for v in record.view(np.uint32)[:4])
+    raise RuntimeError(f"loopback {what}: rank {rank} waited in vain for rank {peer_rank} "
+                       f"(wait kind {kind}: {peer._WAIT_KINDS.get(kind, '?')})")
+
+
+def run_rank(kernel: peer.RowKernel, inputs: list[tuple], out_shape: tuple, out_dtype, *,
+             rank: int, absent: tuple = (), ordinal: int = 0, timeout_s: float = 10.0,
+             keep: bool = False):
+  """Rank ``rank``'s output of ``kernel`` (:func:`peer.dispatch_kernel`,
+  :func:`peer.combine_kernel`), every rank's kernel run on GPU ``ordinal``.
+
+  Args:
+    kernel: the fused row kernel at its shape.
+    inputs: per rank ``q`` its kernel's input buffers in the kernel's order
+      (host or device arrays; e.g. dispatch: rows, send_token, send_slot,
+      recv_pos, slab_row).
+    out_shape, out_dtype: each rank's output buffer.
+    rank: the rank whose output is returned.
+    absent: ranks whose kernel never runs (a peer that never arrives).
+    timeout_s: the bound of every wait.
+    keep: also return a :class:`Launch` of ``rank``'s kernel on the same
+      inputs with every flag raised.
+
+  Returns:
+    ``rank``'s output as a NumPy array (and the :class:`Launch` with ``keep``).
+  """
+  import cupy
+  ep_size = len(inputs)
+  layout = kernel.layout(ep_size)
+  with cupy.cuda.Device(ordinal):
+    function = peer._kernels(ordinal)[kernel.function]
+    grid = kernel.grid(ep_size, peer._multiprocessors(ordinal))
+    channels = [cupy.zeros(layout.total_bytes, cupy.uint8) for _ in range(ep_size)]
+    for q in range(ep_size):
+      if q != rank:
+        channels[q][:layout.step_offset] = _RAISED  # its flags and acks
+    peers = cupy.asarray(np.array([c.data.ptr for c in channels], np.uint64))
+    failed = cupy.zeros(1, cupy.uint32)
+    record = cupy.zeros(4, cupy.uint64)  # one PeerFailure (32 bytes)
+    tail = (np.uint64(failed.data.ptr), np.uint64(record.data.ptr),
+            np.uint64(int(timeout_s * 1e9)), np.int32(0))
+    out = None
+    for q in _ranks_first(rank, ep_size):
+      if q in absent:
+        continue
+      buffers = [cupy.asarray(a) for a in inputs[q]]
+      out = cupy.zeros(out_shape, out_dtype)
+      args = (*buffers, out, *kernel.args(grid, layout, peers.data.ptr, q, tail))
+      function((grid.blocks,), (peer._ROW_THREADS,), args)
+    cupy.cuda.Device(ordinal).synchronize()
+    _checked(failed.get(), record.get(), kernel.function)
+    result = out.get()
+    if not keep:
+      return result
+    # Every later launch finds its flags raised, and the rows of step 1 in
+    # the slots of either parity: it repeats the full exchange's work.
+    channel = channels[rank]
+    channel[:layout.step_offset] = _RAISED
+    parity_bytes = (ep_size - 1) * layout.slot_bytes
+    first = layout.data_offset
+    channel[first:first + parity_bytes] = channel[first + parity_bytes:first + 2 * parity_bytes]
+    return result, Launch(run=lambda: function((grid.blocks,), (peer._ROW_THREADS,), args),
+                          out=out, grid=grid, held=(channels, peers, failed, record, buffers))

@@ -1,0 +1,113 @@
+"""The fused peer row kernels at EP = 2, 4 and 8 on ONE GPU
+(moe_ep/transport/peer_loopback.py): every rank's output of the dispatch
+(bf16 rows, and FP8 quantizing float32 and bf16 rows) and of the combine,
+bit for bit against the pure-JAX path run on R CPU devices. The maps carry
+invalid ids, wire drops (send capacity) and slab drops (expert capacity);
+at EP > 2 tokens go to several remote ranks, so the block that sends a
+token's first remote row places its own row."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moe_ep import transport
+from moe_ep.transport import combine, dispatch, peer, peer_loopback
+
+pytestmark = pytest.mark.gpu
+
+TOKENS, HIDDEN, EXPERTS, TOP_K = 96, 1040, 16, 4  # FP8 wire rows of 1152 bytes: 4 zero vectors
+FP8 = "float8_e4m3fn"
+
+
+def _reference(ep_size: int, dtype, seed: int) -> list[dict]:
+  """Per rank: its rows, handle, the pure-JAX dispatch's slabs (bf16 rows
+  and FP8 wire rows), expert outputs and their combine, on R CPU devices."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:ep_size]), ("ep",))
+  rng = np.random.default_rng(seed)
+  rows = ep_size * TOKENS
+  idx = np.argsort(rng.random((rows, EXPERTS)), axis=1)[:, :TOP_K].astype(np.int32)
+  idx[rng.random(idx.shape) < 0.05] = -1  # invalid ids: not routed
+  weights = rng.random((rows, TOP_K)).astype(np.float32)
+  x = rng.standard_normal((rows, HIDDEN)).astype(dtype)
+  # 0.9 of the mean routes per expert and of the mean tokens per rank: both kinds of drop
+  local = EXPERTS // ep_size
+  capacity = int(0.9 * ep_size * TOKENS * TOP_K / EXPERTS)
+  send_capacity = int(0.9 * TOKENS * (1 - math.comb(EXPERTS - local, TOP_K)
+                                      / math.comb(EXPERTS, TOP_K)))
+  outputs = rng.standard_normal((EXPERTS * capacity, HIDDEN)).astype(dtype)
+  spec = transport._Spec(num_experts=EXPERTS, ep_size=ep_size, expert_capacity=capacity,
+                         send_capacity=send_capacity, axis_name="ep", backend="xla",
+                         exchange="all_to_all", mesh=mesh, wire_dtype=FP8)
+
+  def program(x, idx, weights, outputs):
+    d = dispatch(x, idx, weights, num_experts=EXPERTS, expert_capacity=capacity,
+                 axis_name="ep", send_capacity=send_capacity, backend="xla", mesh=mesh)
+    fp8_slabs = transport._rows_to_fp8_slabs(spec, x, d.handle)
+    expert_out = outputs.reshape(d.tokens.shape)
+    y = combine(expert_out, d.handle, num_tokens=TOKENS, axis_name="ep", backend="xla",
+                mesh=mesh)
+    return d.tokens, fp8_slabs, d.handle, transport._wire_rows(d.handle), expert_out, y
+
+  shard = lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))  # noqa: E731
+  got = jax.jit(jax.shard_map(program, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+      *(shard(a) for a in (x, idx, weights, outputs)))
+  slabs, fp8_slabs, handle, wire_rows, expert_out, y = got
+  part = lambda a, r: np.asarray(a.addressable_shards[r].data)  # noqa: E731
+  return [dict(rows=part(shard(x), r), send_token=part(handle.send_token, r).reshape(-1),
+               send_slot=part(handle.send_slot, r), recv_pos=part(handle.recv_pos, r),
+               slab_row=part(handle.slab_row, r).reshape(-1), wire_rows=part(wire_rows, r),
+               slabs=part(slabs, r), fp8_slabs=part(fp8_slabs, r),
+               expert_out=part(expert_out, r), y=part(y, r)) for r in range(ep_size)]
+
+
+def _dispatch_inputs(rank: dict) -> tuple:
+  return (rank["rows"], rank["send_token"], rank["send_slot"], rank["recv_pos"].reshape(-1),
+          rank["slab_row"])
+
+
+@pytest.mark.parametrize("ep_size", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float32])
+def test_every_rank_matches_pure_jax(ep_size, dtype):
+  ranks = _reference(ep_size, dtype, seed=ep_size)
+  send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
+  slab_rows = ranks[0]["slab_row"].shape[0]
+  assert (ranks[0]["send_slot"] < 0).any() and (ranks[0]["slab_row"] < 0).any()
+  if ep_size > 2:  # some token goes to two or more other ranks
+    remote = (ranks[0]["send_slot"] >= 0).sum(1) - (ranks[0]["send_slot"][:, 0] >= 0)
+    assert (remote >= 2).any()
+  kernels = {
+      "slabs": peer.dispatch_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows),
+      "fp8_slabs": peer.dispatch_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k,
+                                        slab_rows, wire_dtype=FP8),
+  }
+  for rank in range(ep_size):
+    for name, kernel in kernels.items():
+      want = ranks[rank][name].reshape(slab_rows, -1)
+      got = peer_loopback.run_rank(kernel, [_dispatch_inputs(r) for r in ranks],
+                                   want.shape, want.dtype, rank=rank)
+      np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8),
+                                    err_msg=f"{name}, rank {rank} of {ep_size}")
+    kernel = peer.combine_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows)
+    inputs = [(r["expert_out"].reshape(slab_rows, HIDDEN), r["recv_pos"].reshape(-1, top_k),
+               r["wire_rows"]) for r in ranks]
+    want = ranks[rank]["y"]
+    got = peer_loopback.run_rank(kernel, inputs, want.shape, want.dtype, rank=rank)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8),
+                                  err_msg=f"combine, rank {rank} of {ep_size}")
+
+
+def test_a_rank_that_never_sends_is_named():
+  """Rank 1's kernel never runs, so rank 0 waits for chunks that never
+  come: the bounded wait ends in an error naming rank 1, not a hang."""
+  ranks = _reference(2, jnp.bfloat16, seed=0)
+  send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
+  slab_rows = ranks[0]["slab_row"].shape[0]
+  kernel = peer.dispatch_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k, slab_rows)
+  with pytest.raises(RuntimeError, match="rank 0 waited in vain for rank 1"):
+    peer_loopback.run_rank(kernel, [_dispatch_inputs(r) for r in ranks], (slab_rows, HIDDEN),
+                           ranks[0]["slabs"].dtype, rank=0, absent=(1,), timeout_s=0.5)
