@@ -1,4 +1,5 @@
-"""``python -m moe_ep.bench [transport|experts|layer|overhead|ep|remat|timeline|all] [--smoke]``."""
+"""``python -m moe_ep.bench [transport|experts|layer|overhead|ep|remat|timeline|loopback|all]
+[--smoke]``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ BENCHMARKS = {
     "ep": "P2: dispatch/combine bandwidth across this process's GPUs",
     "remat": "remat variants: compiled dispatch exchanges, memory_analysis() and time",
     "timeline": "where one dispatch's and decode round trip's device time goes, kernel by kernel",
+    "loopback": "P2's peer row kernels at EP=2/4/8 on one GPU: their own memory work, no link",
 }
 # Tiny shapes that run anywhere (CPU included) to check the programs themselves.
 SMOKE = {
