@@ -94,12 +94,11 @@ __device__ __forceinline__ void quantize_pack(const typename T::Elem* __restrict
     const int c = b * FP8_BLOCK + 4 * lane;
     float v[4];
     load_quad<T>(row, c, hidden, v);
-    bool finite;
-    float amax = fp8_lane_amax(v, &finite);
+    float amax = fp8_lane_amax(v);
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1)
-      amax = fmaxf(amax, __shfl_xor_sync(MOE_EP_FULL_MASK, amax, offset));
-    finite = __all_sync(MOE_EP_FULL_MASK, finite);
+      amax = fp8_max_nan(amax, __shfl_xor_sync(MOE_EP_FULL_MASK, amax, offset));
+    const bool finite = fp8_is_finite(amax);
     float scale;
     u32 codes;
     if (finite) {

@@ -75,29 +75,35 @@ __device__ __forceinline__ int fp8_wire_bytes(int hidden) {
   return (fp8_code_bytes(hidden) + 4 * ((hidden + FP8_BLOCK - 1) / FP8_BLOCK) + 127) & ~127;
 }
 
-// A lane's part of a block's amax (max |v[i]|), and whether all its values
-// are finite; a non-finite block's amax is unused.
+// max(a, b), NaN if either is NaN (fmaxf would return the other): one
+// instruction carries both a block's amax and whether it is finite.
+__device__ __forceinline__ float fp8_max_nan(float a, float b) {
+#if FP8_HAS_E4M3
+  float m;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+  return m;
+#else
+  return fmaxf(a, b);  // not launched below sm_89 (see the top)
+#endif
+}
+
+// A lane's part of a block's amax: max |v[i]|, NaN if a value is NaN, inf
+// if one is inf; reduced over the block's lanes with fp8_max_nan, the block
+// is finite exactly when its amax is.
 template <int N>
-__device__ __forceinline__ float fp8_lane_amax(const float (&v)[N], bool* finite) {
-  bool all_finite = true;
+__device__ __forceinline__ float fp8_lane_amax(const float (&v)[N]) {
   float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    all_finite = all_finite && fp8_is_finite(v[i]);
-    amax = fmaxf(amax, fabsf(v[i]));
-  }
-  *finite = all_finite;
+  for (int i = 0; i < N; ++i) amax = fp8_max_nan(amax, fabsf(v[i]));
   return amax;
 }
 
 // Four values of a finite block -> their four codes (byte i for v[i]): times
-// the block's power-of-two inverse scale (exact), clipped to +-448 (which
-// never binds with this scale; a cast never makes NaN), rounded to e4m3.
+// the block's power-of-two inverse scale (exact), rounded to e4m3 saturating
+// at +-448 (which never binds with this scale).
 __device__ __forceinline__ u32 fp8_codes4(const float* v, float inverse) {
-  float y[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) y[i] = fminf(fmaxf(v[i] * inverse, -FP8_MAX), FP8_MAX);
-  return f32x2_to_e4m3x2(y[0], y[1]) | (f32x2_to_e4m3x2(y[2], y[3]) << 16);
+  return f32x2_to_e4m3x2(v[0] * inverse, v[1] * inverse) |
+         (f32x2_to_e4m3x2(v[2] * inverse, v[3] * inverse) << 16);
 }
 
 // --- one warp step of the quantize fused with the peer dispatch's senders ----
@@ -142,14 +148,11 @@ __device__ __forceinline__ void fp8_widen_sixteen(const uint4 (&raw)[sizeof(type
 // block holding a NaN or inf: scale NaN, codes 0x7f.
 __device__ __forceinline__ uint4 fp8_quantize_sixteen(const float (&v)[16], int hidden, int step,
                                                       uint4* scales) {
-  const int lane = (int)(threadIdx.x & 31u);
-  bool finite;
-  float amax = fp8_lane_amax(v, &finite);
+  float amax = fp8_lane_amax(v);
 #pragma unroll
   for (int offset = 4; offset > 0; offset >>= 1)  // over the block's 8 lanes
-    amax = fmaxf(amax, __shfl_xor_sync(MOE_EP_FULL_MASK, amax, offset));
-  const u32 poisoned = __ballot_sync(MOE_EP_FULL_MASK, !finite);
-  finite = ((poisoned >> (lane & 24)) & 0xffu) == 0u;
+    amax = fp8_max_nan(amax, __shfl_xor_sync(MOE_EP_FULL_MASK, amax, offset));
+  const bool finite = fp8_is_finite(amax);
   uint4 codes;
   u32 scale;
   if (finite) {
