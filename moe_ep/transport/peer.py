@@ -749,25 +749,26 @@ class _Launch:
   args: tuple  # the kernel's arguments after x and out
 
 
-def _launches(channel: _Channel, site: int, timeout_ns: int) -> dict[int, _Launch]:
-  layout = channel.layout
+def exchange_launch(layout: ChannelLayout, ordinal: int, peers: int, rank: int,
+                    tail: tuple) -> _Launch:
+  """Rank ``rank``'s launch of the drop-in exchange on GPU ``ordinal``
+  (``peers``: the device address of the ranks' channel bases; ``tail``:
+  :func:`_device_tail`): the send grid (a remote part per peer, as many
+  blocks for the local chunk), then the receive grid."""
   vector = layout.vector_bytes
-  launches = {}
-  for ordinal, state in channel.on_device.items():
-    kernels = _kernels(ordinal)
-    blocks = blocks_per_peer(layout, _multiprocessors(ordinal))
-    remote_blocks = (layout.ep_size - 1) * blocks
-    args = (np.uint64(state.peers.data.ptr), np.int32(state.rank), np.int32(layout.ep_size),
-            np.int64(layout.chunk_bytes // vector), np.int64(layout.slot_bytes),
-            np.int64(layout.data_offset), np.int32(blocks))
-    tail = (np.uint64(_failed_words[ordinal].ptr),
-            np.uint64(_records_device_ptr + ctypes.sizeof(_Failure) * ordinal),
-            np.uint64(timeout_ns), np.int32(site))
-    # the send grid (a remote part per peer, as many blocks for the local
-    # chunk), then the receive grid
-    launches[ordinal] = _Launch(kernels[f"exchange_v{vector}"], 2 * remote_blocks + blocks,
-                                args + (np.int32(blocks),) + tail)
-  return launches
+  blocks = blocks_per_peer(layout, _multiprocessors(ordinal))
+  remote_blocks = (layout.ep_size - 1) * blocks
+  args = (np.uint64(peers), np.int32(rank), np.int32(layout.ep_size),
+          np.int64(layout.chunk_bytes // vector), np.int64(layout.slot_bytes),
+          np.int64(layout.data_offset), np.int32(blocks), np.int32(blocks))
+  return _Launch(_kernels(ordinal)[f"exchange_v{vector}"], 2 * remote_blocks + blocks,
+                 args + tail)
+
+
+def _launches(channel: _Channel, site: int, timeout_ns: int) -> dict[int, _Launch]:
+  return {ordinal: exchange_launch(channel.layout, ordinal, state.peers.data.ptr, state.rank,
+                                   _device_tail(ordinal, site, timeout_ns))
+          for ordinal, state in channel.on_device.items()}
 
 
 def _launcher(channel: _Channel | None, site: int, timeout_ns: int):

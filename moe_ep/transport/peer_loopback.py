@@ -1,7 +1,7 @@
-"""Every rank of an EP group running its fused peer row kernel on ONE GPU,
-in turn: each rank's channel is a buffer in that GPU's memory, so the
-kernels' indexing, chunking, flags and own-row placement run as at EP=R
-without R GPUs. For tests (one rank's output against the pure-JAX path, at
+"""Every rank of an EP group running its peer kernel (a fused row kernel,
+or the drop-in exchange) on ONE GPU, in turn: each rank's channel is a
+buffer in that GPU's memory, so the kernels' indexing, chunking, flags and
+own-row placement run as at EP=R without R GPUs. For tests (one rank's output against the pure-JAX path, at
 any R), compute-sanitizer (one process, one GPU) and timing a kernel's local
 memory traffic; it is not a transport and moves nothing between GPUs.
 
@@ -44,6 +44,27 @@ def _ranks_first(rank: int, ep_size: int) -> list[int]:
   return [q for q in range(ep_size) if q != rank] + [rank]
 
 
+def _channels(layout: peer.ChannelLayout, rank: int) -> tuple:
+  """Fresh channels of every rank, every rank's but ``rank``'s flags raised;
+  ``(channels, peers)``, ``peers`` their bases as a device array."""
+  import cupy
+  channels = [cupy.zeros(layout.total_bytes, cupy.uint8) for _ in range(layout.ep_size)]
+  for q, channel in enumerate(channels):
+    if q != rank:
+      channel[:layout.step_offset] = _RAISED  # its flags and acks
+  return channels, cupy.asarray(np.array([c.data.ptr for c in channels], np.uint64))
+
+
+def _failure_word(timeout_s: float) -> tuple:
+  """``(failed, record, tail)``: a failure word and record, and the
+  arguments every peer kernel ends with (site 0)."""
+  import cupy
+  failed = cupy.zeros(1, cupy.uint32)
+  record = cupy.zeros(4, cupy.uint64)  # one PeerFailure (32 bytes)
+  return failed, record, (np.uint64(failed.data.ptr), np.uint64(record.data.ptr),
+                          np.uint64(int(timeout_s * 1e9)), np.int32(0))
+
+
 def _checked(failed, record, what: str) -> None:
   if int(failed[0]) != 0:
     kind, peer_rank, _, rank = (int(v) for v in record.view(np.uint32)[:4])
@@ -78,15 +99,8 @@ def run_rank(kernel: peer.RowKernel, inputs: list[tuple], out_shape: tuple, out_
   with cupy.cuda.Device(ordinal):
     function = peer._kernels(ordinal)[kernel.function]
     grid = kernel.grid(ep_size, peer._multiprocessors(ordinal))
-    channels = [cupy.zeros(layout.total_bytes, cupy.uint8) for _ in range(ep_size)]
-    for q in range(ep_size):
-      if q != rank:
-        channels[q][:layout.step_offset] = _RAISED  # its flags and acks
-    peers = cupy.asarray(np.array([c.data.ptr for c in channels], np.uint64))
-    failed = cupy.zeros(1, cupy.uint32)
-    record = cupy.zeros(4, cupy.uint64)  # one PeerFailure (32 bytes)
-    tail = (np.uint64(failed.data.ptr), np.uint64(record.data.ptr),
-            np.uint64(int(timeout_s * 1e9)), np.int32(0))
+    channels, peers = _channels(layout, rank)
+    failed, record, tail = _failure_word(timeout_s)
     out = None
     for q in _ranks_first(rank, ep_size):
       if q in absent:
@@ -109,3 +123,29 @@ def run_rank(kernel: peer.RowKernel, inputs: list[tuple], out_shape: tuple, out_
     channel[first:first + parity_bytes] = channel[first + parity_bytes:first + 2 * parity_bytes]
     return result, Launch(run=lambda: function((grid.blocks,), (peer._ROW_THREADS,), args),
                           out=out, grid=grid, held=(channels, peers, failed, record, buffers))
+
+
+def exchange_rank(chunks: list, *, rank: int, absent: tuple = (), ordinal: int = 0,
+                  timeout_s: float = 10.0):
+  """Rank ``rank``'s output of the drop-in exchange (``peer_exchange``,
+  :func:`peer.exchange`'s kernel): ``chunks[q]`` is rank ``q``'s input
+  ``[R, k...]`` (host or device; every rank's the same shape and dtype);
+  returns ``[R, k...]`` whose row ``src`` is ``chunks[src][rank]``, as
+  ``all_to_all``. ``absent``, ``timeout_s``: as :func:`run_rank`."""
+  import cupy
+  ep_size = len(chunks)
+  with cupy.cuda.Device(ordinal):
+    inputs = [cupy.ascontiguousarray(cupy.asarray(c)) for c in chunks]
+    layout = peer.ChannelLayout(ep_size, inputs[0].nbytes // ep_size)
+    channels, peers = _channels(layout, rank)
+    failed, record, tail = _failure_word(timeout_s)
+    out = None
+    for q in _ranks_first(rank, ep_size):
+      if q in absent:
+        continue
+      out = cupy.zeros_like(inputs[q])
+      launch = peer.exchange_launch(layout, ordinal, peers.data.ptr, q, tail)
+      launch.function((launch.blocks,), (peer._THREADS,), (inputs[q], out, *launch.args))
+    cupy.cuda.Device(ordinal).synchronize()
+    _checked(failed.get(), record.get(), "exchange")
+    return out.get()

@@ -1,7 +1,8 @@
-"""The fused peer row kernels at EP = 2, 4 and 8 on ONE GPU
+"""The peer kernels at EP = 2, 4 and 8 on ONE GPU
 (moe_ep/transport/peer_loopback.py): every rank's output of the dispatch
 (bf16 rows, and FP8 quantizing float32 and bf16 rows) and of the combine,
-bit for bit against the pure-JAX path run on R CPU devices. The maps carry
+bit for bit against the pure-JAX path run on R CPU devices; and of the
+drop-in exchange (every vector width) against all_to_all's definition. The maps carry
 invalid ids, wire drops (send capacity) and slab drops (expert capacity);
 at EP > 2 tokens go to several remote ranks, so the block that sends a
 token's first remote row places its own row."""
@@ -111,3 +112,18 @@ def test_a_rank_that_never_sends_is_named():
   with pytest.raises(RuntimeError, match="rank 0 waited in vain for rank 1"):
     peer_loopback.run_rank(kernel, [_dispatch_inputs(r) for r in ranks], (slab_rows, HIDDEN),
                            ranks[0]["slabs"].dtype, rank=0, absent=(1,), timeout_s=0.5)
+
+
+@pytest.mark.parametrize("ep_size", [2, 4, 8])
+@pytest.mark.parametrize("shape, dtype", [((64, 16), np.int32), ((3, 2), np.int32),
+                                          ((5,), np.int32), ((3,), np.int16), ((7,), np.uint8)])
+def test_drop_in_exchange_is_all_to_all(ep_size, shape, dtype):
+  """Chunks of 4096, 24, 20, 6 and 7 bytes: the 16-, 8-, 4-, 2- and 1-byte copies."""
+  rng = np.random.default_rng(ep_size)
+  chunks = [rng.integers(0, 100, (ep_size, *shape)).astype(dtype) for _ in range(ep_size)]
+  assert peer.ChannelLayout(ep_size, chunks[0].nbytes // ep_size).vector_bytes == {
+      4096: 16, 24: 8, 20: 4, 6: 2, 7: 1}[chunks[0].nbytes // ep_size]
+  for rank in range(ep_size):
+    got = peer_loopback.exchange_rank(chunks, rank=rank)
+    np.testing.assert_array_equal(got, np.stack([c[rank] for c in chunks]),
+                                  err_msg=f"rank {rank} of {ep_size}")
