@@ -3,14 +3,15 @@ rank 0's dispatch (bf16 rows, FP8 wire rows) and combine at EP=R, every
 rank's channel in this GPU's memory and every flag raised, so a launch
 times the kernel's own memory work with no NVLink and no waiting: what
 the row movement costs a GPU, and FP8's speed-up there, apart from the link.
-Each output is first checked bitwise against rank 0's output of a full
-loopback exchange (every rank's kernel run in turn).
+The timed launches repeat a full loopback exchange (every rank's kernel run
+in turn): ``same_as_full_exchange`` checks the last one's output against it.
 
 Routing: P2's (``ep._host_routing``: uniform top-k), its handle from the
-pure-JAX layout on R CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``). Bytes per launch: the HBM traffic the
-kernel must do (token rows read, wire rows written and read back, slab rows
-written, padding rows zeroed; combine: slab rows read, sums written and read
-back, outputs written), from the handle.
+pure-JAX layout on R CPU devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8``). Dispatch's bytes
+per launch (``hbm_bytes``): the HBM traffic it must do, from the handle:
+token rows read, wire rows stored for the other ranks and read back from
+theirs, every slab row written (kept rows and zeroed padding).
 """
 
 from __future__ import annotations

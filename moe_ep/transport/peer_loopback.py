@@ -1,9 +1,11 @@
 """Every rank of an EP group running its peer kernel (a fused row kernel,
 or the drop-in exchange) on ONE GPU, in turn: each rank's channel is a
 buffer in that GPU's memory, so the kernels' indexing, chunking, flags and
-own-row placement run as at EP=R without R GPUs. For tests (one rank's output against the pure-JAX path, at
-any R), compute-sanitizer (one process, one GPU) and timing a kernel's local
-memory traffic; it is not a transport and moves nothing between GPUs.
+own-row placement run as at EP=R without R GPUs. For tests (one rank's
+output against the pure-JAX path, at any R), compute-sanitizer (one
+process, one GPU) and timing a kernel's local memory traffic; it is not a
+transport and moves nothing between GPUs. What it cannot show: two GPUs'
+kernels running at once (the fences and flags between them, NVLink).
 
 How rank ``r``'s output comes about: fresh channels at step 0, every rank
 but ``r`` with its own flags raised beforehand (its receivers find every
