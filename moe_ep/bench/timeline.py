@@ -41,11 +41,13 @@ _CALL = "moe_ep_timeline_call"  # the host-side annotation around each traced ca
 
 def _calls_of(profile, calls: int) -> list[list[tuple[float, float, str]]]:
   """Per call, ``(start_ns, duration_ns, name)`` of device 0's kernels (GPU)
-  or of the XLA CPU runtime's ops, sorted by start."""
+  or of the XLA CPU runtime's ops, sorted by start. A GPU plane without
+  kernels (the programs ran on CPU on a machine with a GPU) is ignored."""
   gpu = [p for p in profile.planes if p.name.startswith("/device:GPU:0")]
-  if gpu:
-    events = sorted((e.start_ns, e.duration_ns, e.name) for line in gpu[0].lines
-                    if "stream" in line.name.lower() for e in line.events)
+  events = sorted((e.start_ns, e.duration_ns, e.name) for plane in gpu[:1]
+                  for line in plane.lines if "stream" in line.name.lower()
+                  for e in line.events)
+  if events:
     return split_calls(events, calls)
   events, windows = [], []
   for plane in profile.planes:

@@ -1,8 +1,12 @@
 """The timeline benchmark's split of a trace into calls (the GPU case, where
-only the gaps between kernels tell calls apart), on synthetic events."""
+only the gaps between kernels tell calls apart), on synthetic events; and
+which events it reads, on synthetic traces."""
+
+from types import SimpleNamespace as Obj
 
 import pytest
 
+from moe_ep.bench import timeline
 from moe_ep.bench.timeline import split_calls
 
 
@@ -40,3 +44,28 @@ def test_more_calls_than_events_is_an_error():
     split_calls(events([(0, 1)], [(0, 1)]), 3)
   with pytest.raises(ValueError, match="calls=0 must be >= 1"):
     split_calls(events([(0, 1)]), 0)
+
+
+def trace(*planes):
+  """A jax.profiler.ProfileData stand-in: planes of lines of (start, duration, name)."""
+  return Obj(planes=[Obj(name=name, lines=[Obj(name=line, events=[
+      Obj(start_ns=s, duration_ns=d, name=n) for s, d, n in events])
+      for line, events in lines.items()]) for name, lines in planes])
+
+
+def test_gpu_kernels_are_read_from_device_0_streams():
+  profile = trace(("/device:GPU:0", {"Stream #1": [(0, 5, "route_count"), (900, 5, "route_rank")],
+                                     "XLA Ops": [(0, 1, "ignored")]}),
+                  ("/host:CPU", {"tf_XLA thread": [(0, 1, "fusion")]}))
+  assert timeline._calls_of(profile, 2) == [[(0, 5, "route_count")], [(900, 5, "route_rank")]]
+
+
+def test_a_gpu_plane_without_kernels_falls_back_to_the_cpu_ops():
+  # the programs ran on CPU on a machine with a GPU (JAX_PLATFORMS=cpu): the
+  # profiler still lists the GPU, with no kernels on it
+  call = timeline._CALL
+  profile = trace(("/device:GPU:0", {"Stream #1": []}),
+                  ("/host:CPU", {"python": [(0, 50, call), (100, 50, call)],
+                                 "tf_XLA client": [(10, 5, "all-to-all.1"), (110, 5, "fusion"),
+                                                   (120, 1, "Handle inputs")]}))
+  assert timeline._calls_of(profile, 2) == [[(10, 5, "all-to-all.1")], [(110, 5, "fusion")]]
