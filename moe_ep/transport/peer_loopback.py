@@ -74,6 +74,24 @@ def _checked(failed, record, what: str) -> None:
                        f"(wait kind {kind}: {peer._WAIT_KINDS.get(kind, '?')})")
 
 
+def _in_turn(layout: peer.ChannelLayout, rank: int, absent: tuple, timeout_s: float,
+             what: str, launch) -> tuple:
+  """``launch(q, peers, tail)`` (rank ``q``'s kernel launched; returns its
+  output buffer) for every rank but ``rank``, then ``rank``, skipping
+  ``absent``; waits for them. Returns ``rank``'s output buffer and the
+  device buffers the launches use ``(channels, peers, failed, record)``."""
+  import cupy
+  channels, peers = _channels(layout, rank)
+  failed, record, tail = _failure_word(timeout_s)
+  out = None
+  for q in _ranks_first(rank, layout.ep_size):
+    if q not in absent:
+      out = launch(q, peers.data.ptr, tail)
+  cupy.cuda.Device().synchronize()
+  _checked(failed.get(), record.get(), what)
+  return out, (channels, peers, failed, record)
+
+
 def run_rank(kernel: peer.RowKernel, inputs: list[tuple], out_shape: tuple, out_dtype, *,
              rank: int, absent: tuple = (), ordinal: int = 0, timeout_s: float = 10.0,
              keep: bool = False):
@@ -101,30 +119,29 @@ def run_rank(kernel: peer.RowKernel, inputs: list[tuple], out_shape: tuple, out_
   with cupy.cuda.Device(ordinal):
     function = peer._kernels(ordinal)[kernel.function]
     grid = kernel.grid(ep_size, peer._multiprocessors(ordinal))
-    channels, peers = _channels(layout, rank)
-    failed, record, tail = _failure_word(timeout_s)
-    out = None
-    for q in _ranks_first(rank, ep_size):
-      if q in absent:
-        continue
-      buffers = [cupy.asarray(a) for a in inputs[q]]
+    arguments = {}
+
+    def launch(q, peers, tail):
       out = cupy.zeros(out_shape, out_dtype)
-      args = (*buffers, out, *kernel.args(grid, layout, peers.data.ptr, q, tail))
-      function((grid.blocks,), (peer._ROW_THREADS,), args)
-    cupy.cuda.Device(ordinal).synchronize()
-    _checked(failed.get(), record.get(), kernel.function)
+      arguments[q] = (*(cupy.asarray(a) for a in inputs[q]), out,
+                      *kernel.args(grid, layout, peers, q, tail))
+      function((grid.blocks,), (peer._ROW_THREADS,), arguments[q])
+      return out
+
+    out, held = _in_turn(layout, rank, absent, timeout_s, kernel.function, launch)
     result = out.get()
     if not keep:
       return result
     # Every later launch finds its flags raised, and the rows of step 1 in
     # the slots of either parity: it repeats the full exchange's work.
-    channel = channels[rank]
+    channel = held[0][rank]
     channel[:layout.step_offset] = _RAISED
     parity_bytes = (ep_size - 1) * layout.slot_bytes
     first = layout.data_offset
     channel[first:first + parity_bytes] = channel[first + parity_bytes:first + 2 * parity_bytes]
+    args = arguments[rank]
     return result, Launch(run=lambda: function((grid.blocks,), (peer._ROW_THREADS,), args),
-                          out=out, grid=grid, held=(channels, peers, failed, record, buffers))
+                          out=out, grid=grid, held=(*held, args))
 
 
 def exchange_rank(chunks: list, *, rank: int, absent: tuple = (), ordinal: int = 0,
@@ -139,15 +156,12 @@ def exchange_rank(chunks: list, *, rank: int, absent: tuple = (), ordinal: int =
   with cupy.cuda.Device(ordinal):
     inputs = [cupy.ascontiguousarray(cupy.asarray(c)) for c in chunks]
     layout = peer.ChannelLayout(ep_size, inputs[0].nbytes // ep_size)
-    channels, peers = _channels(layout, rank)
-    failed, record, tail = _failure_word(timeout_s)
-    out = None
-    for q in _ranks_first(rank, ep_size):
-      if q in absent:
-        continue
+
+    def launch(q, peers, tail):
       out = cupy.zeros_like(inputs[q])
-      launch = peer.exchange_launch(layout, ordinal, peers.data.ptr, q, tail)
-      launch.function((launch.blocks,), (peer._THREADS,), (inputs[q], out, *launch.args))
-    cupy.cuda.Device(ordinal).synchronize()
-    _checked(failed.get(), record.get(), "exchange")
+      kernel = peer.exchange_launch(layout, ordinal, peers, q, tail)
+      kernel.function((kernel.blocks,), (peer._THREADS,), (inputs[q], out, *kernel.args))
+      return out
+
+    out, _ = _in_turn(layout, rank, absent, timeout_s, "exchange", launch)
     return out.get()
