@@ -41,7 +41,9 @@ Wire row (one ``[W]`` uint8 row per token, so one exchange carries both)::
 W is whole 128-byte lines, so that rows laid end to end in a slab each start
 a line: the GPU kernels store a row a warp (512 bytes) at a time, and a row
 starting mid-line spreads each of those stores over one more line. At
-H=7168 that is 32 bytes of 7424, for a faster FP8 dispatch (README, P2).
+H=7168 that is 32 bytes of 7424, for a faster FP8 dispatch (README, P2); at
+small H it costs more (H=1024: 1152 bytes, not 1056; H=128: 256, as many
+as a bf16 row), which was not measured against what alignment gains there.
 
 An all-zero wire row dequantizes to an all-zero row (codes 0, scales 0), so
 ``expand_rows`` zero fill on the wire is a zero row after unpacking.
