@@ -19,15 +19,16 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from moe_ep.bench import ep
 from moe_ep import transport
+from moe_ep.bench import ep
 from moe_ep.transport import expert_capacity_for, peer, send_capacity_for
 
 FP8 = "float8_e4m3fn"
 
 
 def _handle(ep_size: int, tokens: int, num_experts: int, top_k: int, capacity_factor) -> tuple:
-  """Every rank's routing handle (pure JAX on R CPU devices) and the capacities."""
+  """Every rank's routing handle and its ``wire_rows`` (pure JAX on R CPU
+  devices), and the capacities."""
   mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:ep_size]), ("ep",))
   capacity = expert_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
   send_capacity = send_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
@@ -37,9 +38,15 @@ def _handle(ep_size: int, tokens: int, num_experts: int, top_k: int, capacity_fa
   spec = transport._Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=capacity,
                          send_capacity=send_capacity, axis_name="ep", backend="xla",
                          exchange="all_to_all", mesh=mesh)
-  handle = jax.jit(ep._smap(mesh, ep._routing_only(spec, num_experts)))(idx, weights)
-  part = lambda a, r: np.asarray(a.addressable_shards[r].data)  # noqa: E731
-  ranks = [{k: part(getattr(handle, k), r) for k in handle._fields} for r in range(ep_size)]
+  routing = ep._routing_only(spec, num_experts)
+
+  def program(idx, weights):
+    handle = routing(idx, weights)
+    return {**handle._asdict(), "wire_rows": transport._wire_rows(handle)}
+
+  maps = jax.jit(ep._smap(mesh, program))(idx, weights)
+  ranks = [{k: np.asarray(v.addressable_shards[r].data) for k, v in maps.items()}
+           for r in range(ep_size)]
   return ranks, capacity, send_capacity
 
 
@@ -109,10 +116,8 @@ def run(ep_sizes=(2, 4, 8), tokens=8192, num_experts=64, hidden=7168, top_k=8,
     case["dispatch_fp8"]["speedup_vs_bf16"] = case["dispatch"]["us"] / case["dispatch_fp8"]["us"]
     kernel = peer.combine_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows)
     slabs = [_bf16_bits(10 + r, (slab_rows, hidden)) for r in range(ep_size)]
-    wire_rows = [np.where(h["send_slot"] >= 0,
-                          np.arange(ep_size, dtype=np.int32) * send_capacity + h["send_slot"], -1)
-                 .astype(np.int32) for h in ranks]
-    inputs = [(slabs[r], maps[r][2].reshape(-1, top_k), wire_rows[r]) for r in range(ep_size)]
+    inputs = [(slabs[r], maps[r][2].reshape(-1, top_k), ranks[r]["wire_rows"])
+              for r in range(ep_size)]
     full, launch = peer_loopback.run_rank(kernel, inputs, (tokens, hidden), np.uint16, rank=0,
                                           keep=True)
     case["combine"] = {**_timed(launch, iters), "grid": launch.grid.__dict__,
