@@ -108,8 +108,12 @@ def _case(mesh, tokens, hidden, num_experts, top_k, capacity_factor, backend, ex
   paths = dict(backend=backend, exchange=exchange, mesh=mesh)
   shape = dict(num_experts=num_experts, expert_capacity=capacity, axis_name="ep",
                send_capacity=send_capacity)
+  # The spec's exchange is the resolved one, as dispatch resolves it: a spec
+  # holding "auto" would take neither path's fused kernels.
+  resolved = transport._resolve_exchange(exchange, backend, "ep", mesh.shape["ep"], mesh)
   return dict(args=tuple(args), paths=paths, shape=shape,
-              spec=transport._Spec(ep_size=mesh.shape["ep"], **shape, **paths))
+              spec=transport._Spec(ep_size=mesh.shape["ep"], **shape,
+                                   **dict(paths, exchange=resolved)))
 
 
 def run(tokens=8192, num_experts=64, decode_tokens=128, decode_experts=256, hidden=7168,

@@ -69,3 +69,17 @@ def test_a_gpu_plane_without_kernels_falls_back_to_the_cpu_ops():
                                  "tf_XLA client": [(10, 5, "all-to-all.1"), (110, 5, "fusion"),
                                                    (120, 1, "Handle inputs")]}))
   assert timeline._calls_of(profile, 2) == [[(10, 5, "all-to-all.1")], [(110, 5, "fusion")]]
+
+
+@pytest.mark.parametrize("exchange", ["auto", "all_to_all"])
+def test_the_fp8_program_runs_on_the_exchange_dispatch_resolves(exchange):
+  # The FP8 program calls the transport with the case's spec directly; a
+  # spec left at "auto" took the all_to_all path even where dispatch takes
+  # the peer path (seen on 2 GPUs: NCCL kernels in the FP8 timeline).
+  import jax
+  import numpy as np
+  from moe_ep import transport
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("ep",))
+  case = timeline._case(mesh, 16, 128, 8, 2, 1.25, "auto", exchange)
+  assert case["spec"].exchange == transport._resolve_exchange(exchange, "auto", "ep", 2, mesh)
+  assert case["spec"].exchange in ("all_to_all", "peer")
