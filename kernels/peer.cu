@@ -707,9 +707,6 @@ __device__ __forceinline__ i64 receiver_warps(int send_blocks) {
   return ((i64)(gridDim.x - send_blocks) * blockDim.x) >> 5;
 }
 
-#define RECV_GROUP 1  // consecutive units a receiver warp takes (a chunk's rows then spread
-                      // over many warps: a short tail after the last chunk lands)
-
 // Copies one unit of `row` into `out` (one wire row; none if null) and into
 // the slab rows of the members in `members` (lane k holds member k's slab row).
 template <bool kFromPeerBuffer>
@@ -862,9 +859,9 @@ struct QuantizeRows {
 //              S + s] (if in [0, T)) stored into row s of this rank's slot on
 //              d; if d is t's first remote rank (token_wires), t's own row
 //              too, from the same loads, into its members' slab rows here.
-//   receivers: units in this order, RECV_GROUP consecutive ones per warp,
-//              warps striding: (1) padding slab rows n (slab_row[n] outside
-//              [0, R * S)) zeroed; (2) this rank's own slots s whose token
+//   receivers: units in this order, warps striding: (1) padding slab rows
+//              n (slab_row[n] outside [0, R * S)) zeroed, each warp loading
+//              the slab_row entries of its next 32 units of (1) at once; (2) this rank's own slots s whose token
 //              goes to no other rank: token send_token[rank * S + s] copied
 //              into its members' slab rows;
 //              (3) the other ranks' slots, chunk by chunk in q-major order:
@@ -927,42 +924,48 @@ __device__ __forceinline__ void dispatch_rows(
   const i64 units = padding_units + own_units + (i64)num_chunks * others * chunk_units;
   const i64 warps = receiver_warps(send_blocks);
   int seen = -1;
-  for (i64 group = receiver_warp(send_blocks); group * RECV_GROUP < units; group += warps) {
-    for (i64 unit = group * RECV_GROUP; unit < min(units, group * RECV_GROUP + RECV_GROUP);
-         ++unit) {
-      if (unit < padding_units) {  // (1) zero the padding rows
-        const RowUnit u = row_unit(unit, segments, recv_segment_vecs, row_vecs);
-        const int m = __ldg(slab_row + u.row);
-        if (m >= 0 && m < wire_rows) continue;
-        for (int v = u.begin + lane_index(); v < u.end; v += 32)
-          slabs[u.row * row_vecs + v] = make_uint4(0u, 0u, 0u, 0u);
-      } else if (unit < padding_units + own_units) {  // (2) this rank's own rows
-        const RowUnit u = row_unit(unit - padding_units, segments, own_segment, source_units);
-        const i64 wire = (i64)rank * send_capacity + u.row;
-        const int member = member_row(recv_pos, wire, top_k, num_slab_rows);
-        const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
-        const int token = __ldg(send_token + wire);
-        if (members == 0u || token < 0 || token >= num_tokens) continue;
-        const TokenWires w =
-            token_wires(send_slot, send_token, token, rank, ep_size, send_capacity);
-        if (w.own_slot == u.row && w.first_remote >= 0) continue;  // its sender places it
-        source.place(token, u, nullptr, slabs, member, members);
-      } else {  // (3) the other ranks' rows, chunk by chunk
-        const i64 rest = unit - padding_units - own_units;
-        const i64 chunk = rest / chunk_units;
-        const int q = (int)(chunk / others), nth = (int)(chunk % others);
-        const int src = nth < rank ? nth : nth + 1;
-        const RowUnit u = row_unit(rest % chunk_units, segments, recv_segment_vecs, row_vecs);
-        const i64 s = (i64)q * chunk_rows + u.row;
-        if (s >= send_capacity) continue;
-        const int member = member_row(recv_pos, (i64)src * send_capacity + s, top_k,
-                                      num_slab_rows);
-        const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
-        if (members == 0u) continue;
-        warp_wait_chunk(ex, src, q, &seen);
-        copy_to_members<true>(slot_on(ex, ex.own, src, rank) + s * row_vecs, nullptr, slabs,
-                              row_vecs, member, members, u);
+  // Lane j: slab_row of this warp's unit `(done & ~31) + j` of (1). Loaded 32
+  // at a time, so a unit's test is a shuffle, not a load the warp waits for
+  // (at decode sizes most units are (1) and most of the kernel was these waits).
+  int padding_test = -1;
+  i64 done = 0;  // this warp's units so far
+  for (i64 unit = receiver_warp(send_blocks); unit < units; unit += warps, ++done) {
+    if (unit < padding_units) {  // (1) zero the padding rows
+      if ((done & 31) == 0) {
+        const i64 mine = unit + lane_index() * warps;
+        padding_test = mine < padding_units ? __ldg(slab_row + mine / segments) : -1;
       }
+      const int m = __shfl_sync(MOE_EP_FULL_MASK, padding_test, (int)(done & 31));
+      if (m >= 0 && m < wire_rows) continue;
+      const RowUnit u = row_unit(unit, segments, recv_segment_vecs, row_vecs);
+      for (int v = u.begin + lane_index(); v < u.end; v += 32)
+        slabs[u.row * row_vecs + v] = make_uint4(0u, 0u, 0u, 0u);
+    } else if (unit < padding_units + own_units) {  // (2) this rank's own rows
+      const RowUnit u = row_unit(unit - padding_units, segments, own_segment, source_units);
+      const i64 wire = (i64)rank * send_capacity + u.row;
+      const int member = member_row(recv_pos, wire, top_k, num_slab_rows);
+      const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
+      const int token = __ldg(send_token + wire);
+      if (members == 0u || token < 0 || token >= num_tokens) continue;
+      const TokenWires w =
+          token_wires(send_slot, send_token, token, rank, ep_size, send_capacity);
+      if (w.own_slot == u.row && w.first_remote >= 0) continue;  // its sender places it
+      source.place(token, u, nullptr, slabs, member, members);
+    } else {  // (3) the other ranks' rows, chunk by chunk
+      const i64 rest = unit - padding_units - own_units;
+      const i64 chunk = rest / chunk_units;
+      const int q = (int)(chunk / others), nth = (int)(chunk % others);
+      const int src = nth < rank ? nth : nth + 1;
+      const RowUnit u = row_unit(rest % chunk_units, segments, recv_segment_vecs, row_vecs);
+      const i64 s = (i64)q * chunk_rows + u.row;
+      if (s >= send_capacity) continue;
+      const int member = member_row(recv_pos, (i64)src * send_capacity + s, top_k,
+                                    num_slab_rows);
+      const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
+      if (members == 0u) continue;
+      warp_wait_chunk(ex, src, q, &seen);
+      copy_to_members<true>(slot_on(ex, ex.own, src, rank) + s * row_vecs, nullptr, slabs,
+                            row_vecs, member, members, u);
     }
   }
   finish_exchange(ex);
@@ -1009,8 +1012,7 @@ DEFINE_PEER_DISPATCH_FP8_KERNEL(f16, F16)
 //              slot s), the float32 sum of its members' slab rows in member
 //              order, rounded once, stored into row s of this rank's slot on
 //              d (zero where no member is kept): gather_sum_rows over recv_pos.
-//   receivers: token units, RECV_GROUP consecutive ones per warp, warps
-//              striding: y[t] = the float32 sum over ranks d = 0, 1, ... of
+//   receivers: token units, warps striding: y[t] = the float32 sum over ranks d = 0, 1, ... of
 //              the row t sent to d as it came back: from d's slot for d !=
 //              rank (lane d waits for its chunk's flag first), and for d ==
 //              rank this rank's own member sum, rounded to Elem and widened
@@ -1066,49 +1068,46 @@ __device__ __forceinline__ void peer_combine(
   const int segments = (row_vecs + recv_segment_vecs - 1) / recv_segment_vecs;
   const i64 units = (i64)num_tokens * segments;
   const i64 warps = receiver_warps(send_blocks);
-  for (i64 group = receiver_warp(send_blocks); group * RECV_GROUP < units; group += warps) {
-    for (i64 unit = group * RECV_GROUP; unit < min(units, group * RECV_GROUP + RECV_GROUP);
-         ++unit) {
-      const RowUnit u = row_unit(unit, segments, recv_segment_vecs, row_vecs);
-      const int slot = wire_slot(wire_rows, u.row, ep_size, send_capacity);
-      if (slot >= 0 && lane != rank && slot / chunk_rows != seen) {
-        thread_wait(flag_of(ex.own, ep_size, ex.parity, lane, slot / chunk_rows), ex.step, failed,
-                    record, timeout_ns, PEER_WAIT_FLAG, lane, site, rank, ex.step);
-        seen = slot / chunk_rows;
-      }
-      __syncwarp();
-      const int own_slot = __shfl_sync(MOE_EP_FULL_MASK, slot, rank);
-      const int member = own_slot < 0 ? -1
-          : member_row(recv_pos, (i64)rank * send_capacity + own_slot, top_k, num_slab_rows);
-      const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
-      // Ranks whose wire row of t is absent add +0.0 in gather_sum_rows: skipped
-      // here, the same bits (see add_members).
-      const u32 ranks = __ballot_sync(MOE_EP_FULL_MASK, slot >= 0);
-      uint4* out = (uint4*)y + u.row * row_vecs;
-      for (int base = u.begin; base < u.end; base += 32 * ROW_SUM_UNROLL) {
-        float acc[ROW_SUM_UNROLL][kPerVec];
-        zero_sums(acc);
-        for (u32 m = ranks; m != 0u; m &= m - 1u) {
-          const int d = __ffs(m) - 1;
-          if (d == rank) {
-            float part[ROW_SUM_UNROLL][kPerVec];
-            zero_sums(part);
-            add_members<T, ROW_SUM_UNROLL>(table, row_vecs, member, members, base, u.end, part);
+  for (i64 unit = receiver_warp(send_blocks); unit < units; unit += warps) {
+    const RowUnit u = row_unit(unit, segments, recv_segment_vecs, row_vecs);
+    const int slot = wire_slot(wire_rows, u.row, ep_size, send_capacity);
+    if (slot >= 0 && lane != rank && slot / chunk_rows != seen) {
+      thread_wait(flag_of(ex.own, ep_size, ex.parity, lane, slot / chunk_rows), ex.step, failed,
+                  record, timeout_ns, PEER_WAIT_FLAG, lane, site, rank, ex.step);
+      seen = slot / chunk_rows;
+    }
+    __syncwarp();
+    const int own_slot = __shfl_sync(MOE_EP_FULL_MASK, slot, rank);
+    const int member = own_slot < 0 ? -1
+        : member_row(recv_pos, (i64)rank * send_capacity + own_slot, top_k, num_slab_rows);
+    const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
+    // Ranks whose wire row of t is absent add +0.0 in gather_sum_rows: skipped
+    // here, the same bits (see add_members).
+    const u32 ranks = __ballot_sync(MOE_EP_FULL_MASK, slot >= 0);
+    uint4* out = (uint4*)y + u.row * row_vecs;
+    for (int base = u.begin; base < u.end; base += 32 * ROW_SUM_UNROLL) {
+      float acc[ROW_SUM_UNROLL][kPerVec];
+      zero_sums(acc);
+      for (u32 m = ranks; m != 0u; m &= m - 1u) {
+        const int d = __ffs(m) - 1;
+        if (d == rank) {
+          float part[ROW_SUM_UNROLL][kPerVec];
+          zero_sums(part);
+          add_members<T, ROW_SUM_UNROLL>(table, row_vecs, member, members, base, u.end, part);
 #pragma unroll
-            for (int i = 0; i < ROW_SUM_UNROLL; ++i)
+          for (int i = 0; i < ROW_SUM_UNROLL; ++i)
 #pragma unroll
-              for (int e = 0; e < kPerVec; ++e) acc[i][e] += T::load(T::store(part[i][e]));
-          } else {
-            const uint4* row = (const uint4*)__shfl_sync(MOE_EP_FULL_MASK, slot_base, d) +
-                               (i64)__shfl_sync(MOE_EP_FULL_MASK, slot, d) * row_vecs;
-            uint4 values[ROW_SUM_UNROLL];
-            load_step<ROW_SUM_UNROLL, true>(row, base, u.end, values);
+            for (int e = 0; e < kPerVec; ++e) acc[i][e] += T::load(T::store(part[i][e]));
+        } else {
+          const uint4* row = (const uint4*)__shfl_sync(MOE_EP_FULL_MASK, slot_base, d) +
+                             (i64)__shfl_sync(MOE_EP_FULL_MASK, slot, d) * row_vecs;
+          uint4 values[ROW_SUM_UNROLL];
+          load_step<ROW_SUM_UNROLL, true>(row, base, u.end, values);
 #pragma unroll
-            for (int i = 0; i < ROW_SUM_UNROLL; ++i) add_vector<T>(values[i], acc[i]);
-          }
+          for (int i = 0; i < ROW_SUM_UNROLL; ++i) add_vector<T>(values[i], acc[i]);
         }
-        store_sums<T, ROW_SUM_UNROLL>(acc, out, base, u.end);
       }
+      store_sums<T, ROW_SUM_UNROLL>(acc, out, base, u.end);
     }
   }
   finish_exchange(ex);
