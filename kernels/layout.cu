@@ -239,11 +239,12 @@ route_rank(const int* __restrict__ topk_idx, const float* __restrict__ topk_weig
       row[members + word] = 0;
     }
   }
-  // Demand words: a group of `width` lanes per expert (the power of two >=
-  // the tiles, at most 32) splits the tiles, then a shuffle sum; neither a
-  // thread nor a warp per expert loads in series when tiles or experts are many.
+  // Demand words: a group of `width` lanes per expert splits the tiles, then a
+  // shuffle sum. width: a power of two, at most 32 and the tiles, and no wider
+  // than lets the grid cover every expert in one pass: with few tiles and many
+  // experts (decode) a lane per expert, not several passes of lane groups.
   int width = 1;
-  while (width < 32 && width < num_tiles) width *= 2;
+  while (width < 32 && width < num_tiles && (i64)num_experts * (2 * width) <= stride) width *= 2;
   const int groups = 32 / width, group = lane / width, part = lane % width;
   const i64 experts_per_pass = stride / 32 * groups;
   for (i64 base = t / 32 * groups; base < num_experts; base += experts_per_pass) {
@@ -333,17 +334,21 @@ slab_rank(const int* __restrict__ meta, int ep_size, int send_capacity, int top_
   int* warp_counts = shared;                          // [warps, L]
   int* tile_offset = shared + warps * local_experts;  // [L]
   int* expert_total = tile_offset + local_experts;    // [L]
-  for (int i = threadIdx.x; i < warps * local_experts; i += blockDim.x) warp_counts[i] = 0;
-  sum_tiles(tile_counts, num_tiles, local_experts, min((int)blockIdx.x, num_tiles), tile_offset,
-            expert_total);  // its barriers also order the zeroing above
   const int num_members = ep_size * send_capacity * top_k;
   const int per_src = send_capacity * top_k;
   const int member = blockIdx.x * blockDim.x + threadIdx.x;
-  if (blockIdx.x < num_tiles) {  // whole block: __match_any_sync needs every lane
-    const int key = member_key(meta, member, num_members, send_capacity, top_k, meta_width,
-                               local_experts);
-    const int weight_bits =  // loaded beside the key, not after the ranking
-        key >= 0 ? meta[(i64)(member / per_src) * meta_width + per_src + member % per_src] : 0;
+  const bool ranks_members = blockIdx.x < num_tiles;
+  // The member's key and weight are loaded before sum_tiles, whose loads
+  // then wait alongside them rather than after.
+  const int key = ranks_members ? member_key(meta, member, num_members, send_capacity, top_k,
+                                             meta_width, local_experts)
+                                : -1;
+  const int weight_bits = (ranks_members && member < num_members)
+      ? meta[(i64)(member / per_src) * meta_width + per_src + member % per_src] : 0;
+  for (int i = threadIdx.x; i < warps * local_experts; i += blockDim.x) warp_counts[i] = 0;
+  sum_tiles(tile_counts, num_tiles, local_experts, min((int)blockIdx.x, num_tiles), tile_offset,
+            expert_total);  // its barriers also order the zeroing above
+  if (ranks_members) {  // whole block: __match_any_sync needs every lane
     const u32 peers = count_warp_keys(key, warp_counts, local_experts);
     __syncthreads();
     if (member < num_members) {
