@@ -223,15 +223,19 @@ def _route_rank_shared_ints(threads: int, ep_size: int, top_k: int) -> int:
   return (threads // 32 + 3) * ep_size + threads * (ep_size + 1 + 3 * top_k)
 
 
-_ROUTE_TILES = 128  # token tiles to aim for: about one per multiprocessor of an H100/H200
+# Warps per token tile of the routing kernels beyond one tile: of 1, 2, 4
+# and 8, 4 was the fastest route_rank (or within 0.2 us of it) at every T
+# from 512 to 8192 on an H200 (2026-12-01; up to 2.7 us faster than 1 warp).
+_ROUTE_WARPS = 4
 
 
 def _route_threads(num_tokens: int, ep_size: int, num_experts: int, top_k: int) -> int:
-  """Threads per token tile of ``route_count``/``route_rank``: 1 to 8 warps,
-  as few as give about ``_ROUTE_TILES`` tiles (the kernels are latency
-  bound: more tiles, more multiprocessors on them), and both kernels'
-  shared memory must fit."""
-  most = min(8, max(1, -(-num_tokens // (32 * _ROUTE_TILES))))
+  """Threads per token tile of ``route_count``/``route_rank``: up to 256
+  tokens (decode) one tile of 8 warps, which leaves each thread the fewest
+  serial loads (route_rank 7.2 instead of 8.7-10.0 us at T=128 on an H200),
+  else :data:`_ROUTE_WARPS` warps; fewer where both kernels' shared memory
+  would not fit."""
+  most = 8 if num_tokens <= 32 * 8 else _ROUTE_WARPS
   for warps in range(most, 0, -1):
     threads = 32 * warps
     if max(_route_count_shared_ints(threads, ep_size, num_experts),

@@ -129,9 +129,9 @@ def test_cupy_backend_without_cupy_names_the_extra(monkeypatch):
 @pytest.mark.parametrize("ep_size, num_experts, top_k", [(1, 8, 2), (8, 256, 8), (64, 4096, 16)])
 def test_routing_tiles_fit_shared_memory_and_spread(tokens, ep_size, num_experts, top_k):
   """The CuPy routing kernels' token tiles: whole warps, at most 8, both
-  kernels' dynamic shared memory within the 48 KiB default, and about
-  ``_ROUTE_TILES`` tiles (more only where a tile has 8 warps or one more
-  warp would not fit)."""
+  kernels' dynamic shared memory within the 48 KiB default; up to 256
+  tokens one tile of 8 warps, beyond that ``_ROUTE_WARPS`` warps (fewer
+  only where one more warp would not fit)."""
   def fits(threads):
     count_ints = cupy_backend._route_count_shared_ints(threads, ep_size, num_experts)
     rank_ints = cupy_backend._route_rank_shared_ints(threads, ep_size, top_k)
@@ -139,8 +139,8 @@ def test_routing_tiles_fit_shared_memory_and_spread(tokens, ep_size, num_experts
 
   threads = cupy_backend._route_threads(tokens, ep_size, num_experts, top_k)
   assert threads % 32 == 0 and 32 <= threads <= 256 and fits(threads)
-  tiles = -(-tokens // threads)
-  assert tiles <= cupy_backend._ROUTE_TILES or threads == 256 or not fits(threads + 32)
+  wanted = 256 if tokens <= 256 else 32 * cupy_backend._ROUTE_WARPS
+  assert threads == wanted or (threads < wanted and not fits(threads + 32))
 
 
 def test_routing_that_cannot_fit_shared_memory_is_named():
