@@ -7,8 +7,8 @@
 //
 // Wire row of H channels, W bytes (B = ceil(H/128)):
 //   [0, H) codes | [H, Hc) zero | [Hc, Hc + 4B) float32 scales | [.., W) zero
-// with Hc = round_up(H, 16), W = round_up(Hc + 4B, 128): whole 128-byte lines,
-// so every row of a slab starts a line.
+// with Hc = round_up(H, 16) and W from the caller (fp8.py's wire_bytes, the
+// one place its rule lives; every kernel takes W as an argument).
 //
 // The e4m3 conversions use the sm_89+ PTX cvt instructions (the ones
 // <cuda_fp8.h>'s __nv_cvt_float2_to_fp8x2 emits there). Compiled for an older
@@ -69,11 +69,6 @@ __device__ __forceinline__ void e4m3x2_to_f32x2(u32 codes, float* lo, float* hi)
 }
 
 __device__ __forceinline__ int fp8_code_bytes(int hidden) { return (hidden + 15) & ~15; }
-
-// W of the layout above.
-__device__ __forceinline__ int fp8_wire_bytes(int hidden) {
-  return (fp8_code_bytes(hidden) + 4 * ((hidden + FP8_BLOCK - 1) / FP8_BLOCK) + 127) & ~127;
-}
 
 // max(a, b), NaN if either is NaN (fmaxf would return the other): one
 // instruction carries both a block's amax and whether it is finite.

@@ -783,16 +783,20 @@ struct QuantizeRows {
   static constexpr bool kVectorUnits = false;
   const typename T::Elem* __restrict__ rows;  // [T, hidden], hidden % 16 == 0
   int hidden;
+  int row_vecs;  // W / 16, the kernel's argument (fp8.py's wire_bytes)
 
   __device__ __forceinline__ int code_vecs() const { return hidden / 16; }
   __device__ __forceinline__ int units() const {
     return (hidden + FP8_STEP_CHANNELS - 1) / FP8_STEP_CHANNELS;
   }
   // A wire row: hidden / 16 code vectors, one vector of 4 scales per step,
-  // then fewer than 8 zero vectors up to fp8.cuh's W.
-  __device__ __forceinline__ int wire_vecs() const { return fp8_wire_bytes(hidden) / 16; }
+  // then zero vectors up to W (at most 31: lanes 1 .. 31 of the last step
+  // store them).
+  __device__ __forceinline__ int wire_vecs() const { return row_vecs; }
   __device__ __forceinline__ bool fits(int wire_row_vecs) const {
-    return hidden >= 16 && hidden % 16 == 0 && wire_row_vecs == wire_vecs();
+    const int padding = row_vecs - code_vecs() - units();
+    return hidden >= 16 && hidden % 16 == 0 && wire_row_vecs == row_vecs && padding >= 0 &&
+           padding <= 31;
   }
 
   // Steps [u.begin, u.end) of token t, kBatch loaded before any is
@@ -995,10 +999,11 @@ extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch(
       int chunk_rows, int num_chunks, int send_blocks, int send_segment_steps,                   \
       int recv_segment_vecs, i64 slot_bytes, i64 data_offset, u32* failed, PeerFailure* record,  \
       u64 timeout_ns, int site) {                                                                \
-    dispatch_rows(QuantizeRows<TYPE>{rows, hidden}, send_token, send_slot, recv_pos, slab_row,   \
-                  slabs, peers, rank, ep_size, num_tokens, send_capacity, top_k, num_slab_rows,  \
-                  row_vecs, chunk_rows, num_chunks, send_blocks, send_segment_steps,             \
-                  recv_segment_vecs, slot_bytes, data_offset, failed, record, timeout_ns, site); \
+    dispatch_rows(QuantizeRows<TYPE>{rows, hidden, row_vecs}, send_token, send_slot, recv_pos,   \
+                  slab_row, slabs, peers, rank, ep_size, num_tokens, send_capacity, top_k,       \
+                  num_slab_rows, row_vecs, chunk_rows, num_chunks, send_blocks,                  \
+                  send_segment_steps, recv_segment_vecs, slot_bytes, data_offset, failed,        \
+                  record, timeout_ns, site);                                                     \
   }
 
 DEFINE_PEER_DISPATCH_FP8_KERNEL(f32, F32)
