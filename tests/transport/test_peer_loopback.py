@@ -127,3 +127,27 @@ def test_drop_in_exchange_is_all_to_all(ep_size, shape, dtype):
     got = peer_loopback.exchange_rank(chunks, rank=rank)
     np.testing.assert_array_equal(got, np.stack([c[rank] for c in chunks]),
                                   err_msg=f"rank {rank} of {ep_size}")
+
+
+@pytest.mark.parametrize("zero_vectors", [0, 4, 28])
+def test_fp8_dispatch_takes_the_wire_width_it_is_given(monkeypatch, zero_vectors):
+  # The kernel takes W from its argument (fp8.wire_bytes, the one place the
+  # rule lives): rows of 1088 bytes (codes and scales, no zero vector at this
+  # H), 1152 (4: the rule's) or 1536 (28) match the pure-JAX rows of the same
+  # width, every rank.
+  from moe_ep.transport import fp8
+  packed = -(-HIDDEN // 16) + -(-HIDDEN // 512)  # code vectors, then a scale vector per 512
+  width = 16 * (packed + zero_vectors)
+  rule = fp8.wire_bytes
+  monkeypatch.setattr(fp8, "wire_bytes", lambda h: width if h == HIDDEN else rule(h))
+  ranks = _reference(2, jnp.bfloat16, seed=zero_vectors)
+  send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
+  slab_rows = ranks[0]["slab_row"].shape[0]
+  kernel = peer.dispatch_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k, slab_rows,
+                                wire_dtype=FP8)
+  assert kernel.row_vecs * 16 == fp8.wire_bytes(HIDDEN) == ranks[0]["fp8_slabs"].shape[-1]
+  for rank in range(2):
+    want = ranks[rank]["fp8_slabs"].reshape(slab_rows, -1)
+    got = peer_loopback.run_rank(kernel, [_dispatch_inputs(r) for r in ranks], want.shape,
+                                 want.dtype, rank=rank)
+    np.testing.assert_array_equal(got, want, err_msg=f"W={want.shape[-1]}, rank {rank}")
