@@ -36,14 +36,20 @@ Wire row (one ``[W]`` uint8 row per token, so one exchange carries both)::
   [0, H)            e4m3fn codes, channel order
   [H, Hc)           zeros, Hc = round_up(H, 16)
   [Hc, Hc + 4B)     float32 scales, little-endian, block order
-  [Hc + 4B, W)      zeros, W = round_up(Hc + 4B, 128)
+  [Hc + 4B, W)      zeros, W = round_up(Hc + 4B, 128) where that adds less
+                    than 1/16 of the row, else round_up(Hc + 4B, 16)
 
-W is whole 128-byte lines, so that rows laid end to end in a slab each start
-a line: the GPU kernels store a row a warp (512 bytes) at a time, and a row
-starting mid-line spreads each of those stores over one more line. At
-H=7168 that is 32 bytes of 7424, for a faster FP8 dispatch (README, P2); at
-small H it costs more (H=1024: 1152 bytes, not 1056; H=128: 256, as many
-as a bf16 row), which was not measured against what alignment gains there.
+Whole 128-byte lines let rows laid end to end in a slab each start a line:
+the GPU kernels store a row a warp (512 bytes) at a time, and a row starting
+mid-line spreads each of those stores over one more line. Where the lines
+cost many bytes (small H) the bytes cost more than the alignment gains. The
+peer FP8 dispatch on one H200 (``moe_ep.bench loopback`` shapes, EP=2;
+2026-12-01): H=7168 7424 bytes 273-275 us against 7392 bytes 289-292 us;
+H=4608 4864 bytes 195-196 us against 4752 bytes 210-212 us; H=1024 1056
+bytes 70-72 us against 1152 bytes 75 us. (H=2048 keeps its lines, 2176
+bytes, 3% more: 102-111 us against 98 us for 2112 bytes, the one measured
+shape the rule does not pick the faster of.) The kernels take W from
+:func:`wire_bytes`, the one place this rule lives.
 
 An all-zero wire row dequantizes to an all-zero row (codes 0, scales 0), so
 ``expand_rows`` zero fill on the wire is a zero row after unpacking.
@@ -75,6 +81,7 @@ NAN_CODE = 0x7F
 INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _CODE_ALIGN = 16
 _WIRE_ALIGN = 128  # whole cache lines (see the wire row above)
+_WIRE_LINES_COST = 16  # ... where the padding is under 1/16 of the row
 _MANTISSA_BITS = 3
 _MIN_NORMAL_EXPONENT = -6  # e4m3fn: smallest normal 2**-6, subnormal step 2**-9
 
@@ -94,8 +101,12 @@ def code_bytes(hidden: int) -> int:
 
 
 def wire_bytes(hidden: int) -> int:
-  """``W``: bytes of one wire row (codes, scales, padding to whole 128-byte lines)."""
-  return _round_up(code_bytes(hidden) + 4 * num_blocks(hidden), _WIRE_ALIGN)
+  """``W``: bytes of one wire row: codes and scales, padded to whole 128-byte
+  lines where that adds less than 1/16 of the row, else to 16 bytes (the
+  rule and its measurements: the module docstring)."""
+  packed = _round_up(code_bytes(hidden) + 4 * num_blocks(hidden), _CODE_ALIGN)
+  lines = _round_up(packed, _WIRE_ALIGN)
+  return lines if _WIRE_LINES_COST * (lines - packed) < packed else packed
 
 
 def _check_rows(name: str, x: jax.Array) -> None:
