@@ -319,7 +319,8 @@ extern "C" __global__ void slab_count(const int* __restrict__ meta, int ep_size,
 //   past the tiles only pad); block: as slab_count;
 //   shared memory: (warps + 2) * L ints.
 //   inputs: meta [R, meta_width], slab_count's tile_counts [tiles, L].
-//   outputs: recv_pos [N] (l * C + c or -1); slab_row [L, C] (-1 on padding)
+//   outputs: recv_pos [N] (l * C + c; -1 not routed here, -2 dropped for
+//   capacity); slab_row [L, C] (-1 on padding)
 //   and slab_weights [L, C] (0 on padding); counts [L] (kept, at most C);
 //   demand [L] (the routes every source sent for it, before any drop).
 // ---------------------------------------------------------------------------
@@ -364,7 +365,7 @@ slab_rank(const int* __restrict__ meta, int ep_size, int send_capacity, int top_
         slab_row[slab_index] = member / top_k;
         slab_weights[slab_index] = __int_as_float(weight_bits);
       } else {
-        recv_pos[member] = -1;
+        recv_pos[member] = key >= 0 ? -2 : -1;  // -2: routed here, dropped (DROPPED_MEMBER)
       }
     }
   }

@@ -27,6 +27,9 @@ import numpy as np
 _LARGE_SLAB_ROWS = 1024
 _LARGE_SLAB_MULTIPLE = 128
 _SMALL_SLAB_MULTIPLE = 8
+# RoutingHandle.recv_pos of a member that came to this rank and was dropped
+# for capacity (-1: no route here).
+DROPPED_MEMBER = -2
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -147,8 +150,11 @@ class RoutingHandle(NamedTuple):
     route_slot: ``[T, K]`` flat wire row ``d * S + slot`` that carries route
       ``(t, k)``, or -1 (invalid id, or dropped on the wire).
     recv_pos: ``[R, S, K]`` flat slab position ``l * C + c`` of member ``k``
-      of the row received from rank ``src`` in slot ``s`` (receiver side; -1
-      if absent or dropped for capacity).
+      of the row received from rank ``src`` in slot ``s`` (receiver side):
+      -1 where no route (no row in that slot, or route ``k`` of its token
+      is not to this rank), -2 where the route came here and was dropped
+      for capacity. So a slot held a row exactly where some member is not
+      -1 (combine then sends back only those rows).
     slab_row: ``[L, C]`` flat received row ``src * S + s`` feeding slab row
       ``(l, c)``, or -1 on padding rows.
   """

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_ep.transport import meta as meta_layout
+from moe_ep.transport.layout import DROPPED_MEMBER
 
 
 def route(topk_idx: jax.Array, topk_weights: jax.Array, *, num_experts: int, ep_size: int,
@@ -97,8 +98,10 @@ def slab_layout(recv_meta: jax.Array, *, top_k: int, num_local_experts: int,
     recv_meta: ``[R, meta_width]`` int32 metadata, indexed by source rank.
 
   Returns:
-    ``recv_pos [R, S, K]``, ``slab_row [L, C]``, ``slab_weights [L, C]``
-    float32, ``counts [L]``, ``demand [L]`` (all int32 but the weights).
+    ``recv_pos [R, S, K]`` (-2 where dropped, see
+    :class:`~moe_ep.transport.layout.RoutingHandle`), ``slab_row [L, C]``,
+    ``slab_weights [L, C]`` float32, ``counts [L]``, ``demand [L]`` (all
+    int32 but the weights).
   """
   local_ids, weights, demand_sent = meta_layout.unpack(
       recv_meta, top_k=top_k, num_local_experts=num_local_experts)
@@ -117,7 +120,9 @@ def slab_layout(recv_meta: jax.Array, *, top_k: int, num_local_experts: int,
 
   rank_in_expert = jnp.arange(num_members, dtype=jnp.int32) - starts[sorted_keys]
   kept = (sorted_keys < num_local_experts) & (rank_in_expert < capacity)
-  pos_sorted = jnp.where(kept, sorted_keys * capacity + rank_in_expert, -1)
+  routed_here = sorted_keys < num_local_experts
+  pos_sorted = jnp.where(kept, sorted_keys * capacity + rank_in_expert,
+                         jnp.where(routed_here, DROPPED_MEMBER, -1))
   recv_pos = jnp.zeros(num_members, jnp.int32).at[order].set(
       pos_sorted, unique_indices=True)
 

@@ -196,3 +196,28 @@ def test_expert_capacity_for():
     expert_capacity_for(8, 5, 4, 1)
   with pytest.raises(ValueError, match="num_experts=10 is not divisible by the ep axis size 4"):
     expert_capacity_for(8, 2, 10, 4)
+
+
+def test_recv_pos_marks_routes_dropped_for_capacity():
+  """recv_pos against an unrolled loop over the received members in
+  (source, slot, k) order with a running count per local expert: the slab
+  position while the count is below the capacity, -2 (dropped) past it, -1
+  where the member is not routed here (combine tells slots that held a row
+  from empty ones by it)."""
+  from moe_ep.transport import meta as meta_layout
+  from moe_ep.transport import xla as xla_backend
+  ep_size, send_capacity, top_k, local_experts, capacity = 3, 20, 4, 5, 6
+  rng = np.random.default_rng(0)
+  ids = rng.integers(-2, local_experts + 2, (ep_size, send_capacity, top_k)).astype(np.int32)
+  meta = meta_layout.pack(ids, rng.random(ids.shape).astype(np.float32),
+                          np.zeros((ep_size, local_experts), np.int32))
+  recv_pos = np.asarray(xla_backend.slab_layout(meta, top_k=top_k, num_local_experts=local_experts,
+                                                expert_capacity=capacity)[0])
+  want, seen = np.full(ids.shape, -1), np.zeros(local_experts, int)
+  for member in np.ndindex(ids.shape):
+    expert = ids[member]
+    if 0 <= expert < local_experts:
+      want[member] = expert * capacity + seen[expert] if seen[expert] < capacity else -2
+      seen[expert] += 1
+  assert (want == -2).any() and (want == -1).any() and (want >= 0).any()
+  np.testing.assert_array_equal(recv_pos, want)
