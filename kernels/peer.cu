@@ -478,6 +478,16 @@ __device__ __forceinline__ int member_row(const int* __restrict__ recv_pos, i64 
   return (n >= 0 && n < num_slab_rows) ? n : -1;
 }
 
+// Whether the row in slot `row` came from its source at all: some member
+// routed here (kept, or dropped for capacity: -2), warp-wide. Combine sends
+// back only those rows (P2 at EP=8, E=64: a third of each chunk is empty).
+__device__ __forceinline__ bool slot_held_row(const int* __restrict__ recv_pos, i64 row,
+                                              int top_k) {
+  const int lane = lane_index();
+  const bool dropped = lane < top_k && __ldg(recv_pos + row * top_k + lane) == -2;
+  return __ballot_sync(MOE_EP_FULL_MASK, dropped) != 0u;
+}
+
 __device__ __forceinline__ u64 slot_address(u64 base, i64 data_offset, int parity, int ep_size,
                                             int slot, i64 slot_bytes) {
   return base + (u64)data_offset + (u64)(parity * (ep_size - 1) + slot) * (u64)slot_bytes;
@@ -1016,7 +1026,9 @@ DEFINE_PEER_DISPATCH_FP8_KERNEL(f16, F16)
 //   senders:   chunk (q, d): for slot s of the chunk (the row d sent here in
 //              slot s), the float32 sum of its members' slab rows in member
 //              order, rounded once, stored into row s of this rank's slot on
-//              d (zero where no member is kept): gather_sum_rows over recv_pos.
+//              d (zero where every member was dropped for capacity, -2 in
+//              recv_pos): gather_sum_rows over recv_pos. A slot d sent no
+//              row in (every member -1) is never read back and not stored.
 //   receivers: token units, warps striding: y[t] = the float32 sum over ranks d = 0, 1, ... of
 //              the row t sent to d as it came back: from d's slot for d !=
 //              rank (lane d waits for its chunk's flag first), and for d ==
@@ -1051,9 +1063,10 @@ __device__ __forceinline__ void peer_combine(
     const int segments = (row_vecs + send_segment_vecs - 1) / send_segment_vecs;
     send_chunks(ex, c, segments, send_segment_vecs, row_vecs, row_vecs,
                 [&](int dest, i64 s, const RowUnit& u, uint4* out) {
-                  const int member = member_row(recv_pos, (i64)dest * send_capacity + s, top_k,
-                                                num_slab_rows);
+                  const i64 row = (i64)dest * send_capacity + s;
+                  const int member = member_row(recv_pos, row, top_k, num_slab_rows);
                   const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
+                  if (members == 0u && !slot_held_row(recv_pos, row, top_k)) return;
                   for (int base = u.begin; base < u.end; base += 32 * ROW_SUM_UNROLL) {
                     float acc[ROW_SUM_UNROLL][kPerVec];
                     zero_sums(acc);
