@@ -875,7 +875,12 @@ def fused_rows_problem(dtype, hidden: int, ep_size: int, top_k: int, *,
     if hidden % 16:
       return f"FP8 rows quantized in the kernel need hidden % 16 == 0; hidden={hidden}"
     from moe_ep.transport import fp8  # imports this module's package
-    return fused_rows_problem(np.uint8, fp8.wire_bytes(hidden), ep_size, top_k, sums=False)
+    width = fp8.wire_bytes(hidden)
+    zero_vectors = width // 16 - hidden // 16 - fp8_send_units(hidden)
+    if not 0 <= zero_vectors <= 31:  # the kernel's last quantize step stores them, a lane each
+      return (f"FP8 wire rows of {width} bytes for hidden={hidden}: the fused kernel writes "
+              f"0 to 31 zero vectors after the codes and scales, not {zero_vectors}")
+    return fused_rows_problem(np.uint8, width, ep_size, top_k, sums=False)
   row_bytes = hidden * dtype.itemsize
   if row_bytes % 16:
     return f"rows of {row_bytes} bytes are not a whole number of 16-byte vectors"

@@ -156,3 +156,17 @@ def test_slab_layout_beyond_int32_positions_is_named():
   with pytest.raises(ValueError, match=r"R \* S \* K received members = 2147483648 must be"):
     jax.eval_shape(lambda m: cupy_backend.slab_layout(
         m, top_k=top_k, num_local_experts=local_experts, expert_capacity=8), meta)
+
+
+def test_fp8_wire_rows_the_fused_kernel_cannot_pad_are_refused(monkeypatch):
+  """The fused FP8 dispatch writes 0 to 31 zero vectors after a row's codes
+  and scales (lanes of its last quantize step): a wire width outside that
+  sends the rows through the drop-in exchange, with the reason named."""
+  from moe_ep.transport import fp8, peer
+  assert peer.fused_rows_problem(jnp.bfloat16, 1024, 2, 8, sums=False,
+                                 wire_dtype="float8_e4m3fn") is None
+  rule = fp8.wire_bytes
+  for width, zeros in ((rule(1024) + 32 * 16, 32), (1024, -2)):
+    monkeypatch.setattr(fp8, "wire_bytes", lambda h, w=width: w)
+    assert f"not {zeros}" in peer.fused_rows_problem(jnp.bfloat16, 1024, 2, 8, sums=False,
+                                                      wire_dtype="float8_e4m3fn")
