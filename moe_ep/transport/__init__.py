@@ -432,17 +432,26 @@ def _merge_duplicate_routes(topk_idx: jax.Array, topk_weights: jax.Array):
 
   Returns:
     ``(topk_idx [T, K] int32, topk_weights [T, K] float32)``; equal to the
-    inputs (the weights cast to float32) where a token has no repeats.
+    inputs (the weights cast to float32) where a token has no repeats; a
+    merged weight sums its occurrences in k order.
   """
+  # Column by column (K is static): all elementwise, which XLA fuses whole,
+  # rather than reductions over a [T, K, K] comparison.
   top_k = topk_idx.shape[1]
-  same = (topk_idx[:, :, None] == topk_idx[:, None, :]) & (topk_idx[:, :, None] >= 0)
-  earlier = jnp.tril(jnp.ones((top_k, top_k), bool), k=-1)  # [i, j]: j comes before i
-  repeat = (same & earlier).any(axis=2)
-  shared = same.sum(axis=2) > 1
-  weights = topk_weights.astype(jnp.float32)
-  # where, not a product: an inf weight must not turn the others' zeros into NaN.
-  summed = jnp.where(same, weights[:, None, :], 0.0).sum(axis=2)
-  return jnp.where(repeat, -1, topk_idx), jnp.where(shared, summed, weights)
+  ids = [topk_idx[:, k] for k in range(top_k)]
+  weights = [w for w in topk_weights.astype(jnp.float32).T]
+  merged_ids, merged_weights = [], []
+  for k in range(top_k):
+    same = [(ids[j] == ids[k]) & (ids[k] >= 0) for j in range(top_k)]
+    repeat = functools.reduce(jnp.logical_or, same[:k], jnp.zeros_like(same[k]))
+    shared = functools.reduce(jnp.logical_or, same[:k] + same[k + 1:], jnp.zeros_like(same[k]))
+    summed = jnp.zeros_like(weights[k])
+    for j in range(top_k):
+      # where, not a product: an inf weight must not turn the others' zeros into NaN.
+      summed = summed + jnp.where(same[j], weights[j], 0.0)
+    merged_ids.append(jnp.where(repeat, -1, ids[k]))
+    merged_weights.append(jnp.where(shared, summed, weights[k]))
+  return jnp.stack(merged_ids, axis=1), jnp.stack(merged_weights, axis=1)
 
 
 WIRE_DTYPES = ("float8_e4m3fn",)
