@@ -7,6 +7,9 @@ typedef unsigned int u32;
 typedef long long i64;
 
 #define MOE_EP_FULL_MASK 0xffffffffu
+// RoutingHandle.recv_pos of a route that came here and was dropped for
+// capacity (moe_ep/transport/layout.py's DROPPED_MEMBER; -1: no route here).
+#define MOE_EP_DROPPED_MEMBER (-2)
 
 __device__ __forceinline__ float bf16_to_f32(u16 bits) {
   return __uint_as_float(((u32)bits) << 16);

@@ -365,7 +365,7 @@ slab_rank(const int* __restrict__ meta, int ep_size, int send_capacity, int top_
         slab_row[slab_index] = member / top_k;
         slab_weights[slab_index] = __int_as_float(weight_bits);
       } else {
-        recv_pos[member] = key >= 0 ? -2 : -1;  // -2: routed here, dropped (DROPPED_MEMBER)
+        recv_pos[member] = key >= 0 ? MOE_EP_DROPPED_MEMBER : -1;
       }
     }
   }

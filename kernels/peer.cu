@@ -484,7 +484,8 @@ __device__ __forceinline__ int member_row(const int* __restrict__ recv_pos, i64 
 __device__ __forceinline__ bool slot_held_row(const int* __restrict__ recv_pos, i64 row,
                                               int top_k) {
   const int lane = lane_index();
-  const bool dropped = lane < top_k && __ldg(recv_pos + row * top_k + lane) == -2;
+  const bool dropped =
+      lane < top_k && __ldg(recv_pos + row * top_k + lane) == MOE_EP_DROPPED_MEMBER;
   return __ballot_sync(MOE_EP_FULL_MASK, dropped) != 0u;
 }
 
@@ -800,9 +801,8 @@ struct QuantizeRows {
     return (hidden + FP8_STEP_CHANNELS - 1) / FP8_STEP_CHANNELS;
   }
   // A wire row: hidden / 16 code vectors, one vector of 4 scales per step,
-  // then zero vectors up to W (at most 31: lanes 1 .. 31 of the last step
-  // store them).
-  __device__ __forceinline__ int wire_vecs() const { return row_vecs; }
+  // then zero vectors up to row_vecs (at most 31: lanes 1 .. 31 of the last
+  // step store them).
   __device__ __forceinline__ bool fits(int wire_row_vecs) const {
     const int padding = row_vecs - code_vecs() - units();
     return hidden >= 16 && hidden % 16 == 0 && wire_row_vecs == row_vecs && padding >= 0 &&
@@ -837,7 +837,7 @@ struct QuantizeRows {
 
   // Stores one step's codes (lanes whose channels are in the row) and scales
   // (lane 0) into the wire row `out`; the last step also its zero vectors
-  // (lanes 1 .. 7).
+  // (lanes 1 .. 31).
   __device__ __forceinline__ void store(uint4* __restrict__ out, int step, uint4 codes,
                                         uint4 scales) const {
     const int lane = lane_index();
@@ -845,14 +845,13 @@ struct QuantizeRows {
     if (v < code_vecs()) out[v] = codes;
     if (lane == 0) out[code_vecs() + step] = scales;
     const int padding = code_vecs() + units() + lane - 1;
-    if (step == units() - 1 && lane >= 1 && padding < wire_vecs())
+    if (step == units() - 1 && lane >= 1 && padding < row_vecs)
       out[padding] = make_uint4(0u, 0u, 0u, 0u);
   }
 
   // As CopyRows::place, each step quantized once for all its stores.
   __device__ __forceinline__ void place(int token, const RowUnit& u, uint4* __restrict__ out,
                                         uint4* __restrict__ slabs, int member, u32 members) const {
-    const int row_vecs = wire_vecs();
     quantize(token, u, [&](int step, uint4 codes, uint4 scales) {
       if (out != nullptr) store(out, step, codes, scales);
       for (u32 m = members; m != 0u; m &= m - 1u) {
@@ -875,9 +874,10 @@ struct QuantizeRows {
 //              too, from the same loads, into its members' slab rows here.
 //   receivers: units in this order, warps striding: (1) padding slab rows
 //              n (slab_row[n] outside [0, R * S)) zeroed, each warp loading
-//              the slab_row entries of its next 32 units of (1) at once; (2) this rank's own slots s whose token
-//              goes to no other rank: token send_token[rank * S + s] copied
-//              into its members' slab rows;
+//              the slab_row entries of its next 32 units of (1) at once;
+//              (2) this rank's own slots s whose token goes to no other
+//              rank: token send_token[rank * S + s] copied into its members'
+//              slab rows;
 //              (3) the other ranks' slots, chunk by chunk in q-major order:
 //              wait for the chunk's flag, copy row s of src's slot into the
 //              members recv_pos[src * S + s].
