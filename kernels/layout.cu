@@ -11,7 +11,9 @@
 //            past the totals, per-key summaries) grid-stride.
 // Two launches rather than a scan launch between them: at decode sizes every
 // launch is latency on the dispatch's critical path, and re-reading
-// tiles * keys counts from L2 per block costs less than one.
+// tiles * keys counts from L2 per block costs less than one. For the same
+// reason, with few tiles (decode) the *_rank kernel's blocks count the tiles
+// themselves (*_rank_own_count) and the *_count launch is left out.
 // Items are tokens on the sender (keys: destination ranks; a token carries
 // every rank one of its K experts lives on) and received members (src, slot,
 // k) on the receiver (key: local expert), so ranks follow token order, which
@@ -21,6 +23,10 @@
 // meta_width = 2*S*K + L words per destination rank:
 //   [0, S*K) local expert id of member k of slot s, or -1;
 //   [S*K, 2*S*K) its weight as float32 bits; [2*S*K, +L) routes per expert.
+
+// Every kernel's dynamic shared memory (one declaration: the kernels' bodies
+// include templates, where a local extern declaration would conflict).
+extern __shared__ int shared[];
 
 __device__ __forceinline__ bool valid_expert(int expert, int num_experts) {
   return expert >= 0 && expert < num_experts;
@@ -75,6 +81,30 @@ __device__ __forceinline__ int tile_total(const int* warp_counts, int warps, int
   return total;
 }
 
+// Tile `tile`'s members per destination rank into dest_counts [R] (any
+// memory) and routes per expert into expert_hist [E] (shared); warp_counts
+// [warps, R] shared scratch.
+__device__ __forceinline__ void count_tile(const int* __restrict__ topk_idx, int tile,
+                                           int num_tokens, int top_k, int num_experts,
+                                           int local_experts, int ep_size, int* warp_counts,
+                                           int* expert_hist, int* dest_counts) {
+  const int warps = blockDim.x / 32;
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) expert_hist[e] = 0;
+  __syncthreads();
+  const i64 t = (i64)tile * blockDim.x + threadIdx.x;
+  const bool active = t < num_tokens;
+  const int* ids = topk_idx + (active ? t : 0) * top_k;
+  if (active) {
+    for (int k = 0; k < top_k; ++k) {
+      const int e = ids[k];
+      if (valid_expert(e, num_experts)) atomicAdd(&expert_hist[e], 1);  // int: exact
+    }
+  }
+  count_warp_dests(ids, top_k, local_experts, active, ep_size, warp_counts);
+  for (int d = threadIdx.x; d < ep_size; d += blockDim.x)
+    dest_counts[d] = tile_total(warp_counts, warps, ep_size, d);
+}
+
 // ---------------------------------------------------------------------------
 // route_count: per tile of tokens, members per destination rank and routes
 // per expert.
@@ -88,24 +118,11 @@ extern "C" __global__ void route_count(const int* __restrict__ topk_idx, int num
                                        int top_k, int num_experts, int local_experts,
                                        int ep_size, int* __restrict__ tile_dest_counts,
                                        int* __restrict__ tile_expert_counts) {
-  extern __shared__ int shared[];
   const int warps = blockDim.x / 32;
   int* warp_counts = shared;                    // [warps, R]
   int* expert_hist = shared + warps * ep_size;  // [E]
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) expert_hist[e] = 0;
-  __syncthreads();
-  const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  const bool active = t < num_tokens;
-  const int* ids = topk_idx + (active ? t : 0) * top_k;
-  if (active) {
-    for (int k = 0; k < top_k; ++k) {
-      const int e = ids[k];
-      if (valid_expert(e, num_experts)) atomicAdd(&expert_hist[e], 1);  // int: exact
-    }
-  }
-  count_warp_dests(ids, top_k, local_experts, active, ep_size, warp_counts);
-  for (int d = threadIdx.x; d < ep_size; d += blockDim.x)
-    tile_dest_counts[(i64)blockIdx.x * ep_size + d] = tile_total(warp_counts, warps, ep_size, d);
+  count_tile(topk_idx, blockIdx.x, num_tokens, top_k, num_experts, local_experts, ep_size,
+             warp_counts, expert_hist, tile_dest_counts + (i64)blockIdx.x * ep_size);
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x)
     tile_expert_counts[(i64)blockIdx.x * num_experts + e] = expert_hist[e];
 }
@@ -141,9 +158,12 @@ __device__ void sum_tiles(const int* __restrict__ tile_counts, int num_tiles, in
 // the empty slots past each chunk's fill and the demand words.
 //   grid: max(tiles, ceil(R * S / blockDim.x)), tiles as route_count (blocks
 //   past the tiles only pad); block: as route_count;
-//   shared memory: (warps + 3) * R + blockDim.x * (R + 1 + 3 * K) ints.
+//   shared memory: (warps + 3) * R + blockDim.x * (R + 1 + 3 * K) ints, and
+//   R + E more in route_rank_own_count.
 //   inputs: topk_idx [T, K], topk_weights [T, K] float32, route_count's
-//   tile_dest_counts [tiles, R] and tile_expert_counts [tiles, E].
+//   tile_dest_counts [tiles, R] and tile_expert_counts [tiles, E]; or, in
+//   route_rank_own_count (one tile), no route_count launch: every block
+//   counts the tile itself (at decode sizes a launch costs more than that).
 //   outputs: send_slot [T, R] (-1: no route or beyond S), send_token [R, S]
 //   (-1 past the fill), route_slot [T, K], meta [R, meta_width].
 //   bounds: a slot >= S is dropped on the wire (written as -1).
@@ -153,14 +173,14 @@ __device__ void sum_tiles(const int* __restrict__ tile_counts, int num_tiles, in
 // tile writes its [T, K] and metadata words as contiguous runs, consecutive
 // threads on consecutive words (a thread per token would stride K words).
 // ---------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(1024)
-route_rank(const int* __restrict__ topk_idx, const float* __restrict__ topk_weights,
+template <bool kCounted>
+__device__ __forceinline__ void route_rank_body(
+           const int* __restrict__ topk_idx, const float* __restrict__ topk_weights,
            int num_tokens, int top_k, int num_experts, int local_experts, int ep_size,
            int send_capacity, int num_tiles, const int* __restrict__ tile_dest_counts,
            const int* __restrict__ tile_expert_counts, int* __restrict__ send_slot,
            int* __restrict__ send_token, int* __restrict__ route_slot, int* __restrict__ meta,
            int meta_width, int demand_offset) {
-  extern __shared__ int shared[];
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int* warp_counts = shared;                            // [warps, R]
   int* tile_offset = warp_counts + warps * ep_size;     // [R]
@@ -171,8 +191,18 @@ route_rank(const int* __restrict__ topk_idx, const float* __restrict__ topk_weig
   int* tile_dest = slot_token + blockDim.x;              // [blockDim, K]: rank, or -1
   int* tile_local = tile_dest + blockDim.x * top_k;      // [blockDim, K]: local expert
   float* tile_weights = (float*)(tile_local + blockDim.x * top_k);  // [blockDim, K]
-  sum_tiles(tile_dest_counts, num_tiles, ep_size, min((int)blockIdx.x, num_tiles),
-            tile_offset, dest_total);
+  const int* dest_counts = tile_dest_counts;
+  const int* expert_counts = tile_expert_counts;
+  if (!kCounted) {  // one tile, no route_count launch: every block counts it here
+    int* own_dest_counts = (int*)(tile_weights + blockDim.x * top_k);  // [R]
+    int* own_expert_counts = own_dest_counts + ep_size;               // [E]
+    count_tile(topk_idx, 0, num_tokens, top_k, num_experts, local_experts, ep_size, warp_counts,
+               own_expert_counts, own_dest_counts);  // sum_tiles' first barrier orders these
+    dest_counts = own_dest_counts;
+    expert_counts = own_expert_counts;
+  }
+  sum_tiles(dest_counts, num_tiles, ep_size, min((int)blockIdx.x, num_tiles), tile_offset,
+            dest_total);
   const i64 members = (i64)send_capacity * top_k;
   const i64 tile_first = (i64)blockIdx.x * blockDim.x;
   const i64 t = tile_first + threadIdx.x;
@@ -252,7 +282,7 @@ route_rank(const int* __restrict__ topk_idx, const float* __restrict__ topk_weig
     int routes = 0;
     if (e < num_experts)
       for (int tile = part; tile < num_tiles; tile += width)
-        routes += tile_expert_counts[(i64)tile * num_experts + e];
+        routes += expert_counts[(i64)tile * num_experts + e];
     for (int offset = width / 2; offset > 0; offset >>= 1)
       routes += __shfl_xor_sync(MOE_EP_FULL_MASK, routes, offset);
     if (part == 0 && e < num_experts) {
@@ -287,6 +317,25 @@ __device__ __forceinline__ u32 count_warp_keys(int key, int* warp_counts, int lo
   return peers;
 }
 
+// Tile `tile`'s members per local expert into tile_counts [L] (any memory);
+// warp_counts [warps, L] shared scratch.
+__device__ __forceinline__ void count_slab_tile(const int* __restrict__ meta, int tile,
+                                                int ep_size, int send_capacity, int top_k,
+                                                int local_experts, int meta_width,
+                                                int* warp_counts, int* tile_counts) {
+  const int warps = blockDim.x / 32;
+  for (int i = threadIdx.x; i < warps * local_experts; i += blockDim.x) warp_counts[i] = 0;
+  __syncthreads();
+  const int num_members = ep_size * send_capacity * top_k;
+  const int member = tile * blockDim.x + threadIdx.x;
+  count_warp_keys(member_key(meta, member, num_members, send_capacity, top_k, meta_width,
+                             local_experts),
+                  warp_counts, local_experts);
+  __syncthreads();
+  for (int l = threadIdx.x; l < local_experts; l += blockDim.x)
+    tile_counts[l] = tile_total(warp_counts, warps, local_experts, l);
+}
+
 // ---------------------------------------------------------------------------
 // slab_count: members per (tile, local expert).
 //   grid: ceil(N / blockDim.x); block: 32 * warps; shared: warps * L ints.
@@ -295,20 +344,8 @@ __device__ __forceinline__ u32 count_warp_keys(int key, int* warp_counts, int lo
 extern "C" __global__ void slab_count(const int* __restrict__ meta, int ep_size,
                                       int send_capacity, int top_k, int local_experts,
                                       int meta_width, int* __restrict__ tile_counts) {
-  extern __shared__ int shared[];
-  const int warps = blockDim.x / 32;
-  int* warp_counts = shared;  // [warps, L]
-  for (int i = threadIdx.x; i < warps * local_experts; i += blockDim.x) warp_counts[i] = 0;
-  __syncthreads();
-  const int num_members = ep_size * send_capacity * top_k;
-  const int member = blockIdx.x * blockDim.x + threadIdx.x;
-  count_warp_keys(member_key(meta, member, num_members, send_capacity, top_k, meta_width,
-                             local_experts),
-                  warp_counts, local_experts);
-  __syncthreads();
-  for (int l = threadIdx.x; l < local_experts; l += blockDim.x)
-    tile_counts[(i64)blockIdx.x * local_experts + l] =
-        tile_total(warp_counts, warps, local_experts, l);
+  count_slab_tile(meta, blockIdx.x, ep_size, send_capacity, top_k, local_experts, meta_width,
+                  shared, tile_counts + (i64)blockIdx.x * local_experts);
 }
 
 // ---------------------------------------------------------------------------
@@ -317,20 +354,24 @@ extern "C" __global__ void slab_count(const int* __restrict__ meta, int ep_size,
 // the counts and the demand.
 //   grid: max(tiles, ceil(L * C / blockDim.x)), tiles as slab_count (blocks
 //   past the tiles only pad); block: as slab_count;
-//   shared memory: (warps + 2) * L ints.
-//   inputs: meta [R, meta_width], slab_count's tile_counts [tiles, L].
+//   shared memory: (warps + 2) * L ints, and tiles * L more in
+//   slab_rank_own_count.
+//   inputs: meta [R, meta_width], slab_count's tile_counts [tiles, L]; or,
+//   in slab_rank_own_count (few tiles), no slab_count launch: every block
+//   counts the other tiles itself (at decode sizes that costs less than a
+//   launch).
 //   outputs: recv_pos [N] (l * C + c; -1 not routed here, -2 dropped for
 //   capacity); slab_row [L, C] (-1 on padding)
 //   and slab_weights [L, C] (0 on padding); counts [L] (kept, at most C);
 //   demand [L] (the routes every source sent for it, before any drop).
 // ---------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(1024)
-slab_rank(const int* __restrict__ meta, int ep_size, int send_capacity, int top_k,
+template <bool kCounted>
+__device__ __forceinline__ void slab_rank_body(
+          const int* __restrict__ meta, int ep_size, int send_capacity, int top_k,
           int local_experts, int expert_capacity, int meta_width, int demand_offset,
           int num_tiles, const int* __restrict__ tile_counts, int* __restrict__ recv_pos,
           int* __restrict__ slab_row, float* __restrict__ slab_weights, int* __restrict__ counts,
           int* __restrict__ demand) {
-  extern __shared__ int shared[];
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32;
   int* warp_counts = shared;                          // [warps, L]
   int* tile_offset = shared + warps * local_experts;  // [L]
@@ -346,9 +387,27 @@ slab_rank(const int* __restrict__ meta, int ep_size, int send_capacity, int top_
                                 : -1;
   const int weight_bits = (ranks_members && member < num_members)
       ? meta[(i64)(member / per_src) * meta_width + per_src + member % per_src] : 0;
+  // No slab_count launch: every block counts the other tiles here; its own
+  // tile's counts come from its rank pass below (one tile: no extra pass).
+  const int* counts_of_tiles = tile_counts;
+  const int own_tile = !kCounted && ranks_members ? (int)blockIdx.x : -1;
+  if (!kCounted) {
+    int* own_counts = expert_total + local_experts;  // [tiles, L]
+    for (int tile = 0; tile < num_tiles; ++tile) {  // block-uniform
+      if (tile == own_tile) {
+        for (int l = threadIdx.x; l < local_experts; l += blockDim.x)
+          own_counts[tile * local_experts + l] = 0;  // sum_tiles' first barrier orders these
+        continue;
+      }
+      count_slab_tile(meta, tile, ep_size, send_capacity, top_k, local_experts, meta_width,
+                      warp_counts, own_counts + tile * local_experts);
+      __syncthreads();  // warp_counts is reused
+    }
+    counts_of_tiles = own_counts;
+  }
   for (int i = threadIdx.x; i < warps * local_experts; i += blockDim.x) warp_counts[i] = 0;
-  sum_tiles(tile_counts, num_tiles, local_experts, min((int)blockIdx.x, num_tiles), tile_offset,
-            expert_total);  // its barriers also order the zeroing above
+  sum_tiles(counts_of_tiles, num_tiles, local_experts, min((int)blockIdx.x, num_tiles),
+            tile_offset, expert_total);  // its barriers also order the zeroing above
   if (ranks_members) {  // whole block: __match_any_sync needs every lane
     const u32 peers = count_warp_keys(key, warp_counts, local_experts);
     __syncthreads();
@@ -368,7 +427,11 @@ slab_rank(const int* __restrict__ meta, int ep_size, int send_capacity, int top_
         recv_pos[member] = key >= 0 ? MOE_EP_DROPPED_MEMBER : -1;
       }
     }
+    if (own_tile >= 0)
+      for (int l = threadIdx.x; l < local_experts; l += blockDim.x)
+        expert_total[l] += tile_total(warp_counts, warps, local_experts, l);
   }
+  if (!kCounted) __syncthreads();  // the totals are complete
   const int stride = gridDim.x * blockDim.x;
   for (int i = member; i < local_experts * expert_capacity; i += stride) {
     const int l = i / expert_capacity;
@@ -383,4 +446,40 @@ slab_rank(const int* __restrict__ meta, int ep_size, int send_capacity, int top_
     counts[l] = min(expert_total[l], expert_capacity);
     demand[l] = routes;
   }
+}
+
+#define ROUTE_RANK_ARGS                                                                         \
+  const int* __restrict__ topk_idx, const float* __restrict__ topk_weights, int num_tokens,      \
+      int top_k, int num_experts, int local_experts, int ep_size, int send_capacity,             \
+      int num_tiles, const int* __restrict__ tile_dest_counts,                                   \
+      const int* __restrict__ tile_expert_counts, int* __restrict__ send_slot,                   \
+      int* __restrict__ send_token, int* __restrict__ route_slot, int* __restrict__ meta,        \
+      int meta_width, int demand_offset
+#define ROUTE_RANK_PASS                                                                         \
+  topk_idx, topk_weights, num_tokens, top_k, num_experts, local_experts, ep_size, send_capacity, \
+      num_tiles, tile_dest_counts, tile_expert_counts, send_slot, send_token, route_slot, meta,  \
+      meta_width, demand_offset
+// route_rank after route_count; route_rank_own_count: one tile, counted here.
+extern "C" __global__ void __launch_bounds__(1024) route_rank(ROUTE_RANK_ARGS) {
+  route_rank_body<true>(ROUTE_RANK_PASS);
+}
+extern "C" __global__ void __launch_bounds__(1024) route_rank_own_count(ROUTE_RANK_ARGS) {
+  route_rank_body<false>(ROUTE_RANK_PASS);
+}
+
+#define SLAB_RANK_ARGS                                                                          \
+  const int* __restrict__ meta, int ep_size, int send_capacity, int top_k, int local_experts,    \
+      int expert_capacity, int meta_width, int demand_offset, int num_tiles,                     \
+      const int* __restrict__ tile_counts, int* __restrict__ recv_pos,                           \
+      int* __restrict__ slab_row, float* __restrict__ slab_weights, int* __restrict__ counts,    \
+      int* __restrict__ demand
+#define SLAB_RANK_PASS                                                                          \
+  meta, ep_size, send_capacity, top_k, local_experts, expert_capacity, meta_width,               \
+      demand_offset, num_tiles, tile_counts, recv_pos, slab_row, slab_weights, counts, demand
+// slab_rank after slab_count; slab_rank_own_count: few tiles, counted here.
+extern "C" __global__ void __launch_bounds__(1024) slab_rank(SLAB_RANK_ARGS) {
+  slab_rank_body<true>(SLAB_RANK_PASS);
+}
+extern "C" __global__ void __launch_bounds__(1024) slab_rank_own_count(SLAB_RANK_ARGS) {
+  slab_rank_body<false>(SLAB_RANK_PASS);
 }

@@ -38,7 +38,8 @@ _INSTALL_HINT = ("backend='cupy' needs CuPy: pip install 'moe_ep[cuda13]' (CUDA 
 KERNELS = {
     "rows.cu": ("expand_rows_v16", "expand_rows_v8", "expand_rows_v4", "expand_rows_v2",
                 "gather_sum_rows_f32", "gather_sum_rows_bf16", "gather_sum_rows_f16"),
-    "layout.cu": ("route_count", "route_rank", "slab_count", "slab_rank"),
+    "layout.cu": ("route_count", "route_rank", "route_rank_own_count", "slab_count", "slab_rank",
+                  "slab_rank_own_count"),
 }
 _SUM_KERNELS = {jnp.dtype(jnp.float32): "gather_sum_rows_f32",
                 jnp.dtype(jnp.bfloat16): "gather_sum_rows_bf16",
@@ -219,9 +220,18 @@ def _route_count_shared_ints(threads: int, ep_size: int, num_experts: int) -> in
   return threads // 32 * ep_size + num_experts
 
 
-def _route_rank_shared_ints(threads: int, ep_size: int, top_k: int) -> int:
-  return (threads // 32 + 3) * ep_size + threads * (ep_size + 1 + 3 * top_k)
+def _route_rank_shared_ints(threads: int, ep_size: int, top_k: int, num_experts: int,
+                            counted: bool) -> int:
+  """``route_rank``'s; ``counted=False``: it counts its one tile itself."""
+  own_counts = 0 if counted else ep_size + num_experts
+  return (threads // 32 + 3) * ep_size + threads * (ep_size + 1 + 3 * top_k) + own_counts
 
+
+# Up to this many member tiles, slab_rank counts them itself (no slab_count
+# launch): each block counts the other tiles, one pass each. At decode (T=128,
+# E=256, K=8) on an H200, 2 tiles (EP=2): slab kernels 7.4 -> 7.0 us and the
+# routing 17.5 -> 15.8 us; 1 tile (EP=1): 16.6 -> 12.5 us.
+_SLAB_TILES_COUNTED_IN_RANK = 2
 
 # Warps per token tile of the routing kernels beyond one tile: of 1, 2, 4
 # and 8, 4 was the fastest route_rank (or within 0.2 us of it) at every T
@@ -238,8 +248,10 @@ def _route_threads(num_tokens: int, ep_size: int, num_experts: int, top_k: int) 
   most = 8 if num_tokens <= 32 * 8 else _ROUTE_WARPS
   for warps in range(most, 0, -1):
     threads = 32 * warps
+    counted = num_tokens > threads  # one tile: route_rank counts it, no route_count
     if max(_route_count_shared_ints(threads, ep_size, num_experts),
-           _route_rank_shared_ints(threads, ep_size, top_k)) <= _SHARED_INTS:
+           _route_rank_shared_ints(threads, ep_size, top_k, num_experts,
+                                   counted)) <= _SHARED_INTS:
       return threads
   raise ValueError(f"ep_size={ep_size}, num_experts={num_experts} and top_k={top_k} do not "
                    "fit the routing kernels' shared memory")
@@ -249,7 +261,8 @@ def _route_threads(num_tokens: int, ep_size: int, num_experts: int, top_k: int) 
 
 
 def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capacity: int):
-  """Kernels ``route_count``, ``route_rank``; see :func:`moe_ep.transport.xla.route`."""
+  """Kernels ``route_count``, ``route_rank`` (one tile: ``route_rank_own_count``
+  alone); see :func:`moe_ep.transport.xla.route`."""
   num_tokens, top_k = topk_idx.shape
   local_experts = num_experts // ep_size
   width = meta_layout.width(send_capacity, top_k, local_experts)
@@ -264,17 +277,20 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
             jax.ShapeDtypeStruct((ep_size, width), jnp.int32),
             jax.ShapeDtypeStruct((sum(workspace),), jnp.int32)]
 
+  counted = tiles > 1  # one tile: route_rank counts it (one launch fewer at decode)
+
   def callback(ctx, outs, idx, weights):
     send_slot, send_token, route_slot, meta, scratch = (_pointer(b) for b in outs)
     dest_counts, expert_counts = scratch, scratch + np.uint64(4 * workspace[0])
     sizes = _i32(num_tokens, top_k, num_experts, local_experts, ep_size)
     with _on_xla_stream(ctx, idx) as launch:
-      launch("route_count", tiles, threads, _pointer(idx), *sizes, dest_counts, expert_counts,
-             shared_ints=_route_count_shared_ints(threads, ep_size, num_experts))
-      launch("route_rank", rank_blocks, threads, _pointer(idx), _pointer(weights), *sizes,
-             *_i32(send_capacity, tiles), dest_counts, expert_counts, send_slot, send_token,
-             route_slot, meta, *_i32(width, demand_offset),
-             shared_ints=_route_rank_shared_ints(threads, ep_size, top_k))
+      if counted:
+        launch("route_count", tiles, threads, _pointer(idx), *sizes, dest_counts,
+               expert_counts, shared_ints=_route_count_shared_ints(threads, ep_size, num_experts))
+      launch("route_rank" if counted else "route_rank_own_count", rank_blocks, threads,
+             _pointer(idx), _pointer(weights), *sizes, *_i32(send_capacity, tiles), dest_counts,
+             expert_counts, send_slot, send_token, route_slot, meta, *_i32(width, demand_offset),
+             shared_ints=_route_rank_shared_ints(threads, ep_size, top_k, num_experts, counted))
 
   outputs = _call("moe_cupy_route", callback, shapes, topk_idx.astype(jnp.int32),
                   topk_weights.astype(jnp.float32))
@@ -282,7 +298,8 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
 
 
 def slab_layout(recv_meta, *, top_k: int, num_local_experts: int, expert_capacity: int):
-  """Kernels ``slab_count``, ``slab_rank``; see :func:`moe_ep.transport.xla.slab_layout`."""
+  """Kernels ``slab_count``, ``slab_rank`` (few tiles: ``slab_rank_own_count``
+  alone); see :func:`moe_ep.transport.xla.slab_layout`."""
   ep_size, width = recv_meta.shape
   local_experts, capacity = num_local_experts, expert_capacity
   send_capacity = (width - local_experts) // (2 * top_k)
@@ -294,6 +311,10 @@ def slab_layout(recv_meta, *, top_k: int, num_local_experts: int, expert_capacit
   threads = _tile_threads(local_experts, extra_ints=2 * local_experts)
   tiles = -(-num_members // threads)
   rank_blocks = max(tiles, -(-local_experts * capacity // threads))
+  rank_ints = (threads // 32 + 2) * local_experts
+  # Few tiles (decode): slab_rank's blocks count them themselves, one launch fewer.
+  counted = (tiles > _SLAB_TILES_COUNTED_IN_RANK
+             or rank_ints + tiles * local_experts > _SHARED_INTS)
   shapes = [jax.ShapeDtypeStruct((ep_size, send_capacity, top_k), jnp.int32),
             jax.ShapeDtypeStruct((local_experts, capacity), jnp.int32),
             jax.ShapeDtypeStruct((local_experts, capacity), jnp.float32),
@@ -305,14 +326,15 @@ def slab_layout(recv_meta, *, top_k: int, num_local_experts: int, expert_capacit
     recv_pos, slab_row, slab_weights, counts, demand, tile_counts = (
         _pointer(b) for b in outs)
     with _on_xla_stream(ctx, meta) as launch:
-      launch("slab_count", tiles, threads, _pointer(meta),
-             *_i32(ep_size, send_capacity, top_k, local_experts, width), tile_counts,
-             shared_ints=threads // 32 * local_experts)
-      launch("slab_rank", rank_blocks, threads, _pointer(meta),
-             *_i32(ep_size, send_capacity, top_k, local_experts, capacity, width,
-                   2 * send_capacity * top_k, tiles),
+      if counted:
+        launch("slab_count", tiles, threads, _pointer(meta),
+               *_i32(ep_size, send_capacity, top_k, local_experts, width), tile_counts,
+               shared_ints=threads // 32 * local_experts)
+      launch("slab_rank" if counted else "slab_rank_own_count", rank_blocks, threads,
+             _pointer(meta), *_i32(ep_size, send_capacity, top_k, local_experts, capacity, width,
+                                   2 * send_capacity * top_k, tiles),
              tile_counts, recv_pos, slab_row, slab_weights, counts, demand,
-             shared_ints=(threads // 32 + 2) * local_experts)
+             shared_ints=rank_ints + (0 if counted else tiles * local_experts))
 
   return tuple(_call("moe_cupy_slab_layout", callback, shapes, recv_meta)[:5])
 

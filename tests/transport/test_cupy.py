@@ -41,7 +41,8 @@ def routing(rng, tokens, top_k, num_experts, invalid_share=0.1):
 
 @pytest.mark.parametrize("tokens, top_k, num_experts, ep_size, send_capacity", [
     (1, 1, 4, 1, 1), (37, 3, 16, 1, 37), (300, 8, 64, 4, 300), (300, 8, 64, 4, 40),
-    (2500, 4, 32, 8, 2500), (2048, 8, 256, 8, 700)])
+    (2500, 4, 32, 8, 2500), (2048, 8, 256, 8, 700),
+    (200, 8, 64, 8, 200)])  # one token tile, several route_rank blocks
 def test_route_matches_xla_exactly(tokens, top_k, num_experts, ep_size, send_capacity):
   cupy_backend, reference = backends()
   idx, weights = routing(np.random.default_rng(tokens), tokens, top_k, num_experts)
@@ -53,7 +54,8 @@ def test_route_matches_xla_exactly(tokens, top_k, num_experts, ep_size, send_cap
 
 @pytest.mark.parametrize("ep_size, send_capacity, top_k, local_experts, capacity", [
     (1, 5, 1, 1, 1), (1, 400, 8, 64, 40), (4, 300, 8, 16, 90), (8, 700, 4, 4, 3000),
-    (2, 1000, 2, 300, 9), (2, 64, 4, 2048, 2)])  # last: more experts than threads a block
+    (2, 1000, 2, 300, 9), (2, 64, 4, 2048, 2),  # more experts than threads a block
+    (2, 128, 8, 128, 16), (1, 128, 8, 256, 16)])  # decode: 2 and 1 tiles, no slab_count
 def test_slab_layout_matches_xla_exactly(ep_size, send_capacity, top_k, local_experts, capacity):
   cupy_backend, reference = backends()
   rng = np.random.default_rng(send_capacity)

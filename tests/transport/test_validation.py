@@ -134,7 +134,8 @@ def test_routing_tiles_fit_shared_memory_and_spread(tokens, ep_size, num_experts
   only where one more warp would not fit)."""
   def fits(threads):
     count_ints = cupy_backend._route_count_shared_ints(threads, ep_size, num_experts)
-    rank_ints = cupy_backend._route_rank_shared_ints(threads, ep_size, top_k)
+    rank_ints = cupy_backend._route_rank_shared_ints(threads, ep_size, top_k, num_experts,
+                                                     counted=tokens > threads)
     return max(count_ints, rank_ints) <= cupy_backend._SHARED_INTS
 
   threads = cupy_backend._route_threads(tokens, ep_size, num_experts, top_k)
