@@ -166,17 +166,15 @@ class _Grid:
     peer.configure()
 
 
-def _grids(ep_size: int, tokens: int, send_capacity: int, hidden: int) -> dict:
+def _grids(ep_size: int, tokens: int, send_capacity: int, hidden: int, top_k: int,
+           num_slab_rows: int) -> dict:
   """The fused row kernels' grids as now configured for bf16 rows of
   ``hidden`` (dispatch and combine) and for the FP8 dispatch."""
   sms = _multiprocessors() or 1
-  grids = {kind: dataclasses.asdict(peer.row_grid(kind, ep_size, tokens, send_capacity,
-                                                  hidden * 2 // 16, sms))
-           for kind in ("dispatch", "combine")}
-  grids["dispatch_fp8"] = dataclasses.asdict(peer.row_grid(
-      "dispatch", ep_size, tokens, send_capacity, fp8.wire_bytes(hidden) // 16, sms,
-      send_units=peer.fp8_send_units(hidden)))
-  return grids
+  shape = ("bfloat16", tokens, hidden, send_capacity, top_k, num_slab_rows)
+  kernels = {"dispatch": peer.dispatch_kernel(*shape), "combine": peer.combine_kernel(*shape),
+             "dispatch_fp8": peer.dispatch_kernel(*shape, wire_dtype=FP8)}
+  return {name: dataclasses.asdict(kernel.grid(ep_size, sms)) for name, kernel in kernels.items()}
 
 
 def _routing_only(spec, num_experts: int):
@@ -198,6 +196,7 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
                                                      capacity_factor, tokens + num_experts)
   row_bytes = hidden * 2
   wire_row_bytes = fp8.wire_bytes(hidden)
+  num_slab_rows = num_experts // ep_size * capacity
   reason = _peer_reason(mesh, backend)
   result = {"tokens_per_rank": tokens, "num_experts": num_experts, "expert_capacity": capacity,
             "send_capacity": send_capacity, "peer_unsupported_reason": reason}
@@ -285,14 +284,15 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
       timings["fp8_bitwise_equal_to_all_to_all"] = _same_bits(fp8_slabs,
                                                               result["fp8_reference"])
     if path == "peer":
-      timings["default_grid"] = _grids(ep_size, tokens, send_capacity, hidden)
+      timings["default_grid"] = _grids(ep_size, tokens, send_capacity, hidden, top_k,
+                                       num_slab_rows)
     if path == "peer" and grids:
       timings["grids"] = []
       for row_blocks, send_blocks in grids:
         with _Grid(row_blocks, send_blocks):
           timings["grids"].append({
               "requested": {"row_blocks": row_blocks, "send_blocks": send_blocks},
-              "grid": _grids(ep_size, tokens, send_capacity, hidden),
+              "grid": _grids(ep_size, tokens, send_capacity, hidden, top_k, num_slab_rows),
               "dispatch_rows": _with_gbs(
                   _timed(mesh, rows_fn, (x, dispatched.handle), repeat=repeat, iters=iters),
                   nbytes["dispatch_off_device"], nbytes["dispatch_received"]),

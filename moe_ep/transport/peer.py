@@ -1099,15 +1099,16 @@ def dispatch_kernel(dtype, num_tokens: int, hidden: int, send_capacity: int, top
   """:func:`dispatch_rows`' kernel for ``[T, H]`` rows of ``dtype`` (FP8:
   quantizing them into wire rows of ``W`` bytes)."""
   if wire_dtype is None:
-    row_vecs = hidden * np.dtype(dtype).itemsize // 16
-    return RowKernel("dispatch", "dispatch", "dispatch_rows", np.dtype(dtype).name, hidden,
-                     num_tokens, send_capacity, (send_capacity, top_k, num_slab_rows, row_vecs))
+    kernel = RowKernel("dispatch", "dispatch", "dispatch_rows", np.dtype(dtype).name, hidden,
+                       num_tokens, send_capacity, ())
+    return dataclasses.replace(kernel, sizes=(send_capacity, top_k, num_slab_rows,
+                                              kernel.row_vecs))
   from moe_ep.transport import fp8  # imports this module's package
-  width = fp8.wire_bytes(hidden)
-  return RowKernel("dispatch", f"dispatch_fp8_{_SUM_SUFFIX[np.dtype(dtype).name]}",
-                   "dispatch_rows_fp8", "uint8", width, num_tokens, send_capacity,
-                   (send_capacity, top_k, num_slab_rows, width // 16, hidden),
-                   fp8_send_units(hidden))
+  kernel = RowKernel("dispatch", f"dispatch_fp8_{_SUM_SUFFIX[np.dtype(dtype).name]}",
+                     "dispatch_rows_fp8", "uint8", fp8.wire_bytes(hidden), num_tokens,
+                     send_capacity, (), fp8_send_units(hidden))
+  return dataclasses.replace(kernel, sizes=(send_capacity, top_k, num_slab_rows,
+                                            kernel.row_vecs, hidden))
 
 
 def combine_kernel(dtype, num_tokens: int, hidden: int, send_capacity: int, top_k: int,
