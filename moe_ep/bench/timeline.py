@@ -10,13 +10,16 @@ records on its threads (every device's ops, on whichever thread ran them).
 Calls are told apart on GPU by the host's round trip between them (the
 widest gaps between kernels split them), on CPU by the host-side span of
 each call. With one process driving several GPUs, device 0's kernels that
-wait for another GPU (the peer exchanges) include that GPU's lag.
+wait for another GPU (the peer exchanges) include that GPU's lag; each
+call also lists the other GPUs' kernels (``other_gpus``), timed from
+device 0's first, so the lag shows as their later starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+import itertools
 import statistics
 import tempfile
 
@@ -39,14 +42,28 @@ _SUMMARY_EVENTS = 40  # events per program the summary lists
 _CALL = "moe_ep_timeline_call"  # the host-side annotation around each traced call
 
 
+def _gpu_kernels(profile) -> dict[int, list[tuple[float, float, str]]]:
+  """Per GPU (its index in the plane name ``/device:GPU:<i>``) with kernels,
+  ``(start_ns, duration_ns, name)`` of the kernels on its streams, sorted by
+  start (the profiler puts every GPU's on one clock)."""
+  kernels = {}
+  for plane in profile.planes:
+    prefix = "/device:GPU:"
+    if not plane.name.startswith(prefix):
+      continue
+    digits = "".join(itertools.takewhile(str.isdigit, plane.name[len(prefix):]))
+    events = [(e.start_ns, e.duration_ns, e.name) for line in plane.lines
+              if "stream" in line.name.lower() for e in line.events]
+    if digits and events:
+      kernels.setdefault(int(digits), []).extend(events)
+  return {gpu: sorted(events) for gpu, events in sorted(kernels.items())}
+
+
 def _calls_of(profile, calls: int) -> list[list[tuple[float, float, str]]]:
   """Per call, ``(start_ns, duration_ns, name)`` of device 0's kernels (GPU)
   or of the XLA CPU runtime's ops, sorted by start. A GPU plane without
   kernels (the programs ran on CPU on a machine with a GPU) is ignored."""
-  gpu = [p for p in profile.planes if p.name.startswith("/device:GPU:0")]
-  events = sorted((e.start_ns, e.duration_ns, e.name) for plane in gpu[:1]
-                  for line in plane.lines if "stream" in line.name.lower()
-                  for e in line.events)
+  events = _gpu_kernels(profile).get(0)
   if events:
     return split_calls(events, calls)
   events, windows = [], []
@@ -73,13 +90,30 @@ def split_calls(events: list[tuple[float, float, str]], calls: int) -> list[list
   return [events[a:b] for a, b in zip([0, *cuts], [*cuts, len(events)])]
 
 
-def _call_record(group) -> dict:
+def _events(group, t0: float) -> list[dict]:
+  return [{"name": name, "start_us": (start - t0) / 1e3, "us": duration / 1e3}
+          for start, duration, name in group]
+
+
+def _call_record(group, others: dict | None = None) -> dict:
+  """One call of device 0 (``group``), and ``others``: the same call's
+  kernels on each other GPU, their starts also from device 0's first."""
   t0 = group[0][0]
   end = max(start + duration for start, duration, _ in group)
-  return {"span_us": (end - t0) / 1e3,
-          "busy_us": sum(duration for _, duration, _ in group) / 1e3,
-          "events": [{"name": name, "start_us": (start - t0) / 1e3, "us": duration / 1e3}
-                     for start, duration, name in group]}
+  record = {"span_us": (end - t0) / 1e3,
+            "busy_us": sum(duration for _, duration, _ in group) / 1e3,
+            "events": _events(group, t0)}
+  if others:
+    record["other_gpus"] = {str(gpu): _events(events, t0) for gpu, events in others.items()}
+  return record
+
+
+def _other_gpus_calls(profile, calls: int) -> list[dict[int, list]]:
+  """Per call, the kernels of every GPU but 0 (one process driving several):
+  each GPU's trace split into its calls as device 0's is."""
+  split = {gpu: split_calls(events, calls) for gpu, events in _gpu_kernels(profile).items()
+           if gpu != 0 and len(events) >= calls}
+  return [{gpu: groups[i] for gpu, groups in split.items()} for i in range(calls)]
 
 
 def trace_calls(fn, args, *, calls: int = 3) -> list[dict]:
@@ -95,10 +129,12 @@ def trace_calls(fn, args, *, calls: int = 3) -> list[dict]:
       with jax.profiler.TraceAnnotation(_CALL):
         jax.block_until_ready(fn(*args))
   (path,) = glob.glob(folder + "/**/*.xplane.pb", recursive=True)
-  groups = _calls_of(jax.profiler.ProfileData.from_file(path), calls + 1)
+  profile = jax.profiler.ProfileData.from_file(path)
+  groups = _calls_of(profile, calls + 1)
   if len(groups) != calls + 1 or not all(groups):
     raise RuntimeError(f"the trace gave {[len(g) for g in groups]} events for {calls + 1} calls")
-  return [_call_record(group) for group in groups[1:]]
+  others = _other_gpus_calls(profile, calls + 1)
+  return [_call_record(group, other) for group, other in zip(groups[1:], others[1:])]
 
 
 def _case(mesh, tokens, hidden, num_experts, top_k, capacity_factor, backend, exchange) -> dict:
@@ -159,8 +195,16 @@ def summary(result: dict) -> str:
     call = calls[spans.index(statistics.median_low(spans))]
     spans_text = ", ".join(f"{s:.1f}" for s in spans)
     lines.append(f"  {name}: span {call['span_us']:.1f} us (calls: {spans_text})")
-    lines += [f"    {e['start_us']:8.1f} +{e['us']:7.1f}  {e['name'][:70]}"
-              for e in call["events"][:_SUMMARY_EVENTS]]
-    if len(call["events"]) > _SUMMARY_EVENTS:
-      lines.append(f"    ... {len(call['events']) - _SUMMARY_EVENTS} more (in the JSON)")
+    lines += _event_lines(call["events"], "    ")
+    for gpu, events in call.get("other_gpus", {}).items():
+      lines.append(f"    GPU {gpu}, the same call (starts from GPU 0's first kernel):")
+      lines += _event_lines(events, "      ")
   return "\n".join(lines)
+
+
+def _event_lines(events: list[dict], indent: str) -> list[str]:
+  lines = [f"{indent}{e['start_us']:8.1f} +{e['us']:7.1f}  {e['name'][:70]}"
+           for e in events[:_SUMMARY_EVENTS]]
+  if len(events) > _SUMMARY_EVENTS:
+    lines.append(f"{indent}... {len(events) - _SUMMARY_EVENTS} more (in the JSON)")
+  return lines

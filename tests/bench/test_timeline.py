@@ -85,3 +85,29 @@ def test_the_fp8_program_runs_on_the_exchange_dispatch_resolves(exchange):
   assert case["spec"].exchange == transport._resolve_exchange(exchange, "auto", "ep", ep_size,
                                                               mesh)
   assert case["spec"].exchange in ("all_to_all", "peer")
+
+
+def test_every_gpus_kernels_are_read_and_timed_from_device_0s_call():
+  # One process driving three GPUs: GPU 1's and GPU 10's kernels of each call
+  # start later than GPU 0's (their launches trail), and are listed per call
+  # from GPU 0's first kernel; a plane named GPU:10 is not GPU 1's or 0's.
+  profile = trace(
+      ("/device:GPU:0", {"Stream #1": [(0, 5, "route"), (10, 50, "peer_dispatch"),
+                                       (1000, 5, "route"), (1010, 50, "peer_dispatch")]}),
+      ("/device:GPU:1", {"Stream #7": [(20, 5, "route"), (30, 40, "peer_dispatch"),
+                                       (1025, 5, "route"), (1035, 40, "peer_dispatch")]}),
+      ("/device:GPU:10", {"Stream #2": [(3, 1, "route"), (1003, 1, "route")]}))
+  kernels = timeline._gpu_kernels(profile)
+  assert sorted(kernels) == [0, 1, 10] and [len(k) for k in kernels.values()] == [4, 4, 2]
+  groups = timeline._calls_of(profile, 2)
+  others = timeline._other_gpus_calls(profile, 2)
+  records = [timeline._call_record(g, o) for g, o in zip(groups, others)]
+  assert [e["name"] for e in records[1]["events"]] == ["route", "peer_dispatch"]
+  gpu1 = records[1]["other_gpus"]["1"]
+  assert [(e["name"], e["start_us"], e["us"]) for e in gpu1] == [
+      ("route", 0.025, 0.005), ("peer_dispatch", 0.035, 0.04)]
+  assert [e["start_us"] for e in records[0]["other_gpus"]["10"]] == [0.003]
+  assert "GPU 1, the same call" in timeline.summary({
+      "ep_size": 2, "processes": 1, "tokens_per_rank": 8, "num_experts": 4,
+      "decode_tokens_per_rank": 2, "decode_experts": 4,
+      "programs": {"dispatch": [records[0], records[1]]}})
