@@ -42,6 +42,14 @@ class Launch:
   held: tuple
 
 
+def _unwritten(cupy, shape: tuple, dtype):
+  """An output buffer full of 0xAB bytes, as XLA's are not zeroed: a row the
+  kernel fails to write shows."""
+  out = cupy.empty(shape, dtype)
+  out.view(cupy.uint8).fill(0xAB)
+  return out
+
+
 def _ranks_first(rank: int, ep_size: int) -> list[int]:
   return [q for q in range(ep_size) if q != rank] + [rank]
 
@@ -122,7 +130,7 @@ def run_rank(kernel: peer.RowKernel, inputs: list[tuple], out_shape: tuple, out_
     arguments = {}
 
     def launch(q, peers, tail):
-      out = cupy.zeros(out_shape, out_dtype)
+      out = _unwritten(cupy, out_shape, out_dtype)
       arguments[q] = (*(cupy.asarray(a) for a in inputs[q]), out,
                       *kernel.args(grid, layout, peers, q, tail))
       function((grid.blocks,), (peer._ROW_THREADS,), arguments[q])
