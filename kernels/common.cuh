@@ -39,6 +39,14 @@ __device__ __forceinline__ u32 lanemask_lt() {
   return mask;
 }
 
+// Bytes of dynamic shared memory this launch was given: kernels that index
+// it by their arguments check them against it.
+__device__ __forceinline__ u32 dynamic_shared_bytes() {
+  u32 bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+  return bytes;
+}
+
 // Element types of 16-bit and 32-bit float rows: load to float32, store with
 // one rounding (round to nearest even). Shared by the sums (rows.cu, peer.cu)
 // and the FP8 passes (fp8.cu), so all of them round alike.

@@ -17,16 +17,13 @@
 // Items are tokens on the sender (keys: destination ranks; a token carries
 // every rank one of its K experts lives on) and received members (src, slot,
 // k) on the receiver (key: local expert), so ranks follow token order, which
-// is the slab order the transport promises.
+// is the slab order the transport promises. The receiver's rank pass and the
+// tile sums are in slab_layout.cuh (peer.cu fuses them with the exchange).
 //
 // Metadata layout (moe_ep/transport/meta.py): one int32 row of
 // meta_width = 2*S*K + L words per destination rank:
 //   [0, S*K) local expert id of member k of slot s, or -1;
 //   [S*K, 2*S*K) its weight as float32 bits; [2*S*K, +L) routes per expert.
-
-// Every kernel's dynamic shared memory (one declaration: the kernels' bodies
-// include templates, where a local extern declaration would conflict).
-extern __shared__ int shared[];
 
 __device__ __forceinline__ bool valid_expert(int expert, int num_experts) {
   return expert >= 0 && expert < num_experts;
@@ -74,13 +71,6 @@ __device__ __forceinline__ void count_warp_dests(const int* ids, int top_k, int 
   __syncthreads();
 }
 
-// The tile's items with key d: the warps' counts [warps, keys] summed.
-__device__ __forceinline__ int tile_total(const int* warp_counts, int warps, int keys, int d) {
-  int total = 0;
-  for (int w = 0; w < warps; ++w) total += warp_counts[w * keys + d];
-  return total;
-}
-
 // Tile `tile`'s members per destination rank into dest_counts [R] (any
 // memory) and routes per expert into expert_hist [E] (shared); warp_counts
 // [warps, R] shared scratch.
@@ -125,31 +115,6 @@ extern "C" __global__ void route_count(const int* __restrict__ topk_idx, int num
              warp_counts, expert_hist, tile_dest_counts + (i64)blockIdx.x * ep_size);
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x)
     tile_expert_counts[(i64)blockIdx.x * num_experts + e] = expert_hist[e];
-}
-
-// ---------------------------------------------------------------------------
-// Per key, the sum of tile_counts[tile, key] over tiles < before (prefix) and
-// over all tiles (total), into shared memory; ends with __syncthreads. Every
-// block of a rank kernel sums the count kernel's tiles itself, so no scan
-// launch sits between count and rank (integer sums: exact in any order).
-// ---------------------------------------------------------------------------
-__device__ void sum_tiles(const int* __restrict__ tile_counts, int num_tiles, int keys,
-                          int before, int* prefix, int* total) {
-  for (int key = threadIdx.x; key < keys; key += blockDim.x) prefix[key] = total[key] = 0;
-  __syncthreads();
-  const int groups = max(1, (int)blockDim.x / keys);  // threads summing one key
-  for (int i = threadIdx.x; i < groups * keys; i += blockDim.x) {
-    const int key = i % keys, group = i / keys;
-    int below = 0, all = 0;
-    for (int tile = group; tile < num_tiles; tile += groups) {
-      const int count = tile_counts[(i64)tile * keys + key];
-      all += count;
-      if (tile < before) below += count;
-    }
-    if (all) atomicAdd(&total[key], all);
-    if (below) atomicAdd(&prefix[key], below);
-  }
-  __syncthreads();
 }
 
 // ---------------------------------------------------------------------------
@@ -294,49 +259,6 @@ __device__ __forceinline__ void route_rank_body(
 }
 
 // ---------------------------------------------------------------------------
-// Receiver. Member i = (src * S + s) * K + k of N = R * S * K; its key is the
-// local expert id in meta[src, s * K + k] (outside [0, L): not routed).
-// Members and slab positions are int32 (the handle's own type; Python refuses
-// N or L * C >= 2**31): 64-bit division is a long subroutine on the GPU.
-// ---------------------------------------------------------------------------
-__device__ __forceinline__ int member_key(const int* meta, int member, int num_members,
-                                          int send_capacity, int top_k, int meta_width,
-                                          int local_experts) {
-  if (member >= num_members) return -1;
-  const int per_src = send_capacity * top_k;
-  const int key = meta[(i64)(member / per_src) * meta_width + member % per_src];
-  return (key >= 0 && key < local_experts) ? key : -1;
-}
-
-// Per warp: lanes with the same key, and how many; leaders write warp counts.
-__device__ __forceinline__ u32 count_warp_keys(int key, int* warp_counts, int local_experts) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const u32 peers = __match_any_sync(MOE_EP_FULL_MASK, key);
-  if (key >= 0 && lane == __ffs(peers) - 1)
-    warp_counts[warp * local_experts + key] = __popc(peers);
-  return peers;
-}
-
-// Tile `tile`'s members per local expert into tile_counts [L] (any memory);
-// warp_counts [warps, L] shared scratch.
-__device__ __forceinline__ void count_slab_tile(const int* __restrict__ meta, int tile,
-                                                int ep_size, int send_capacity, int top_k,
-                                                int local_experts, int meta_width,
-                                                int* warp_counts, int* tile_counts) {
-  const int warps = blockDim.x / 32;
-  for (int i = threadIdx.x; i < warps * local_experts; i += blockDim.x) warp_counts[i] = 0;
-  __syncthreads();
-  const int num_members = ep_size * send_capacity * top_k;
-  const int member = tile * blockDim.x + threadIdx.x;
-  count_warp_keys(member_key(meta, member, num_members, send_capacity, top_k, meta_width,
-                             local_experts),
-                  warp_counts, local_experts);
-  __syncthreads();
-  for (int l = threadIdx.x; l < local_experts; l += blockDim.x)
-    tile_counts[l] = tile_total(warp_counts, warps, local_experts, l);
-}
-
-// ---------------------------------------------------------------------------
 // slab_count: members per (tile, local expert).
 //   grid: ceil(N / blockDim.x); block: 32 * warps; shared: warps * L ints.
 //   output: tile_counts [tiles, L].
@@ -344,108 +266,8 @@ __device__ __forceinline__ void count_slab_tile(const int* __restrict__ meta, in
 extern "C" __global__ void slab_count(const int* __restrict__ meta, int ep_size,
                                       int send_capacity, int top_k, int local_experts,
                                       int meta_width, int* __restrict__ tile_counts) {
-  count_slab_tile(meta, blockIdx.x, ep_size, send_capacity, top_k, local_experts, meta_width,
-                  shared, tile_counts + (i64)blockIdx.x * local_experts);
-}
-
-// ---------------------------------------------------------------------------
-// slab_rank: each member's slab position (members ranked >= C are dropped),
-// and (all blocks, grid-stride) the padding rows past each expert's count,
-// the counts and the demand.
-//   grid: max(tiles, ceil(L * C / blockDim.x)), tiles as slab_count (blocks
-//   past the tiles only pad); block: as slab_count;
-//   shared memory: (warps + 2) * L ints, and tiles * L more in
-//   slab_rank_own_count.
-//   inputs: meta [R, meta_width], slab_count's tile_counts [tiles, L]; or,
-//   in slab_rank_own_count (few tiles), no slab_count launch: every block
-//   counts the other tiles itself (at decode sizes that costs less than a
-//   launch).
-//   outputs: recv_pos [N] (l * C + c; -1 not routed here, -2 dropped for
-//   capacity); slab_row [L, C] (-1 on padding)
-//   and slab_weights [L, C] (0 on padding); counts [L] (kept, at most C);
-//   demand [L] (the routes every source sent for it, before any drop).
-// ---------------------------------------------------------------------------
-template <bool kCounted>
-__device__ __forceinline__ void slab_rank_body(
-          const int* __restrict__ meta, int ep_size, int send_capacity, int top_k,
-          int local_experts, int expert_capacity, int meta_width, int demand_offset,
-          int num_tiles, const int* __restrict__ tile_counts, int* __restrict__ recv_pos,
-          int* __restrict__ slab_row, float* __restrict__ slab_weights, int* __restrict__ counts,
-          int* __restrict__ demand) {
-  const int warps = blockDim.x / 32, warp = threadIdx.x / 32;
-  int* warp_counts = shared;                          // [warps, L]
-  int* tile_offset = shared + warps * local_experts;  // [L]
-  int* expert_total = tile_offset + local_experts;    // [L]
-  const int num_members = ep_size * send_capacity * top_k;
-  const int per_src = send_capacity * top_k;
-  const int member = blockIdx.x * blockDim.x + threadIdx.x;
-  const bool ranks_members = blockIdx.x < num_tiles;
-  // The member's key and weight are loaded before sum_tiles, whose loads
-  // then wait alongside them rather than after.
-  const int key = ranks_members ? member_key(meta, member, num_members, send_capacity, top_k,
-                                             meta_width, local_experts)
-                                : -1;
-  const int weight_bits = (ranks_members && member < num_members)
-      ? meta[(i64)(member / per_src) * meta_width + per_src + member % per_src] : 0;
-  // No slab_count launch: every block counts the other tiles here; its own
-  // tile's counts come from its rank pass below (one tile: no extra pass).
-  const int* counts_of_tiles = tile_counts;
-  const int own_tile = !kCounted && ranks_members ? (int)blockIdx.x : -1;
-  if (!kCounted) {
-    int* own_counts = expert_total + local_experts;  // [tiles, L]
-    for (int tile = 0; tile < num_tiles; ++tile) {  // block-uniform
-      if (tile == own_tile) {
-        for (int l = threadIdx.x; l < local_experts; l += blockDim.x)
-          own_counts[tile * local_experts + l] = 0;  // sum_tiles' first barrier orders these
-        continue;
-      }
-      count_slab_tile(meta, tile, ep_size, send_capacity, top_k, local_experts, meta_width,
-                      warp_counts, own_counts + tile * local_experts);
-      __syncthreads();  // warp_counts is reused
-    }
-    counts_of_tiles = own_counts;
-  }
-  for (int i = threadIdx.x; i < warps * local_experts; i += blockDim.x) warp_counts[i] = 0;
-  sum_tiles(counts_of_tiles, num_tiles, local_experts, min((int)blockIdx.x, num_tiles),
-            tile_offset, expert_total);  // its barriers also order the zeroing above
-  if (ranks_members) {  // whole block: __match_any_sync needs every lane
-    const u32 peers = count_warp_keys(key, warp_counts, local_experts);
-    __syncthreads();
-    if (member < num_members) {
-      int pos = -1;
-      if (key >= 0) {
-        pos = tile_offset[key] + __popc(peers & lanemask_lt());
-        for (int w = 0; w < warp; ++w) pos += warp_counts[w * local_experts + key];
-        if (pos >= expert_capacity) pos = -1;
-      }
-      if (pos >= 0) {
-        const int slab_index = key * expert_capacity + pos;
-        recv_pos[member] = slab_index;
-        slab_row[slab_index] = member / top_k;
-        slab_weights[slab_index] = __int_as_float(weight_bits);
-      } else {
-        recv_pos[member] = key >= 0 ? MOE_EP_DROPPED_MEMBER : -1;
-      }
-    }
-    if (own_tile >= 0)
-      for (int l = threadIdx.x; l < local_experts; l += blockDim.x)
-        expert_total[l] += tile_total(warp_counts, warps, local_experts, l);
-  }
-  if (!kCounted) __syncthreads();  // the totals are complete
-  const int stride = gridDim.x * blockDim.x;
-  for (int i = member; i < local_experts * expert_capacity; i += stride) {
-    const int l = i / expert_capacity;
-    if (i - l * expert_capacity < expert_total[l]) continue;  // a member's row
-    slab_row[i] = -1;
-    slab_weights[i] = 0.0f;
-  }
-  for (int l = member; l < local_experts; l += stride) {
-    int routes = 0;
-    for (int src = 0; src < ep_size; ++src)
-      routes += meta[(i64)src * meta_width + demand_offset + l];
-    counts[l] = min(expert_total[l], expert_capacity);
-    demand[l] = routes;
-  }
+  count_slab_tile(MetaRows{meta, meta_width}, blockIdx.x, ep_size, send_capacity, top_k,
+                  local_experts, shared, tile_counts + (i64)blockIdx.x * local_experts);
 }
 
 #define ROUTE_RANK_ARGS                                                                         \
@@ -474,9 +296,11 @@ extern "C" __global__ void __launch_bounds__(1024) route_rank_own_count(ROUTE_RA
       int* __restrict__ slab_row, float* __restrict__ slab_weights, int* __restrict__ counts,    \
       int* __restrict__ demand
 #define SLAB_RANK_PASS                                                                          \
-  meta, ep_size, send_capacity, top_k, local_experts, expert_capacity, meta_width,               \
-      demand_offset, num_tiles, tile_counts, recv_pos, slab_row, slab_weights, counts, demand
-// slab_rank after slab_count; slab_rank_own_count: few tiles, counted here.
+  MetaRows{meta, meta_width}, ep_size, send_capacity, top_k, local_experts, expert_capacity,     \
+      demand_offset, num_tiles, tile_counts, recv_pos, slab_row, slab_weights, counts, demand,   \
+      (int)blockIdx.x, (int)gridDim.x
+// slab_rank after slab_count; slab_rank_own_count: few tiles, counted here
+// (slab_rank_body in slab_layout.cuh says what they compute).
 extern "C" __global__ void __launch_bounds__(1024) slab_rank(SLAB_RANK_ARGS) {
   slab_rank_body<true>(SLAB_RANK_PASS);
 }

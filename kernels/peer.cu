@@ -365,6 +365,7 @@ DEFINE_PEER_KERNELS(v4, unsigned int)
 DEFINE_PEER_KERNELS(v2, unsigned short)
 DEFINE_PEER_KERNELS(v1, unsigned char)
 
+
 // peer_send_v16 then peer_drain_v16 (peer_recv without the copy: waits,
 // acknowledges, advances the step) measure the peer-write ceiling: rows
 // stored straight into the peers' slots, nothing copied out.
@@ -416,12 +417,12 @@ extern "C" __global__ void peer_drain_v16(uint4* out, const u64* peers, int rank
 // lane d holds rank d's entry of a token and lane k member k's slab row. The
 // maps (RoutingHandle in moe_ep/transport/layout.py):
 //   send_token [R * S] int32: token in slot s of the chunk to rank d, or -1.
-//   wire_rows [T, R] int32: d * S + s, the slot s of token t's row to rank d, or -1.
+//   send_slot [T, R] int32: the slot s of token t's row to rank d, or -1.
 //   recv_pos [R * S, K] int32: slab row l * C + c of member k of the row rank
 //     src put in slot s (row src * S + s), or -1.
 //   slab_row [L * C] int32: src * S + s feeding slab row n, or -1 (zero row).
 // Bounds: every map entry is checked against its range (a token against
-// [0, T), a wire row of rank d against [d * S, d * S + S), a slab row against
+// [0, T), a slot against [0, S), a slab row against
 // [0, L * C)); outside it means "no row". Launch sizes are checked on entry: a
 // kernel that returns there moves nothing, and the peers' bounded waits then
 // fail by name.
@@ -460,13 +461,12 @@ __device__ __forceinline__ RowUnit row_unit(i64 unit, int segments, int segment_
 }
 
 // Lane d < ep_size: the slot s of token `token`'s row to rank d, else -1.
-__device__ __forceinline__ int wire_slot(const int* __restrict__ wire_rows, i64 token,
+__device__ __forceinline__ int sent_slot(const int* __restrict__ send_slot, i64 token,
                                          int ep_size, int send_capacity) {
   const int lane = lane_index();
   if (lane >= ep_size) return -1;
-  const i64 wire = __ldg(wire_rows + token * ep_size + lane);
-  const i64 slot = wire - (i64)lane * send_capacity;
-  return (wire >= 0 && slot >= 0 && slot < send_capacity) ? (int)slot : -1;
+  const int slot = __ldg(send_slot + token * ep_size + lane);
+  return (slot >= 0 && slot < send_capacity) ? slot : -1;
 }
 
 // Lane k < top_k: the slab row of member k of received row `row`, else -1.
@@ -1033,10 +1033,10 @@ DEFINE_PEER_DISPATCH_FP8_KERNEL(f16, F16)
 //              the row t sent to d as it came back: from d's slot for d !=
 //              rank (lane d waits for its chunk's flag first), and for d ==
 //              rank this rank's own member sum, rounded to Elem and widened
-//              again (what gather_sum_rows over wire_rows reads); rounded
-//              once at the end.
+//              again (what gather_sum_rows over the wire rows reads);
+//              rounded once at the end.
 //   grid:      send_blocks + at least one receiver block, 32 * w threads.
-//   inputs:    slabs [L * C, row_elems], recv_pos [R * S, K], wire_rows [T,
+//   inputs:    slabs [L * C, row_elems], recv_pos [R * S, K], send_slot [T,
 //              R] int32; peers [R] channel bases.
 //   output:    y [T, row_elems].
 //   bounds:    see the section comment; row_elems * sizeof(Elem) % 16 == 0.
@@ -1044,7 +1044,7 @@ DEFINE_PEER_DISPATCH_FP8_KERNEL(f16, F16)
 template <typename T>
 __device__ __forceinline__ void peer_combine(
     const typename T::Elem* __restrict__ slabs, const int* __restrict__ recv_pos,
-    const int* __restrict__ wire_rows, typename T::Elem* __restrict__ y,
+    const int* __restrict__ send_slot, typename T::Elem* __restrict__ y,
     const u64* __restrict__ peers, int rank, int ep_size, int num_tokens, int send_capacity,
     int top_k, int num_slab_rows, int row_elems, int chunk_rows, int num_chunks,
     int send_blocks, int send_segment_vecs, int recv_segment_vecs, i64 slot_bytes,
@@ -1088,7 +1088,7 @@ __device__ __forceinline__ void peer_combine(
   const i64 warps = receiver_warps(send_blocks);
   for (i64 unit = receiver_warp(send_blocks); unit < units; unit += warps) {
     const RowUnit u = row_unit(unit, segments, recv_segment_vecs, row_vecs);
-    const int slot = wire_slot(wire_rows, u.row, ep_size, send_capacity);
+    const int slot = sent_slot(send_slot, u.row, ep_size, send_capacity);
     if (slot >= 0 && lane != rank && slot / chunk_rows != seen) {
       thread_wait(flag_of(ex.own, ep_size, ex.parity, lane, slot / chunk_rows), ex.step, failed,
                   record, timeout_ns, PEER_WAIT_FLAG, lane, site, rank, ex.step);
@@ -1133,12 +1133,12 @@ __device__ __forceinline__ void peer_combine(
 
 #define DEFINE_PEER_COMBINE_KERNEL(SUFFIX, TYPE)                                                \
   extern "C" __global__ void __launch_bounds__(512, 1) peer_combine_##SUFFIX(                   \
-      const TYPE::Elem* slabs, const int* recv_pos, const int* wire_rows, TYPE::Elem* y,        \
+      const TYPE::Elem* slabs, const int* recv_pos, const int* send_slot, TYPE::Elem* y,        \
       const u64* peers, int rank, int ep_size, int num_tokens, int send_capacity, int top_k,    \
       int num_slab_rows, int row_elems, int chunk_rows, int num_chunks, int send_blocks,        \
       int send_segment_vecs, int recv_segment_vecs, i64 slot_bytes, i64 data_offset,           \
       u32* failed, PeerFailure* record, u64 timeout_ns, int site) {                             \
-    peer_combine<TYPE>(slabs, recv_pos, wire_rows, y, peers, rank, ep_size, num_tokens,         \
+    peer_combine<TYPE>(slabs, recv_pos, send_slot, y, peers, rank, ep_size, num_tokens,         \
                        send_capacity, top_k, num_slab_rows, row_elems, chunk_rows, num_chunks,  \
                        send_blocks, send_segment_vecs, recv_segment_vecs, slot_bytes,           \
                        data_offset, failed, record, timeout_ns, site);                          \
@@ -1147,3 +1147,99 @@ __device__ __forceinline__ void peer_combine(
 DEFINE_PEER_COMBINE_KERNEL(f32, F32)
 DEFINE_PEER_COMBINE_KERNEL(bf16, BF16)
 DEFINE_PEER_COMBINE_KERNEL(f16, F16)
+
+// ---------------------------------------------------------------------------
+// peer_slab_layout_v16: dispatch's metadata exchange and the
+// receiver's slab layout (slab_rank_own_count, slab_layout.cuh) in one
+// launch, for few member tiles (decode), where each launch is latency on
+// the dispatch's critical path: no received metadata is copied out, and no
+// second launch waits for the first.
+//   blocks [0, R - 1): peer_send's remote blocks, one per other rank: meta[d]
+//           into rank d's slot, then d's flag (after d's acknowledgement of
+//           step s - 2).
+//   blocks [R - 1, grid): slab_rank_own_count's grid (layout_blocks): each
+//           waits for every other rank's flag, then ranks its tile reading
+//           each source's row where it landed (its own rank's: meta[rank]).
+//   The last block to finish acknowledges every source and advances the
+//   step, as peer_exchange.
+//   inputs:  meta [R, meta_width] int32 (route's: row d for rank d), peers
+//            [R] channel bases (slots of meta_width * 4 bytes, in uint4).
+//   outputs: as slab_rank: recv_pos [R * S * K], slab_row [L * C],
+//            slab_weights [L * C], counts [L], demand [L].
+//   shared:  as slab_rank_own_count.
+//   bounds:  returns unless 2 <= ep_size <= 32, 0 <= rank < ep_size, the
+//            grid holds the R - 1 senders and at least one layout block,
+//            meta_width = 2 * S * K + L fits the slots and the dynamic shared
+//            memory holds the layout's counts of num_tiles tiles; every read
+//            of a source's row stays below meta_width.
+// ---------------------------------------------------------------------------
+struct LandedMeta {  // slab_layout.cuh's Meta: each source's row where it landed
+  const int* const* rows;  // [R] in shared memory: meta[rank], or src's slot here
+  __device__ __forceinline__ int word(int src, int i) const {
+    return __ldcg(rows[src] + i);  // stored by another GPU: not through L1
+  }
+};
+
+template <typename Vec>
+__device__ __forceinline__ void peer_slab_layout(
+    const int* __restrict__ meta, int* __restrict__ recv_pos, int* __restrict__ slab_row,
+    float* __restrict__ slab_weights, int* __restrict__ counts, int* __restrict__ demand,
+    const u64* __restrict__ peers, int rank, int ep_size, int send_capacity, int top_k,
+    int local_experts, int expert_capacity, int meta_width, int num_tiles, i64 slot_bytes,
+    i64 data_offset, u32* failed, PeerFailure* record, u64 timeout_ns, int site) {
+  const int senders = ep_size - 1;
+  const i64 meta_bytes = (i64)meta_width * 4;
+  if (ep_size < 2 || ep_size > ROW_MAX_LANES || rank < 0 || rank >= ep_size ||
+      (int)gridDim.x <= senders ||
+      send_capacity < 1 || top_k < 1 || local_experts < 1 || expert_capacity < 1 ||
+      num_tiles < 1 || meta_width != 2 * send_capacity * top_k + local_experts ||
+      meta_bytes % (i64)sizeof(Vec) != 0 || meta_bytes > slot_bytes ||
+      4ll * ((blockDim.x / 32 + 2 + num_tiles) * (i64)local_experts) > dynamic_shared_bytes())
+    return;  // the last test: slab_rank_own_count's shared memory for num_tiles tiles
+  const u64 own = peers[rank];
+  const u64 step = *(volatile u64*)step_of(own, ep_size) + 1;
+  const int parity = (int)(step & 1ull);
+  if ((int)blockIdx.x < senders) {
+    peer_send<Vec>((const Vec*)meta, nullptr, peers, rank, ep_size, meta_bytes / sizeof(Vec),
+                   slot_bytes, data_offset, 1, 0, failed, record, timeout_ns, site, blockIdx.x);
+  } else {
+    // The row pointers live in static shared memory (a table, not per-call
+    // address arithmetic: the layout body already needs ~62 of its 64 registers).
+    __shared__ const int* rows[ROW_MAX_LANES];
+    if (threadIdx.x < (unsigned)ep_size) {
+      const int src = (int)threadIdx.x;
+      rows[src] = src == rank ? meta + (i64)rank * meta_width
+          : (const int*)slot_address(own, data_offset, parity, ep_size, slot_of(src, rank),
+                                     slot_bytes);
+    }
+    if (threadIdx.x == 0)
+      for (int src = 0; src < ep_size; ++src)
+        if (src != rank)
+          thread_wait(flag_of(own, ep_size, parity, src, 0), step, failed, record, timeout_ns,
+                      PEER_WAIT_FLAG, src, site, rank, step);
+    __syncthreads();
+    const LandedMeta landed{rows};
+    slab_rank_body<false>(landed, ep_size, send_capacity, top_k, local_experts, expert_capacity,
+                          2 * send_capacity * top_k, num_tiles, nullptr, recv_pos, slab_row,
+                          slab_weights, counts, demand, (int)blockIdx.x - senders,
+                          (int)gridDim.x - senders);
+  }
+  if (!last_block_of_launch(own, ep_size)) return;
+  __threadfence_system();
+  for (int src = 0; src < ep_size; ++src)
+    if (src != rank) atomicExch(acks_of(peers[src], ep_size) + parity * ep_size + rank, step);
+  *(volatile u64*)step_of(own, ep_size) = step;
+}
+
+// Metadata rows of whole 16-byte vectors only (fused_layout_fits): the
+// narrower copies' variants spill beside the layout body.
+extern "C" __global__ void __launch_bounds__(1024) peer_slab_layout_v16(
+    const int* meta, int* recv_pos, int* slab_row, float* slab_weights, int* counts, int* demand,
+    const u64* peers, int rank, int ep_size, int send_capacity, int top_k, int local_experts,
+    int expert_capacity, int meta_width, int num_tiles, i64 slot_bytes, i64 data_offset,
+    u32* failed, PeerFailure* record, u64 timeout_ns, int site) {
+  peer_slab_layout<uint4>(meta, recv_pos, slab_row, slab_weights, counts, demand, peers, rank,
+                          ep_size, send_capacity, top_k, local_experts, expert_capacity,
+                          meta_width, num_tiles, slot_bytes, data_offset, failed, record,
+                          timeout_ns, site);
+}

@@ -119,15 +119,22 @@ def round_trip_fn(exchange: str, mesh, backend: str, tokens: int, expert_capacit
   return per_rank
 
 
+@pytest.mark.parametrize("send_capacity", [5, 6])
 def test_peer_row_paths_lower_to_one_fused_callback_each_and_no_row_passes(monkeypatch,
-                                                                          pretend_cupy):
+                                                                          pretend_cupy,
+                                                                          send_capacity):
   """With the peer path taken (its checks stubbed on CPU devices), every row
   path of the forward and backward passes lowers for CUDA to one fused
   callback under .../exchange_rows/, with no expand_rows or gather_sum_rows
-  pass and no all_to_all; metadata and weights use the drop-in exchange."""
+  pass and no all_to_all; the weights use the drop-in exchange, and the
+  metadata the exchange fused with the slab layout where its rows are whole
+  16-byte vectors (S=5: 2*S*K + L = 32 words), else the drop-in exchange and
+  the layout's own callback (S=6: 38 words)."""
   monkeypatch.setattr(peer, "unsupported_reason", lambda mesh, axis: None)
   mesh = make_mesh((4,), ("ep",))
-  fn = round_trip_fn("peer", mesh, "auto", 16, 12, 6)
+  fused_layout = send_capacity == 5
+  assert peer.fused_layout_fits(4, send_capacity, K, E // 4, 12) == fused_layout
+  fn = round_trip_fn("peer", mesh, "auto", 16, 12, send_capacity)
   args = (jnp.ones((64, 32), jnp.bfloat16), jnp.zeros((64, K), jnp.int32),
           jnp.ones((64, K)), jnp.ones((64, 32), jnp.bfloat16))
   traced = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))).trace(
@@ -139,7 +146,9 @@ def test_peer_row_paths_lower_to_one_fused_callback_each_and_no_row_passes(monke
   assert sorted(passes) == sorted([name] for name in NAMED_SCOPES.values())
   assert all("moe_peer_exchange" in s for s in fused)
   assert not any("expand_rows" in s or "gather_sum_rows" in s for s in scopes)
-  assert sum("/exchange_meta/" in s for s in scopes) == 1
+  meta = [s for s in scopes if "/exchange_meta/" in s]
+  assert len(meta) == 1 and "moe_peer_exchange" in meta[0]
+  assert any("moe_cupy_slab_layout" in s for s in scopes) != fused_layout
   assert sum("/exchange_weights/" in s for s in scopes) == 1
   assert "all_to_all" not in text
 

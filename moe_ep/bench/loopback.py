@@ -27,8 +27,8 @@ FP8 = "float8_e4m3fn"
 
 
 def _handle(ep_size: int, tokens: int, num_experts: int, top_k: int, capacity_factor) -> tuple:
-  """Every rank's routing handle and its ``wire_rows`` (pure JAX on R CPU
-  devices), and the capacities."""
+  """Every rank's routing handle (pure JAX on R CPU devices), and the
+  capacities."""
   mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:ep_size]), ("ep",))
   capacity = expert_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
   send_capacity = send_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
@@ -40,11 +40,8 @@ def _handle(ep_size: int, tokens: int, num_experts: int, top_k: int, capacity_fa
                          exchange="all_to_all", mesh=mesh)
   routing = ep._routing_only(spec, num_experts)
 
-  def program(idx, weights):
-    handle = routing(idx, weights)
-    return {**handle._asdict(), "wire_rows": transport._wire_rows(handle)}
-
-  maps = jax.jit(ep._smap(mesh, program))(idx, weights)
+  maps = jax.jit(ep._smap(mesh, lambda idx, weights: routing(idx, weights)._asdict()))(
+      idx, weights)
   ranks = [{k: np.asarray(v.addressable_shards[r].data) for k, v in maps.items()}
            for r in range(ep_size)]
   return ranks, capacity, send_capacity
@@ -116,7 +113,7 @@ def run(ep_sizes=(2, 4, 8), tokens=8192, num_experts=64, hidden=7168, top_k=8,
     case["dispatch_fp8"]["speedup_vs_bf16"] = case["dispatch"]["us"] / case["dispatch_fp8"]["us"]
     kernel = peer.combine_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows)
     slabs = [_bf16_bits(10 + r, (slab_rows, hidden)) for r in range(ep_size)]
-    inputs = [(slabs[r], maps[r][2].reshape(-1, top_k), ranks[r]["wire_rows"])
+    inputs = [(slabs[r], maps[r][2].reshape(-1, top_k), ranks[r]["send_slot"])
               for r in range(ep_size)]
     full, launch = peer_loopback.run_rank(kernel, inputs, (tokens, hidden), np.uint16, rank=0,
                                           keep=True)

@@ -232,7 +232,7 @@ def _slabs_to_rows(spec: _Spec, slabs: jax.Array, handle: RoutingHandle) -> jax.
     return ops.gather_sum_rows(flat_slabs, _token_member_pos(handle))
   if _fused_peer_rows(spec, slabs.dtype, hidden, handle.top_k, sums=True):
     return _peer().combine_rows(
-        flat_slabs, handle.recv_pos, _wire_rows(handle), axis_name=spec.axis_name,
+        flat_slabs, handle.recv_pos, handle.send_slot, axis_name=spec.axis_name,
         mesh=spec.mesh,
         all_to_all_path=lambda s: _exchanged_slabs_to_rows(_on_all_to_all(spec), s, handle))
   return _exchanged_slabs_to_rows(spec, flat_slabs, handle)
@@ -355,11 +355,23 @@ def _routing(spec: _Spec, topk_idx, topk_weights):
   send_slot, send_token, route_slot, meta = ops.route(
       topk_idx, topk_weights.astype(jnp.float32), num_experts=spec.num_experts,
       ep_size=spec.ep_size, send_capacity=spec.send_capacity)
-  if spec.ep_size > 1:
-    meta = _exchange(spec, meta, "exchange_meta")
-  recv_pos, slab_row, slab_weights, counts, demand = ops.slab_layout(
-      meta, top_k=topk_idx.shape[1], num_local_experts=spec.num_experts // spec.ep_size,
-      expert_capacity=spec.expert_capacity)
+  sizes = dict(top_k=topk_idx.shape[1], num_local_experts=spec.num_experts // spec.ep_size,
+               expert_capacity=spec.expert_capacity)
+
+  def exchanged_layout(spec, meta):
+    if spec.ep_size > 1:
+      meta = _exchange(spec, meta, "exchange_meta")
+    return ops.slab_layout(meta, **sizes)
+
+  if spec.exchange == "peer" and _peer().fused_layout_fits(
+      spec.ep_size, spec.send_capacity, sizes["top_k"], sizes["num_local_experts"],
+      spec.expert_capacity):  # decode: the exchange and the layout in one launch
+    layout = _peer().slab_layout(
+        meta, **sizes, axis_name=spec.axis_name, mesh=spec.mesh,
+        all_to_all_path=lambda m: exchanged_layout(_on_all_to_all(spec), m))
+  else:
+    layout = exchanged_layout(spec, meta)
+  recv_pos, slab_row, slab_weights, counts, demand = layout
   return (RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row), slab_weights,
           counts, demand)
 

@@ -20,6 +20,7 @@ launch helpers, :mod:`~moe_ep.transport.peer` and :mod:`~moe_ep.transport.fp8`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import threading
 
@@ -297,44 +298,76 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
   return tuple(outputs[:4])
 
 
+def slab_layout_shapes(ep_size: int, send_capacity: int, top_k: int, local_experts: int,
+                       expert_capacity: int) -> list:
+  """The slab layout's outputs: ``recv_pos [R, S, K]``, ``slab_row [L, C]``,
+  ``slab_weights [L, C]`` float32, ``counts [L]``, ``demand [L]``."""
+  return [jax.ShapeDtypeStruct((ep_size, send_capacity, top_k), jnp.int32),
+          jax.ShapeDtypeStruct((local_experts, expert_capacity), jnp.int32),
+          jax.ShapeDtypeStruct((local_experts, expert_capacity), jnp.float32),
+          jax.ShapeDtypeStruct((local_experts,), jnp.int32),
+          jax.ShapeDtypeStruct((local_experts,), jnp.int32)]
+
+
+@dataclasses.dataclass(frozen=True)
+class SlabPlan:
+  """The receiver's slab-layout launches at one shape: ``tiles`` member
+  tiles of ``threads``; ``slab_rank``'s grid of ``rank_blocks`` with
+  ``shared_ints`` of dynamic shared memory; ``counted``: a ``slab_count``
+  launch counts the tiles first (else ``slab_rank_own_count``'s blocks count
+  them themselves)."""
+
+  threads: int
+  tiles: int
+  rank_blocks: int
+  shared_ints: int
+  counted: bool
+
+
+def slab_plan(ep_size: int, send_capacity: int, top_k: int, local_experts: int,
+              expert_capacity: int) -> SlabPlan:
+  """:class:`SlabPlan` for ``R * S * K`` received members and ``[L, C]`` slabs."""
+  num_members = ep_size * send_capacity * top_k
+  for name, size in (("R * S * K received members", num_members),
+                     ("L * C slab rows", local_experts * expert_capacity)):
+    if size >= 2**31:  # the kernels index them in int32, as the handle holds them
+      raise ValueError(f"{name} = {size} must be < 2**31 (int32 positions)")
+  threads = _tile_threads(local_experts, extra_ints=2 * local_experts)
+  tiles = -(-num_members // threads)
+  rank_ints = (threads // 32 + 2) * local_experts
+  # Few tiles (decode): slab_rank's blocks count them themselves, one launch fewer.
+  counted = (tiles > _SLAB_TILES_COUNTED_IN_RANK
+             or rank_ints + tiles * local_experts > _SHARED_INTS)
+  return SlabPlan(threads=threads, tiles=tiles,
+                  rank_blocks=max(tiles, -(-local_experts * expert_capacity // threads)),
+                  shared_ints=rank_ints + (0 if counted else tiles * local_experts),
+                  counted=counted)
+
+
 def slab_layout(recv_meta, *, top_k: int, num_local_experts: int, expert_capacity: int):
   """Kernels ``slab_count``, ``slab_rank`` (few tiles: ``slab_rank_own_count``
   alone); see :func:`moe_ep.transport.xla.slab_layout`."""
   ep_size, width = recv_meta.shape
   local_experts, capacity = num_local_experts, expert_capacity
   send_capacity = (width - local_experts) // (2 * top_k)
-  num_members = ep_size * send_capacity * top_k
-  for name, size in (("R * S * K received members", num_members),
-                     ("L * C slab rows", local_experts * capacity)):
-    if size >= 2**31:  # the kernels index them in int32, as the handle holds them
-      raise ValueError(f"{name} = {size} must be < 2**31 (int32 positions)")
-  threads = _tile_threads(local_experts, extra_ints=2 * local_experts)
-  tiles = -(-num_members // threads)
-  rank_blocks = max(tiles, -(-local_experts * capacity // threads))
-  rank_ints = (threads // 32 + 2) * local_experts
-  # Few tiles (decode): slab_rank's blocks count them themselves, one launch fewer.
-  counted = (tiles > _SLAB_TILES_COUNTED_IN_RANK
-             or rank_ints + tiles * local_experts > _SHARED_INTS)
-  shapes = [jax.ShapeDtypeStruct((ep_size, send_capacity, top_k), jnp.int32),
-            jax.ShapeDtypeStruct((local_experts, capacity), jnp.int32),
-            jax.ShapeDtypeStruct((local_experts, capacity), jnp.float32),
-            jax.ShapeDtypeStruct((local_experts,), jnp.int32),
-            jax.ShapeDtypeStruct((local_experts,), jnp.int32),
+  plan = slab_plan(ep_size, send_capacity, top_k, local_experts, capacity)
+  threads, tiles = plan.threads, plan.tiles
+  shapes = [*slab_layout_shapes(ep_size, send_capacity, top_k, local_experts, capacity),
             jax.ShapeDtypeStruct((tiles * local_experts,), jnp.int32)]
 
   def callback(ctx, outs, meta):
     recv_pos, slab_row, slab_weights, counts, demand, tile_counts = (
         _pointer(b) for b in outs)
     with _on_xla_stream(ctx, meta) as launch:
-      if counted:
+      if plan.counted:
         launch("slab_count", tiles, threads, _pointer(meta),
                *_i32(ep_size, send_capacity, top_k, local_experts, width), tile_counts,
                shared_ints=threads // 32 * local_experts)
-      launch("slab_rank" if counted else "slab_rank_own_count", rank_blocks, threads,
+      launch("slab_rank" if plan.counted else "slab_rank_own_count", plan.rank_blocks, threads,
              _pointer(meta), *_i32(ep_size, send_capacity, top_k, local_experts, capacity, width,
                                    2 * send_capacity * top_k, tiles),
              tile_counts, recv_pos, slab_row, slab_weights, counts, demand,
-             shared_ints=rank_ints + (0 if counted else tiles * local_experts))
+             shared_ints=plan.shared_ints)
 
   return tuple(_call("moe_cupy_slab_layout", callback, shapes, recv_meta)[:5])
 

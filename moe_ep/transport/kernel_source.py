@@ -14,8 +14,10 @@ import pathlib
 COMMON_HEADER = "common.cuh"
 KERNEL_FILES = ("rows.cu", "layout.cu", "peer.cu", "fp8.cu")
 # Headers prepended after COMMON_HEADER: the FP8 format's rules serve the FP8
-# row passes and the peer dispatch that quantizes as it sends.
-HEADERS = {"fp8.cu": ("fp8.cuh",), "peer.cu": ("fp8.cuh",)}
+# row passes and the peer dispatch that quantizes as it sends; the slab
+# layout serves the layout kernels and the peer exchange fused with it.
+HEADERS = {"fp8.cu": ("fp8.cuh",), "layout.cu": ("slab_layout.cuh",),
+           "peer.cu": ("fp8.cuh", "slab_layout.cuh")}
 # NVRTC options; nvcc understands the same ones.
 COMPILE_OPTIONS = ("-std=c++17",)
 

@@ -47,6 +47,11 @@ NVLink transfer overlaps the local memory traffic. No ``[R, S, H]`` buffer in
 XLA on either side; results bitwise those of the ``all_to_all`` path
 (:func:`fused_rows_problem` says which rows they take).
 
+:func:`slab_layout` is dispatch's metadata exchange fused with the
+receiver's slab layout, one launch at decode sizes (:func:`fused_layout_fits`):
+sender blocks push the metadata rows, the other blocks wait for every
+source's row and rank the members reading them where they landed.
+
 Exchanges on one channel must run in program order on each device. XLA's
 command buffers keep thunk order by default; ``--xla_gpu_command_buffer_
 scheduling_mode=CONCURRENT`` could run two of them at once, so
@@ -84,12 +89,15 @@ __all__ = [
     "ep_groups",
     "exchange",
     "fp8_send_units",
+    "fused_layout_fits",
     "fused_rows_problem",
     "raise_if_failed",
     "reachability_problem",
     "reset",
     "row_grid",
     "row_segment",
+    "slab_layout",
+    "slab_layout_kernel",
     "supported",
     "timeout_s",
     "unsupported_reason",
@@ -123,6 +131,13 @@ _SUM_SUFFIX = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 _ROW_KERNELS = ("dispatch", "send_v16", "drain_v16",
                 *(f"combine_{suffix}" for suffix in _SUM_SUFFIX.values()),
                 *(f"dispatch_fp8_{suffix}" for suffix in _SUM_SUFFIX.values()))
+_LAYOUT_TABLE_BYTES = 8 * 32  # peer_slab_layout's static shared row pointers (ROW_MAX_LANES)
+# The fused metadata exchange and layout pays up to 4 ranks: rank 0's launch
+# against peer_exchange + slab_rank_own_count in the loopback (one H200,
+# graph replay, 2026-12-01): R=2 T=128 E=256 9.5 vs 11.1 us, R=2 T=64 E=64
+# 7.5 vs 9.1, R=4 T=32 E=256 7.5 vs 8.3, but R=8 T=16 E=256 8.7 vs 8.1 (its
+# layout blocks read every source's row from L2, R - 1 senders copy).
+_FUSED_LAYOUT_MAX_RANKS = 4
 _FP8 = "float8_e4m3fn"  # the one wire dtype the fused dispatch quantizes to
 _FP8_STEP_CHANNELS = 512  # channels per quantize step of a warp (kernels/fp8.cuh)
 MAX_CHUNKS = 1024  # signalled chunks per destination of one fused exchange (PEER_MAX_CHUNKS)
@@ -538,6 +553,7 @@ def _kernels(ordinal: int) -> dict:
       functions = {f"exchange_v{v}": module.get_function(f"peer_exchange_v{v}")
                    for v in _VECTOR_BYTES}
       functions.update({name: module.get_function(f"peer_{name}") for name in _ROW_KERNELS})
+      functions["slab_layout_v16"] = module.get_function("peer_slab_layout_v16")
       _modules[ordinal] = functions
   return _modules[ordinal]
 
@@ -856,6 +872,107 @@ def exchange(x: jax.Array, axis_name: str, mesh: jax.sharding.Mesh,
         default=functools.partial(_all_to_all, axis_name=axis_name))
 
 
+# --- dispatch's metadata exchange fused with the receiver's slab layout -------------------------
+
+
+def fused_layout_fits(ep_size: int, send_capacity: int, top_k: int, local_experts: int,
+                      expert_capacity: int) -> bool:
+  """Whether :func:`slab_layout` runs as one launch at this shape: 2 <= R <= 4,
+  metadata rows of whole 16-byte vectors (``2 * S * K + L`` a multiple of
+  4 words) and few received member tiles, where ``slab_rank_own_count``
+  alone lays the slabs out (decode; :func:`moe_ep.transport.cupy.slab_plan`).
+  Elsewhere the drop-in :func:`exchange` and the backend's ``slab_layout``
+  run."""
+  if (not 2 <= ep_size <= _FUSED_LAYOUT_MAX_RANKS
+      or (2 * send_capacity * top_k + local_experts) % 4):
+    return False
+  plan = cupy_backend.slab_plan(ep_size, send_capacity, top_k, local_experts, expert_capacity)
+  # beside the layout's dynamic shared memory, the kernel's table of row pointers
+  return not plan.counted and (4 * plan.shared_ints + _LAYOUT_TABLE_BYTES
+                               <= 4 * cupy_backend._SHARED_INTS)
+
+
+def slab_layout_kernel(layout: ChannelLayout, ordinal: int, peers: int, rank: int,
+                       sizes: tuple[int, int, int, int], tail: tuple) -> _Kernel:
+  """Rank ``rank``'s launch of ``peer_slab_layout_v16`` on GPU ``ordinal``
+  (``peers``, ``tail``: as :func:`exchange_launch`; ``sizes``: ``(S, K, L,
+  C)``). Buffers: meta 0; recv_pos, slab_row, slab_weights, counts, demand
+  1-5."""
+  send_capacity, top_k, local_experts, capacity = sizes
+  if not fused_layout_fits(layout.ep_size, *sizes):
+    raise ValueError(f"no fused slab layout at R={layout.ep_size}, (S, K, L, C)={sizes}: "
+                     f"too many member tiles (fused_layout_fits)")
+  plan = cupy_backend.slab_plan(layout.ep_size, send_capacity, top_k, local_experts, capacity)
+  args = (np.uint64(peers), np.int32(rank), np.int32(layout.ep_size),
+          *(np.int32(v) for v in (*sizes, layout.chunk_bytes // 4, plan.tiles)),
+          np.int64(layout.slot_bytes), np.int64(layout.data_offset), *tail)
+  return _Kernel(_kernels(ordinal)["slab_layout_v16"],
+                 layout.ep_size - 1 + plan.rank_blocks, (0, 1, 2, 3, 4, 5), args,
+                 threads=plan.threads, shared_bytes=4 * plan.shared_ints)
+
+
+def _fused_slab_layout(meta, *, top_k: int, local_experts: int, expert_capacity: int,
+                       axis_name: str, mesh):
+  ep_size, width = meta.shape
+  send_capacity = (width - local_experts) // (2 * top_k)
+  layout = ChannelLayout(ep_size, width * 4)  # the drop-in exchange's channel for meta
+  channel = _gpu_channel(mesh, axis_name, layout)
+  site = _site("exchange_meta", meta.shape, meta.dtype, channel.key if channel is not None else "")
+  timeout_ns = int(timeout_s() * 1e9)
+  sizes = (send_capacity, top_k, local_experts, expert_capacity)
+  launches = {ordinal: [slab_layout_kernel(layout, ordinal, state.peers.data.ptr, state.rank,
+                                           sizes, _device_tail(ordinal, site, timeout_ns))]
+              for ordinal, state in (channel.on_device.items() if channel is not None else ())}
+  shapes = cupy_backend.slab_layout_shapes(ep_size, send_capacity, top_k, local_experts,
+                                           expert_capacity)
+  return _fused_call("slab layout", launches, (meta,), shapes, axis_name)
+
+
+def slab_layout(meta: jax.Array, *, top_k: int, num_local_experts: int, expert_capacity: int,
+                axis_name: str, mesh: jax.sharding.Mesh, all_to_all_path) -> tuple:
+  """Dispatch's metadata exchange and the receiver's slab layout in one
+  launch (call it inside ``shard_map`` over ``mesh``; check
+  :func:`fused_layout_fits` first).
+
+  On CUDA one ``buffer_callback`` launching ``peer_slab_layout_v16`` on the
+  drop-in exchange's channel for ``meta``: its first blocks store row ``d``
+  of ``meta`` into rank ``d``'s slot and raise its flag; the others wait for
+  every source's row and rank the received members reading them where they
+  landed. Elsewhere ``all_to_all_path(meta)``. Bitwise the backend's
+  ``slab_layout`` of ``exchange(meta)``.
+
+  Args:
+    meta: ``[R, W]`` int32, ``route``'s metadata (row ``d`` for rank ``d``).
+    top_k, num_local_experts, expert_capacity: ``K``, ``L``, ``C``.
+    axis_name, mesh: the EP axis and the ``shard_map``'s mesh.
+    all_to_all_path: ``meta -> (recv_pos, slab_row, slab_weights, counts,
+      demand)`` through XLA's ``all_to_all`` (every platform but CUDA).
+
+  Returns:
+    ``(recv_pos [R, S, K], slab_row [L, C], slab_weights [L, C], counts [L],
+    demand [L])``.
+  """
+  _check_axis(mesh, axis_name)
+  ep_size = mesh.shape[axis_name]
+  if meta.ndim != 2 or meta.shape[0] != ep_size or meta.dtype != np.int32:
+    raise ValueError(f"meta must be int32 [R, W] with R={ep_size}; got {meta.dtype} "
+                     f"{meta.shape}")
+  send_capacity, rest = divmod(meta.shape[1] - num_local_experts, 2 * top_k)
+  if rest or send_capacity < 1:
+    raise ValueError(f"meta width {meta.shape[1]} must be 2 * S * K + L with K={top_k}, "
+                     f"L={num_local_experts}")
+  if not fused_layout_fits(ep_size, send_capacity, top_k, num_local_experts, expert_capacity):
+    raise ValueError(f"no fused slab layout at R={ep_size}, S={send_capacity}, K={top_k}, "
+                     f"L={num_local_experts}: too many member tiles (fused_layout_fits)")
+  with jax.named_scope("exchange_meta"):
+    return jax.lax.platform_dependent(
+        meta, cuda=functools.partial(_fused_slab_layout, top_k=top_k,
+                                     local_experts=num_local_experts,
+                                     expert_capacity=expert_capacity, axis_name=axis_name,
+                                     mesh=mesh),
+        default=all_to_all_path)
+
+
 # --- the fused row paths of dispatch and combine ------------------------------------------------
 
 
@@ -979,12 +1096,15 @@ def row_segment(rows: int, row_vecs: int, warps: int, step: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class _Kernel:
   """One launch of a fused callback: the pointers of the callback's buffers
-  ``buffers`` (indices into its inputs then outputs) lead the arguments."""
+  ``buffers`` (indices into its inputs then outputs) lead the arguments;
+  ``threads`` per block, ``shared_bytes`` of dynamic shared memory."""
 
   function: object
   blocks: int
   buffers: tuple[int, ...]
   args: tuple
+  threads: int = _ROW_THREADS
+  shared_bytes: int = 0
 
 
 def _device_tail(ordinal: int, site: int, timeout_ns: int) -> tuple:
@@ -1006,7 +1126,8 @@ def _gpu_channel(mesh, axis_name: str, layout: ChannelLayout) -> _Channel | None
 def _fused_call(name: str, launches: dict[int, list[_Kernel]], inputs, out_shape, axis_name):
   """One command-buffer buffer_callback running ``launches[ordinal]`` on
   XLA's stream, under the scope ``moe_peer_exchange`` (which the HLO counts
-  read as the exchange it replaces)."""
+  read as the exchange it replaces). ``out_shape``: one ShapeDtypeStruct, or
+  a list of them (then a tuple of outputs)."""
 
   def callback(ctx, outs, *buffers):
     import cupy
@@ -1020,33 +1141,36 @@ def _fused_call(name: str, launches: dict[int, list[_Kernel]], inputs, out_shape
     pointers = [cupy_backend._pointer(b) for b in (*buffers, *outs)]
     with cupy.cuda.Device(ordinal), _stream(ordinal, ctx.stream):
       for kernel in kernels:
-        kernel.function((kernel.blocks,), (_ROW_THREADS,),
-                        (*(pointers[i] for i in kernel.buffers), *kernel.args))
+        kernel.function((kernel.blocks,), (kernel.threads,),
+                        (*(pointers[i] for i in kernel.buffers), *kernel.args),
+                        shared_mem=kernel.shared_bytes)
 
+  shapes = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
   with jax.named_scope("moe_peer_exchange"):
-    (out,) = buffer_callback(callback, [out_shape], command_buffer_compatible=True)(*inputs)
-  axes = frozenset({axis_name}).union(*(cupy_backend._varying_axes(x) for x in inputs))
-  return jax.lax.pcast(out, tuple(sorted(axes, key=str)), to="varying")
+    outs = buffer_callback(callback, list(shapes), command_buffer_compatible=True)(*inputs)
+  axes = tuple(sorted(frozenset({axis_name}).union(
+      *(cupy_backend._varying_axes(x) for x in inputs)), key=str))
+  outs = [jax.lax.pcast(out, axes, to="varying") for out in outs]
+  return tuple(outs) if isinstance(out_shape, (list, tuple)) else outs[0]
 
 
-def _check_maps(mesh, axis_name: str, recv_pos, *, wire_rows=None, send_token=None,
-                send_slot=None, slab_row=None) -> tuple[int, int, int]:
+def _check_maps(mesh, axis_name: str, recv_pos, *, send_token=None, send_slot=None,
+                slab_row=None) -> tuple[int, int, int]:
   """``(R, S, K)`` from the maps' shapes, checked against each other and the mesh."""
   _check_axis(mesh, axis_name)
   ep_size = mesh.shape[axis_name]
   if recv_pos.ndim != 3 or recv_pos.shape[0] != ep_size:
     raise ValueError(f"recv_pos shape {recv_pos.shape} must be [R, S, K] with R={ep_size} "
                      f"(the size of axis {axis_name!r})")
-  for name, value in (("wire_rows", wire_rows), ("send_slot", send_slot)):
-    if value is not None and (value.ndim != 2 or value.shape[1] != ep_size):
-      raise ValueError(f"{name} shape {value.shape} must be [T, R] with R={ep_size}")
+  if send_slot is not None and (send_slot.ndim != 2 or send_slot.shape[1] != ep_size):
+    raise ValueError(f"send_slot shape {send_slot.shape} must be [T, R] with R={ep_size}")
   if send_token is not None and send_token.shape != recv_pos.shape[:2]:
     raise ValueError(f"send_token shape {send_token.shape} must be [R, S] = "
                      f"{list(recv_pos.shape[:2])} (recv_pos' leading axes)")
   if slab_row is not None and slab_row.ndim != 1:
     raise ValueError(f"slab_row shape {slab_row.shape} must be [L * C]")
-  for name, value in (("wire_rows", wire_rows), ("send_token", send_token),
-                      ("send_slot", send_slot), ("recv_pos", recv_pos), ("slab_row", slab_row)):
+  for name, value in (("send_token", send_token), ("send_slot", send_slot),
+                      ("recv_pos", recv_pos), ("slab_row", slab_row)):
     if value is not None and value.dtype != np.int32:
       raise ValueError(f"{name} must be int32; got {value.dtype}")
   return ep_size, recv_pos.shape[1], recv_pos.shape[2]
@@ -1158,15 +1282,15 @@ def _fused_dispatch(rows, send_token, send_slot, recv_pos, slab_row, *, axis_nam
                                           kernel.slot_dtype), axis_name)
 
 
-def _fused_combine(slabs, recv_pos, wire_rows, *, axis_name: str, mesh):
+def _fused_combine(slabs, recv_pos, send_slot, *, axis_name: str, mesh):
   num_slab_rows, hidden = slabs.shape
   ep_size, send_capacity, top_k = recv_pos.shape
-  kernel = combine_kernel(slabs.dtype, wire_rows.shape[0], hidden, send_capacity, top_k,
+  kernel = combine_kernel(slabs.dtype, send_slot.shape[0], hidden, send_capacity, top_k,
                           num_slab_rows)
-  launches = _fused_launches(  # buffers: slabs 0, recv_pos 1, wire_rows 2, y 3
+  launches = _fused_launches(  # buffers: slabs 0, recv_pos 1, send_slot 2, y 3
       kernel, mesh, axis_name, ep_size, (0, 1, 2, 3))
-  return _fused_call("combine rows", launches, (slabs, recv_pos, wire_rows),
-                     jax.ShapeDtypeStruct((wire_rows.shape[0], hidden), slabs.dtype), axis_name)
+  return _fused_call("combine rows", launches, (slabs, recv_pos, send_slot),
+                     jax.ShapeDtypeStruct((send_slot.shape[0], hidden), slabs.dtype), axis_name)
 
 
 def dispatch_rows(rows: jax.Array, send_token: jax.Array, send_slot: jax.Array,
@@ -1228,7 +1352,7 @@ def dispatch_rows(rows: jax.Array, send_token: jax.Array, send_slot: jax.Array,
         default=lambda rows, *maps: all_to_all_path(rows))
 
 
-def combine_rows(slabs: jax.Array, recv_pos: jax.Array, wire_rows: jax.Array, *,
+def combine_rows(slabs: jax.Array, recv_pos: jax.Array, send_slot: jax.Array, *,
                  axis_name: str, mesh: jax.sharding.Mesh, all_to_all_path) -> jax.Array:
   """Combine's row path, fused: slabs ``[L * C, H]`` -> ``[T, H]`` (call it
   inside ``shard_map`` over ``mesh``).
@@ -1246,18 +1370,20 @@ def combine_rows(slabs: jax.Array, recv_pos: jax.Array, wire_rows: jax.Array, *,
   Args:
     slabs: ``[L * C, H]`` float32, bfloat16 or float16.
     recv_pos, axis_name, mesh: as :func:`dispatch_rows`.
-    wire_rows: ``[T, R]`` int32 ``d * S + slot`` of token t's row to rank d, or -1.
+    send_slot: ``[T, R]`` int32 slot of token t's row in its chunk to rank d, or
+      -1 (``RoutingHandle.send_slot``; read in the kernel, so no wire-row
+      map is computed for it).
     all_to_all_path: ``slabs -> [T, H]`` through XLA's ``all_to_all``.
 
   Returns:
     ``[T, H]`` in ``slabs.dtype``.
   """
-  _check_maps(mesh, axis_name, recv_pos, wire_rows=wire_rows)
+  _check_maps(mesh, axis_name, recv_pos, send_slot=send_slot)
   if slabs.ndim != 2:
     raise ValueError(f"slabs shape {slabs.shape} must be [L * C, H]")
   with jax.named_scope("exchange_rows"):
     return jax.lax.platform_dependent(
-        slabs, recv_pos, wire_rows,
+        slabs, recv_pos, send_slot,
         cuda=functools.partial(_fused_combine, axis_name=axis_name, mesh=mesh),
         default=lambda slabs, *maps: all_to_all_path(slabs))
 

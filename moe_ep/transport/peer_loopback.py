@@ -1,7 +1,8 @@
 """Every rank of an EP group running its peer kernel (a fused row kernel,
-or the drop-in exchange) on ONE GPU, in turn: each rank's channel is a
-buffer in that GPU's memory, so the kernels' indexing, chunking, flags and
-own-row placement run as at EP=R without R GPUs. For tests (one rank's
+the drop-in exchange, or the metadata exchange fused with the slab layout)
+on ONE GPU, in turn: each rank's channel is a buffer in that GPU's memory,
+so the kernels' indexing, chunking, flags and own-row placement run as at
+EP=R without R GPUs. For tests (one rank's
 output against the pure-JAX path, at any R), compute-sanitizer (one
 process, one GPU) and timing a kernel's local memory traffic; it is not a
 transport and moves nothing between GPUs. What it cannot show: two GPUs'
@@ -173,3 +174,34 @@ def exchange_rank(chunks: list, *, rank: int, absent: tuple = (), ordinal: int =
 
     out, _ = _in_turn(layout, rank, absent, timeout_s, "exchange", launch)
     return out.get()
+
+
+def slab_layout_rank(metas: list, sizes: tuple, *, rank: int, absent: tuple = (),
+                     ordinal: int = 0, timeout_s: float = 10.0) -> tuple:
+  """Rank ``rank``'s outputs of the metadata exchange fused with the slab
+  layout (``peer_slab_layout_v16``, :func:`peer.slab_layout`'s kernel):
+  ``metas[q]`` is rank ``q``'s route metadata ``[R, W]`` int32, ``sizes``
+  ``(S, K, L, C)``. Returns NumPy ``(recv_pos [R * S * K], slab_row [L * C],
+  slab_weights [L * C], counts [L], demand [L])``. ``absent``,
+  ``timeout_s``: as :func:`run_rank`."""
+  import cupy
+  ep_size = len(metas)
+  send_capacity, top_k, local_experts, capacity = sizes
+  shapes = ((ep_size * send_capacity * top_k, np.int32), (local_experts * capacity, np.int32),
+            (local_experts * capacity, np.float32), (local_experts, np.int32),
+            (local_experts, np.int32))
+  with cupy.cuda.Device(ordinal):
+    inputs = [cupy.ascontiguousarray(cupy.asarray(m, dtype=np.int32)) for m in metas]
+    layout = peer.ChannelLayout(ep_size, inputs[0].nbytes // ep_size)
+
+    def launch(q, peers, tail):
+      outs = [_unwritten(cupy, (n,), dtype) for n, dtype in shapes]
+      kernel = peer.slab_layout_kernel(layout, ordinal, peers, q, sizes, tail)
+      buffers = (inputs[q], *outs)
+      kernel.function((kernel.blocks,), (kernel.threads,),
+                      (*(buffers[i] for i in kernel.buffers), *kernel.args),
+                      shared_mem=kernel.shared_bytes)
+      return outs
+
+    outs, _ = _in_turn(layout, rank, absent, timeout_s, "slab layout", launch)
+    return tuple(out.get() for out in outs)

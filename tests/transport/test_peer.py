@@ -211,6 +211,19 @@ def test_row_segment_splits_rows_only_when_they_are_few(rows, row_vecs, warps, s
   assert 1 <= segment <= row_vecs and (segment % step == 0 or segment == row_vecs)
 
 
+def test_fused_slab_layout_only_where_one_launch_holds_the_layout():
+  # decode at EP=2 (T=128, E=256, K=8): 2048 members, 2 tiles of 1024
+  assert peer.fused_layout_fits(2, 128, 8, 128, 16)
+  # EP=8 decode (S=80): 5 tiles, so slab_count's launch: the layout stays unfused
+  assert not peer.fused_layout_fits(8, 80, 8, 32, 16)
+  # metadata rows of 2*S*K + L = 13 words: not whole 16-byte vectors
+  assert not peer.fused_layout_fits(2, 5, 1, 3, 4)
+  assert not peer.fused_layout_fits(1, 128, 8, 256, 16)
+  with pytest.raises(ValueError, match="too many member tiles"):
+    peer.slab_layout_kernel(peer.ChannelLayout(8, 4 * (2 * 80 * 8 + 32)), 0, 0, 0,
+                            (80, 8, 32, 16), ())
+
+
 def test_fused_row_paths_reject_maps_that_do_not_fit_at_trace_time():
   mesh = make_mesh((2, 4), ("dp", "ep"))
   spec = P(("dp", "ep"))
@@ -237,7 +250,7 @@ def test_fused_row_paths_reject_maps_that_do_not_fit_at_trace_time():
     run(rows, send_token, pos, slab_row, wire[:8 * 5])
   with pytest.raises(ValueError, match=r"rows shape \(6, 2, 8\) must be \[T, H\]"):
     run(rows.reshape(48, 2, 8), send_token, pos, slab_row)
-  with pytest.raises(ValueError, match=r"wire_rows shape \(6, 3\) must be \[T, R\] with R=4"):
+  with pytest.raises(ValueError, match=r"send_slot shape \(6, 3\) must be \[T, R\] with R=4"):
     shard_mapped(lambda *a: peer.combine_rows(*a, axis_name="ep", mesh=mesh,
                                               all_to_all_path=path), mesh, spec)(
         rows, pos, wire[:, :3])

@@ -18,6 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 from moe_ep import transport
 from moe_ep.transport import combine, dispatch, peer, peer_loopback
+from moe_ep.transport import xla as xla_backend
+from moe_ep.transport.cupy import slab_plan
 
 pytestmark = pytest.mark.gpu
 
@@ -52,18 +54,24 @@ def _reference(ep_size: int, dtype, seed: int) -> list[dict]:
     expert_out = outputs.reshape(d.tokens.shape)
     y = combine(expert_out, d.handle, num_tokens=TOKENS, axis_name="ep", backend="xla",
                 mesh=mesh)
-    return d.tokens, fp8_slabs, d.handle, transport._wire_rows(d.handle), expert_out, y
+    # route's metadata, before its exchange, from the ids dispatch routes by
+    merged = transport._merge_duplicate_routes(transport._valid_ids(idx, EXPERTS), weights)
+    meta = xla_backend.route(*merged, num_experts=EXPERTS, ep_size=ep_size,
+                             send_capacity=send_capacity)[3]
+    return d.tokens, fp8_slabs, d.handle, expert_out, y, meta, d.weights, d.counts, d.demand
 
   shard = lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))  # noqa: E731
   got = jax.jit(jax.shard_map(program, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
       *(shard(a) for a in (x, idx, weights, outputs)))
-  slabs, fp8_slabs, handle, wire_rows, expert_out, y = got
+  slabs, fp8_slabs, handle, expert_out, y, meta, slab_weights, counts, demand = got
   part = lambda a, r: np.asarray(a.addressable_shards[r].data)  # noqa: E731
   return [dict(rows=part(shard(x), r), send_token=part(handle.send_token, r).reshape(-1),
                send_slot=part(handle.send_slot, r), recv_pos=part(handle.recv_pos, r),
-               slab_row=part(handle.slab_row, r).reshape(-1), wire_rows=part(wire_rows, r),
+               slab_row=part(handle.slab_row, r).reshape(-1),
                slabs=part(slabs, r), fp8_slabs=part(fp8_slabs, r),
-               expert_out=part(expert_out, r), y=part(y, r)) for r in range(ep_size)]
+               expert_out=part(expert_out, r), y=part(y, r), meta=part(meta, r),
+               slab_weights=part(slab_weights, r).reshape(-1), counts=part(counts, r),
+               demand=part(demand, r), capacity=capacity) for r in range(ep_size)]
 
 
 def _dispatch_inputs(rank: dict) -> tuple:
@@ -101,11 +109,67 @@ def test_every_rank_matches_pure_jax(ep_size, dtype):
                                     err_msg=f"{name}, rank {rank} of {ep_size}")
     kernel = peer.combine_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows)
     inputs = [(r["expert_out"].reshape(slab_rows, HIDDEN), r["recv_pos"].reshape(-1, top_k),
-               r["wire_rows"]) for r in ranks]
+               r["send_slot"]) for r in ranks]
     want = ranks[rank]["y"]
     got = peer_loopback.run_rank(kernel, inputs, want.shape, want.dtype, rank=rank)
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8),
                                   err_msg=f"combine, rank {rank} of {ep_size}")
+
+
+@pytest.mark.parametrize("ep_size", [2, 4])
+def test_fused_slab_layout_is_the_exchange_then_the_layout(ep_size):
+  """peer_slab_layout (decode's metadata exchange and slab layout in one
+  launch), every rank: recv_pos, slab_row, the slab weights' bits, counts and
+  demand equal the pure-JAX layout of the exchanged metadata, with invalid
+  ids and both kinds of drop (one member tile)."""
+  ranks = _reference(ep_size, jnp.bfloat16, seed=10 + ep_size)
+  send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
+  local, capacity = EXPERTS // ep_size, ranks[0]["capacity"]
+  assert peer.fused_layout_fits(ep_size, send_capacity, top_k, local, capacity)
+  assert (ranks[0]["recv_pos"] == -2).any() and (ranks[0]["slab_row"] < 0).any()
+  for rank in range(ep_size):
+    got = peer_loopback.slab_layout_rank([r["meta"] for r in ranks],
+                                         (send_capacity, top_k, local, capacity), rank=rank)
+    want = ranks[rank]
+    for name, value in zip(("recv_pos", "slab_row", "slab_weights", "counts", "demand"), got):
+      np.testing.assert_array_equal(value.view(np.int32), want[name].reshape(-1).view(np.int32),
+                                    err_msg=f"{name}, rank {rank} of {ep_size}")
+
+
+def test_fused_slab_layout_at_decode_counts_the_other_tile():
+  """Decode's shape at EP=2 (T=128, E=256, K=8): 2048 members, two tiles of
+  1024, so each layout block also counts the tile it does not rank; C=6
+  drops routes. Against the pure-JAX layout of the exchanged metadata."""
+  ranks, tokens, experts, top_k, capacity = 2, 128, 256, 8, 6
+  rng = np.random.default_rng(5)
+  metas = []
+  for _ in range(ranks):
+    idx = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k].astype(np.int32)
+    weights = rng.random((tokens, top_k)).astype(np.float32)
+    metas.append(np.asarray(xla_backend.route(idx, weights, num_experts=experts,
+                                              ep_size=ranks, send_capacity=tokens)[3]))
+  sizes = (tokens, top_k, experts // ranks, capacity)
+  assert peer.fused_layout_fits(ranks, *sizes)
+  assert slab_plan(ranks, *sizes).tiles == 2
+  for rank in range(ranks):
+    got = peer_loopback.slab_layout_rank(metas, sizes, rank=rank)
+    want = xla_backend.slab_layout(np.stack([m[rank] for m in metas]), top_k=top_k,
+                                   num_local_experts=experts // ranks, expert_capacity=capacity)
+    assert (np.asarray(want[0]) == -2).any()
+    for name, value, expected in zip(("recv_pos", "slab_row", "slab_weights", "counts",
+                                      "demand"), got, want):
+      np.testing.assert_array_equal(value.view(np.int32),
+                                    np.asarray(expected).reshape(-1).view(np.int32),
+                                    err_msg=f"{name}, rank {rank}")
+
+
+def test_fused_slab_layout_names_a_rank_that_never_sends():
+  ranks = _reference(2, jnp.bfloat16, seed=3)
+  send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
+  with pytest.raises(RuntimeError, match="rank 0 waited in vain for rank 1"):
+    peer_loopback.slab_layout_rank([r["meta"] for r in ranks],
+                                   (send_capacity, top_k, EXPERTS // 2, ranks[0]["capacity"]),
+                                   rank=0, absent=(1,), timeout_s=0.5)
 
 
 def test_a_rank_that_never_sends_is_named():
