@@ -8,7 +8,7 @@ mkdir -p "$OUT"
 python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
 python -c "import jax, flax, cupy; print(jax.__version__, flax.__version__, cupy.__version__, jax.devices())"
 start=$SECONDS
-timeout "${SUITE_TIMEOUT:-420}" python -m pytest -q -v -rfEs --durations=30 > "$OUT/suite.log" 2>&1
+timeout "${SUITE_TIMEOUT:-540}" python -m pytest -q -v -rfEs --durations=30 > "$OUT/suite.log" 2>&1
 echo "== suite rc=$? $((SECONDS - start))s: $(tail -n 1 "$OUT/suite.log")"
 start=$SECONDS
 timeout "${MAIN_TIMEOUT:-120}" python examples/pretrain.py > "$OUT/main.log" 2>&1
