@@ -185,17 +185,15 @@ def slab_layout_rank(metas: list, sizes: tuple, *, rank: int, absent: tuple = ()
   slab_weights [L * C], counts [L], demand [L])``. ``absent``,
   ``timeout_s``: as :func:`run_rank`."""
   import cupy
+  from moe_ep.transport import cupy as cupy_backend
   ep_size = len(metas)
-  send_capacity, top_k, local_experts, capacity = sizes
-  shapes = ((ep_size * send_capacity * top_k, np.int32), (local_experts * capacity, np.int32),
-            (local_experts * capacity, np.float32), (local_experts, np.int32),
-            (local_experts, np.int32))
+  shapes = cupy_backend.slab_layout_shapes(ep_size, *sizes)
   with cupy.cuda.Device(ordinal):
     inputs = [cupy.ascontiguousarray(cupy.asarray(m, dtype=np.int32)) for m in metas]
     layout = peer.ChannelLayout(ep_size, inputs[0].nbytes // ep_size)
 
     def launch(q, peers, tail):
-      outs = [_unwritten(cupy, (n,), dtype) for n, dtype in shapes]
+      outs = [_unwritten(cupy, shape.shape, shape.dtype) for shape in shapes]
       kernel = peer.slab_layout_kernel(layout, ordinal, peers, q, sizes, tail)
       buffers = (inputs[q], *outs)
       kernel.function((kernel.blocks,), (kernel.threads,),
@@ -204,4 +202,4 @@ def slab_layout_rank(metas: list, sizes: tuple, *, rank: int, absent: tuple = ()
       return outs
 
     outs, _ = _in_turn(layout, rank, absent, timeout_s, "slab layout", launch)
-    return tuple(out.get() for out in outs)
+    return tuple(out.get().reshape(-1) for out in outs)
