@@ -4,7 +4,8 @@
 # graphs for the callbacks. JSON goes to $OUT/ep-results.tar.gz, logs to $OUT.
 #   PEER_TESTS=0 skips the tests; EP_ARGS is a Python dict of run() arguments;
 #   PROCESSES=2 runs P2 as one process per GPU; TIMELINE=1 then also runs
-#   `moe_ep.bench timeline` (one process, every GPU's kernels per call).
+#   `moe_ep.bench timeline` (one process, every GPU's kernels per call),
+#   without and with the decode dispatch in one launch.
 source benchmarks/gpu_setup.sh
 start=$SECONDS
 if [ "${PEER_TESTS:-1}" = 1 ]; then
@@ -37,11 +38,16 @@ fi
 echo "== ep rc=$? $((SECONDS - start))s"
 grep -v -E "Warning|warn\(|^\s*$|Gloo" "$OUT/ep.log" | tail -n 40
 if [ "${TIMELINE:-0}" = 1 ]; then
-  start=$SECONDS
-  XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" timeout "${TIMELINE_TIMEOUT:-150}" \
-    python -m moe_ep.bench timeline --out "$OUT/results" > "$OUT/timeline.log" 2>&1
-  echo "== timeline rc=$? $((SECONDS - start))s"
-  tail -n 60 "$OUT/timeline.log"
+  # twice: the decode dispatch as two launches (the default), then as one
+  # (peer_dispatch_layout, $MOE_EP_PEER_DISPATCH_LAYOUT=1)
+  for fused in 0 1; do
+    start=$SECONDS
+    MOE_EP_PEER_DISPATCH_LAYOUT=$fused XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" \
+      timeout "${TIMELINE_TIMEOUT:-150}" python -m moe_ep.bench timeline --out "$OUT/results" \
+      > "$OUT/timeline-$fused.log" 2>&1
+    echo "== timeline (dispatch layout fused: $fused) rc=$? $((SECONDS - start))s"
+    tail -n 30 "$OUT/timeline-$fused.log"
+  done
 fi
 grep -E "(FAILED|Error|error)" "$OUT/peer_tests.log" 2>/dev/null | head -20
 tar -czf "$OUT/ep-results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"

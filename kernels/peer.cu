@@ -43,6 +43,7 @@
 // What a timed-out wait was waiting for (PeerFailure::kind).
 #define PEER_WAIT_ACK 1   // sender: for the peer to acknowledge step - 2
 #define PEER_WAIT_FLAG 2  // receiver: for the peer's chunk of this step
+#define PEER_WAIT_LAYOUT 3  // peer_dispatch_layout's receivers: for each other's slab maps
 
 typedef unsigned long long u64;
 
@@ -85,13 +86,19 @@ __device__ __forceinline__ u64 load_acquire(const u64* word) {
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(word) : "memory");
   return value;
 }
+__device__ __forceinline__ u32 load_acquire(const u32* word) {  // a counter of this GPU
+  u32 value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(word) : "memory");
+  return value;
+}
 
 // Waits until *word >= target (read with acquire semantics). Returns 0 when
 // it is, 1 when this device has already failed (no wait), 2 on timeout. The deadline is wall time from
 // %globaltimer (clock64 ticks at the SM clock, which moves between ~0.3 and
 // ~2 GHz); a clock64 bound of 2 cycles per nanosecond backs it up in case the
 // global timer does not advance.
-__device__ int wait_at_least(const u64* word, u64 target, const volatile u32* failed,
+template <typename Word>
+__device__ int wait_at_least(const Word* word, Word target, const volatile u32* failed,
                              u64 timeout_ns, u64* waited_ns) {
   if (load_acquire(word) >= target) return 0;
   const u64 start_ns = global_ns();
@@ -470,11 +477,20 @@ __device__ __forceinline__ int sent_slot(const int* __restrict__ send_slot, i64 
 }
 
 // Lane k < top_k: the slab row of member k of received row `row`, else -1.
+// A map entry: through the read-only path, unless (kWritten) this launch
+// wrote the map itself (peer_dispatch_layout), which only L2 sees.
+template <bool kWritten>
+__device__ __forceinline__ int map_entry(const int* __restrict__ map, i64 i) {
+  if constexpr (kWritten) return __ldcg(map + i);
+  else return __ldg(map + i);
+}
+
+template <bool kWritten = false>
 __device__ __forceinline__ int member_row(const int* __restrict__ recv_pos, i64 row, int top_k,
                                           int num_slab_rows) {
   const int lane = lane_index();
   if (lane >= top_k) return -1;
-  const int n = __ldg(recv_pos + row * top_k + lane);
+  const int n = map_entry<kWritten>(recv_pos, row * top_k + lane);
   return (n >= 0 && n < num_slab_rows) ? n : -1;
 }
 
@@ -710,6 +726,134 @@ __device__ __forceinline__ void finish_exchange(const Exchange& ex) {
   *(volatile u64*)step_of(ex.own, ex.ep_size) = ex.step;
 }
 
+struct LandedMeta {  // slab_layout.cuh's Meta: each source's row where it landed
+  const int* const* rows;  // [R] in shared memory: meta[rank], or src's slot here
+  __device__ __forceinline__ int word(int src, int i) const {
+    return __ldcg(rows[src] + i);  // stored by another GPU: not through L1
+  }
+};
+
+// ---------------------------------------------------------------------------
+// The metadata exchange and the receiver's slab layout done by a dispatch
+// launch itself (peer_dispatch_layout; decode sizes, where every launch on
+// the dispatch's path is latency): the metadata rows travel on their own
+// channel (the drop-in exchange's for `meta`), pushed by sender blocks
+// [0, R - 1) before their rows; the receiver blocks wait for every source's
+// row, lay the slabs out (slab_rank_own_count's work over tiles of blockDim
+// members, slab_layout.cuh) into the handle's maps, meet at a barrier and
+// then place rows by those maps (read through L2: this launch wrote them).
+// The senders start on the rows at once and leave every own row to the
+// receivers, so nothing on the sender side waits for the layout.
+// ---------------------------------------------------------------------------
+struct LayoutJob {
+  const int* meta;        // [R, meta_width]: route's, row d for rank d
+  const u64* meta_peers;  // [R] the metadata channel's bases
+  i64 meta_slot_bytes;
+  i64 meta_data_offset;
+  int meta_width;         // 2 * S * K + L, a multiple of 4 (uint4 copies)
+  int local_experts;
+  int expert_capacity;
+  int num_tiles;          // ceil(R * S * K / blockDim.x), at most the receiver blocks
+  int* recv_pos;          // outputs, as slab_rank's
+  int* slab_row;
+  float* slab_weights;
+  int* counts;
+  int* demand;
+};
+
+__device__ __forceinline__ bool layout_job_ok(const LayoutJob& job, int ep_size,
+                                              int send_capacity, int top_k, int num_slab_rows,
+                                              int send_blocks) {
+  const i64 members = (i64)ep_size * send_capacity * top_k;
+  return job.local_experts >= 1 && job.expert_capacity >= 1 &&
+         job.meta_width == 2 * send_capacity * top_k + job.local_experts &&
+         job.meta_width % 4 == 0 && 4ll * job.meta_width <= job.meta_slot_bytes &&
+         (i64)job.local_experts * job.expert_capacity == num_slab_rows &&
+         send_blocks >= ep_size - 1 && job.num_tiles >= 1 &&
+         job.num_tiles <= (int)gridDim.x - send_blocks &&
+         (i64)job.num_tiles * blockDim.x >= members &&
+         4ll * ((blockDim.x / 32 + 2 + job.num_tiles) * (i64)job.local_experts) <=
+             dynamic_shared_bytes();
+}
+
+// This launch's step on the metadata channel (read once per block at its
+// start; advanced by the launch's last block).
+struct MetaExchange {
+  u64 own;
+  u64 step;
+  int parity;
+};
+
+__device__ __forceinline__ MetaExchange open_meta_exchange(const LayoutJob& job, int rank,
+                                                           int ep_size) {
+  MetaExchange mx;
+  mx.own = job.meta_peers[rank];
+  mx.step = *(volatile u64*)step_of(mx.own, ep_size) + 1;
+  mx.parity = (int)(mx.step & 1ull);
+  return mx;
+}
+
+// Sender block b < R - 1: route's row for the b-th other rank into its
+// metadata slot, then that rank's flag (peer_send's protocol).
+__device__ __forceinline__ void send_meta_row(const LayoutJob& job, const Exchange& ex, int b) {
+  peer_send<uint4>((const uint4*)job.meta, nullptr, job.meta_peers, ex.rank, ex.ep_size,
+                   job.meta_width / 4, job.meta_slot_bytes, job.meta_data_offset, 1, 0,
+                   ex.failed, ex.record, ex.timeout_ns, ex.site, b);
+}
+
+// Receiver blocks: the slab layout, then their barrier (every map entry is
+// written before any receiver reads one). The barrier counts on the metadata
+// channel's recv_done[0], which no other part of this launch uses.
+__device__ void lay_out_slabs(const LayoutJob& job, const MetaExchange& mx, const Exchange& ex,
+                              int send_capacity, int top_k, int send_blocks) {
+  __shared__ const int* rows[ROW_MAX_LANES];
+  const int rank = ex.rank, ep_size = ex.ep_size;
+  if (threadIdx.x < (unsigned)ep_size) {
+    const int src = (int)threadIdx.x;
+    rows[src] = src == rank ? job.meta + (i64)rank * job.meta_width
+        : (const int*)slot_address(mx.own, job.meta_data_offset, mx.parity, ep_size,
+                                   slot_of(src, rank), job.meta_slot_bytes);
+  }
+  if (threadIdx.x == 0)
+    for (int src = 0; src < ep_size; ++src)
+      if (src != rank)
+        thread_wait(flag_of(mx.own, ep_size, mx.parity, src, 0), mx.step, ex.failed, ex.record,
+                    ex.timeout_ns, PEER_WAIT_FLAG, src, ex.site, rank, mx.step);
+  __syncthreads();
+  const int receivers = (int)gridDim.x - send_blocks;
+  slab_rank_body<false>(LandedMeta{rows}, ep_size, send_capacity, top_k, job.local_experts,
+                        job.expert_capacity, 2 * send_capacity * top_k, job.num_tiles, nullptr,
+                        job.recv_pos, job.slab_row, job.slab_weights, job.counts, job.demand,
+                        (int)blockIdx.x - send_blocks, receivers);
+  __syncthreads();  // the block's map entries are all stored
+  if (threadIdx.x == 0) {
+    u32* arrived = counters_of(mx.own, ep_size) + ep_size;
+    __threadfence();  // release them to the other receivers
+    atomicAdd(arrived, 1u);
+    u64 waited_ns = 0;
+    if (wait_at_least<u32>(arrived, (u32)receivers, ex.failed, ex.timeout_ns, &waited_ns) == 2)
+      record_timeout(ex.failed, ex.record, PEER_WAIT_LAYOUT, rank, ex.site, rank, mx.step,
+                     waited_ns);
+  }
+  __syncthreads();
+}
+
+// The end of every block: once all have passed it, rearms the receivers'
+// barrier, acknowledges every source's metadata row and advances the
+// metadata channel's step.
+__device__ __forceinline__ void finish_meta_exchange(const LayoutJob& job,
+                                                     const MetaExchange& mx,
+                                                     const Exchange& ex) {
+  if (!last_block_of_launch(mx.own, ex.ep_size)) return;
+  counters_of(mx.own, ex.ep_size)[ex.ep_size] = 0u;
+  __threadfence_system();
+  for (int src = 0; src < ex.ep_size; ++src)
+    if (src != ex.rank)
+      atomicExch(acks_of(job.meta_peers[src], ex.ep_size) + mx.parity * ex.ep_size + ex.rank,
+                 mx.step);
+  *(volatile u64*)step_of(mx.own, ex.ep_size) = mx.step;
+}
+
 // Receiver warps: index and count among the receiver blocks.
 __device__ __forceinline__ i64 receiver_warp(int send_blocks) {
   return ((i64)(blockIdx.x - send_blocks) * blockDim.x + threadIdx.x) >> 5;
@@ -893,7 +1037,7 @@ struct QuantizeRows {
 //              slab_row [L * C] int32; peers [R] channel bases.
 //   output:    slabs [L * C, row_vecs] uint4, every row written once.
 // ---------------------------------------------------------------------------
-template <typename Source>
+template <typename Source, bool kLayout = false>
 __device__ __forceinline__ void dispatch_rows(
     const Source& source, const int* __restrict__ send_token, const int* __restrict__ send_slot,
     const int* __restrict__ recv_pos, const int* __restrict__ slab_row,
@@ -901,33 +1045,41 @@ __device__ __forceinline__ void dispatch_rows(
     int rank, int ep_size, int num_tokens, int send_capacity, int top_k, int num_slab_rows,
     int row_vecs, int chunk_rows, int num_chunks, int send_blocks, int send_segment,
     int recv_segment_vecs, i64 slot_bytes, i64 data_offset, u32* failed, PeerFailure* record,
-    u64 timeout_ns, int site) {
+    u64 timeout_ns, int site, const LayoutJob& job = LayoutJob{}) {
   const Chunks c{send_capacity, chunk_rows, num_chunks, send_blocks};
   if (!row_args_ok(rank, ep_size, send_capacity, top_k, num_slab_rows, row_vecs, send_segment) ||
       !source.fits(row_vecs) || recv_segment_vecs < 1 || num_tokens < 1 || !chunks_ok(c))
     return;
+  if (kLayout && !layout_job_ok(job, ep_size, send_capacity, top_k, num_slab_rows, send_blocks))
+    return;
   const Exchange ex = open_exchange(peers, rank, ep_size, slot_bytes, data_offset, failed, record,
                                     timeout_ns, site);
+  const MetaExchange mx = kLayout ? open_meta_exchange(job, rank, ep_size) : MetaExchange{};
   const i64 wire_rows = (i64)ep_size * send_capacity;
   const int source_units = source.units();
   if ((int)blockIdx.x < send_blocks) {
+    if (kLayout && (int)blockIdx.x < ep_size - 1) send_meta_row(job, ex, blockIdx.x);
     const int segments = (source_units + send_segment - 1) / send_segment;
     send_chunks(ex, c, segments, send_segment, source_units, row_vecs,
                 [&](int dest, i64 s, const RowUnit& u, uint4* out) {
                   const int token = __ldg(send_token + (i64)dest * send_capacity + s);
                   if (token < 0 || token >= num_tokens) return;
-                  const TokenWires w =
-                      token_wires(send_slot, send_token, token, rank, ep_size, send_capacity);
-                  int member = -1;
-                  if (w.own_slot >= 0 && w.first_remote == dest && w.first_remote_slot == s)
-                    member = member_row(recv_pos, (i64)rank * send_capacity + w.own_slot, top_k,
-                                        num_slab_rows);
+                  int member = -1;  // with kLayout the receivers place every own row
+                  if constexpr (!kLayout) {
+                    const TokenWires w =
+                        token_wires(send_slot, send_token, token, rank, ep_size, send_capacity);
+                    if (w.own_slot >= 0 && w.first_remote == dest && w.first_remote_slot == s)
+                      member = member_row(recv_pos, (i64)rank * send_capacity + w.own_slot,
+                                          top_k, num_slab_rows);
+                  }
                   const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
                   source.place(token, u, out, slabs, member, members);
                 });
     finish_exchange(ex);
+    if constexpr (kLayout) finish_meta_exchange(job, mx, ex);
     return;
   }
+  if constexpr (kLayout) lay_out_slabs(job, mx, ex, send_capacity, top_k, send_blocks);
   const int segments = (row_vecs + recv_segment_vecs - 1) / recv_segment_vecs;
   const int own_segment = Source::kVectorUnits ? recv_segment_vecs
                                                : (source_units + segments - 1) / segments;
@@ -947,7 +1099,7 @@ __device__ __forceinline__ void dispatch_rows(
     if (unit < padding_units) {  // (1) zero the padding rows
       if ((done & 31) == 0) {
         const i64 mine = unit + lane_index() * warps;
-        padding_test = mine < padding_units ? __ldg(slab_row + mine / segments) : -1;
+        padding_test = mine < padding_units ? map_entry<kLayout>(slab_row, mine / segments) : -1;
       }
       const int m = __shfl_sync(MOE_EP_FULL_MASK, padding_test, (int)(done & 31));
       if (m >= 0 && m < wire_rows) continue;
@@ -957,13 +1109,15 @@ __device__ __forceinline__ void dispatch_rows(
     } else if (unit < padding_units + own_units) {  // (2) this rank's own rows
       const RowUnit u = row_unit(unit - padding_units, segments, own_segment, source_units);
       const i64 wire = (i64)rank * send_capacity + u.row;
-      const int member = member_row(recv_pos, wire, top_k, num_slab_rows);
+      const int member = member_row<kLayout>(recv_pos, wire, top_k, num_slab_rows);
       const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
       const int token = __ldg(send_token + wire);
       if (members == 0u || token < 0 || token >= num_tokens) continue;
-      const TokenWires w =
-          token_wires(send_slot, send_token, token, rank, ep_size, send_capacity);
-      if (w.own_slot == u.row && w.first_remote >= 0) continue;  // its sender places it
+      if constexpr (!kLayout) {
+        const TokenWires w =
+            token_wires(send_slot, send_token, token, rank, ep_size, send_capacity);
+        if (w.own_slot == u.row && w.first_remote >= 0) continue;  // its sender places it
+      }
       source.place(token, u, nullptr, slabs, member, members);
     } else {  // (3) the other ranks' rows, chunk by chunk
       const i64 rest = unit - padding_units - own_units;
@@ -973,8 +1127,8 @@ __device__ __forceinline__ void dispatch_rows(
       const RowUnit u = row_unit(rest % chunk_units, segments, recv_segment_vecs, row_vecs);
       const i64 s = (i64)q * chunk_rows + u.row;
       if (s >= send_capacity) continue;
-      const int member = member_row(recv_pos, (i64)src * send_capacity + s, top_k,
-                                    num_slab_rows);
+      const int member = member_row<kLayout>(recv_pos, (i64)src * send_capacity + s, top_k,
+                                             num_slab_rows);
       const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
       if (members == 0u) continue;
       warp_wait_chunk(ex, src, q, &seen);
@@ -983,6 +1137,7 @@ __device__ __forceinline__ void dispatch_rows(
     }
   }
   finish_exchange(ex);
+  if constexpr (kLayout) finish_meta_exchange(job, mx, ex);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch(
@@ -997,6 +1152,33 @@ extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch(
                 peers, rank, ep_size, num_tokens, send_capacity, top_k, num_slab_rows, row_vecs,
                 chunk_rows, num_chunks, send_blocks, send_segment_vecs, recv_segment_vecs,
                 slot_bytes, data_offset, failed, record, timeout_ns, site);
+}
+
+// peer_dispatch_layout: peer_dispatch with the metadata exchange and the
+// slab layout in the same launch (LayoutJob above): route's outputs in,
+// slabs and the handle's maps out. Extra inputs: meta [R, meta_width];
+// outputs recv_pos [R * S * K], slab_row [L * C], slab_weights [L * C],
+// counts [L], demand [L] (as slab_rank); the metadata channel's bases,
+// slot bytes and data offset after `site`. Dynamic shared memory: the
+// layout's, for num_tiles tiles of blockDim members.
+extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch_layout(
+    const uint4* __restrict__ rows, const int* __restrict__ send_token,
+    const int* __restrict__ send_slot, const int* __restrict__ meta, uint4* __restrict__ slabs,
+    int* recv_pos, int* slab_row, float* slab_weights, int* counts, int* demand,
+    const u64* __restrict__ peers, int rank, int ep_size, int num_tokens, int send_capacity,
+    int top_k, int num_slab_rows, int row_vecs, int local_experts, int expert_capacity,
+    int meta_width, int num_tiles, int chunk_rows, int num_chunks, int send_blocks,
+    int send_segment_vecs, int recv_segment_vecs, i64 slot_bytes, i64 data_offset, u32* failed,
+    PeerFailure* record, u64 timeout_ns, int site, const u64* __restrict__ meta_peers,
+    i64 meta_slot_bytes, i64 meta_data_offset) {
+  const LayoutJob job{meta, meta_peers, meta_slot_bytes, meta_data_offset, meta_width,
+                      local_experts, expert_capacity, num_tiles, recv_pos, slab_row,
+                      slab_weights, counts, demand};
+  dispatch_rows<CopyRows, true>(CopyRows{rows, row_vecs}, send_token, send_slot, recv_pos,
+                                slab_row, slabs, peers, rank, ep_size, num_tokens, send_capacity,
+                                top_k, num_slab_rows, row_vecs, chunk_rows, num_chunks,
+                                send_blocks, send_segment_vecs, recv_segment_vecs, slot_bytes,
+                                data_offset, failed, record, timeout_ns, site, job);
 }
 
 #define DEFINE_PEER_DISPATCH_FP8_KERNEL(SUFFIX, TYPE)                                            \
@@ -1173,13 +1355,6 @@ DEFINE_PEER_COMBINE_KERNEL(f16, F16)
 //            memory holds the layout's counts of num_tiles tiles; every read
 //            of a source's row stays below meta_width.
 // ---------------------------------------------------------------------------
-struct LandedMeta {  // slab_layout.cuh's Meta: each source's row where it landed
-  const int* const* rows;  // [R] in shared memory: meta[rank], or src's slot here
-  __device__ __forceinline__ int word(int src, int i) const {
-    return __ldcg(rows[src] + i);  // stored by another GPU: not through L1
-  }
-};
-
 template <typename Vec>
 __device__ __forceinline__ void peer_slab_layout(
     const int* __restrict__ meta, int* __restrict__ recv_pos, int* __restrict__ slab_row,

@@ -119,21 +119,24 @@ def round_trip_fn(exchange: str, mesh, backend: str, tokens: int, expert_capacit
   return per_rank
 
 
-@pytest.mark.parametrize("send_capacity", [5, 6])
+@pytest.mark.parametrize("path", ["dispatch_with_layout", "slab_layout", "unfused"])
 def test_peer_row_paths_lower_to_one_fused_callback_each_and_no_row_passes(monkeypatch,
-                                                                          pretend_cupy,
-                                                                          send_capacity):
+                                                                          pretend_cupy, path):
   """With the peer path taken (its checks stubbed on CPU devices), every row
   path of the forward and backward passes lowers for CUDA to one fused
   callback under .../exchange_rows/, with no expand_rows or gather_sum_rows
-  pass and no all_to_all; the weights use the drop-in exchange, and the
-  metadata the exchange fused with the slab layout where its rows are whole
-  16-byte vectors (S=5: 2*S*K + L = 32 words), else the drop-in exchange and
-  the layout's own callback (S=6: 38 words)."""
+  pass and no all_to_all; the weights use the drop-in exchange. The
+  metadata: where its rows are whole 16-byte vectors (S=5: 2*S*K + L = 32
+  words) inside the dispatch's fused callback (with configure's
+  dispatch_layout) or in the exchange fused with the slab layout (without);
+  else (S=6: 38 words) the drop-in exchange and the layout's own callback."""
   monkeypatch.setattr(peer, "unsupported_reason", lambda mesh, axis: None)
+  monkeypatch.setattr(peer, "dispatch_layout_enabled", lambda: path == "dispatch_with_layout")
   mesh = make_mesh((4,), ("ep",))
-  fused_layout = send_capacity == 5
-  assert peer.fused_layout_fits(4, send_capacity, K, E // 4, 12) == fused_layout
+  send_capacity = 6 if path == "unfused" else 5
+  assert peer.fused_layout_fits(4, send_capacity, K, E // 4, 12) == (path != "unfused")
+  assert peer.dispatch_layout_fits(jnp.bfloat16, 32, 4, send_capacity, K, E // 4, 12) == (
+      path != "unfused")
   fn = round_trip_fn("peer", mesh, "auto", 16, 12, send_capacity)
   args = (jnp.ones((64, 32), jnp.bfloat16), jnp.zeros((64, K), jnp.int32),
           jnp.ones((64, K)), jnp.ones((64, 32), jnp.bfloat16))
@@ -147,17 +150,23 @@ def test_peer_row_paths_lower_to_one_fused_callback_each_and_no_row_passes(monke
   assert all("moe_peer_exchange" in s for s in fused)
   assert not any("expand_rows" in s or "gather_sum_rows" in s for s in scopes)
   meta = [s for s in scopes if "/exchange_meta/" in s]
-  assert len(meta) == 1 and "moe_peer_exchange" in meta[0]
-  assert any("moe_cupy_slab_layout" in s for s in scopes) != fused_layout
+  assert len(meta) == (0 if path == "dispatch_with_layout" else 1)
+  assert all("moe_peer_exchange" in s for s in meta)
+  assert any("moe_cupy_slab_layout" in s for s in scopes) == (path == "unfused")
   assert sum("/exchange_weights/" in s for s in scopes) == 1
   assert "all_to_all" not in text
 
 
 
-def test_peer_row_paths_off_cuda_run_the_all_to_all_path_bitwise(monkeypatch):
+@pytest.mark.parametrize("send_capacity", [5, 6])
+def test_peer_row_paths_off_cuda_run_the_all_to_all_path_bitwise(monkeypatch, send_capacity):
   """On CPU devices the fused paths' other branch runs: the same values,
-  handle and gradients as exchange='all_to_all', bitwise."""
+  handle and gradients as exchange='all_to_all', bitwise (S=5: the dispatch
+  with its layout fused; S=6: the row paths alone)."""
   monkeypatch.setattr(peer, "unsupported_reason", lambda mesh, axis: None)
+  monkeypatch.setattr(peer, "dispatch_layout_enabled", lambda: True)
+  assert peer.dispatch_layout_fits(jnp.bfloat16, 32, 4, send_capacity, K, E // 4, 8) == (
+      send_capacity == 5)
   mesh = make_mesh((4,), ("ep",))
   rng = np.random.default_rng(1)
   idx, w = routing(rng, 64)
@@ -165,7 +174,7 @@ def test_peer_row_paths_off_cuda_run_the_all_to_all_path_bitwise(monkeypatch):
   y_grad = rng.normal(size=(64, 32)).astype(jnp.bfloat16)
   results = []
   for exchange in ("peer", "all_to_all"):
-    fn = round_trip_fn(exchange, mesh, "xla", 16, 8, 6)
+    fn = round_trip_fn(exchange, mesh, "xla", 16, 8, send_capacity)
     results.append(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("ep"),
                                          out_specs=P("ep")))(x, idx, w, y_grad))
   for got, want in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):

@@ -348,38 +348,77 @@ def _name(spec: _Spec, field: str, value):
   return _attach_name(value, f"{spec.checkpoint_name}.{field}")
 
 
+def _layout_sizes(spec: _Spec, top_k: int) -> dict:
+  return dict(top_k=top_k, num_local_experts=spec.num_experts // spec.ep_size,
+              expert_capacity=spec.expert_capacity)
+
+
+def _exchanged_layout(spec: _Spec, meta, top_k: int):
+  """The metadata exchange (R > 1), then the receiver's slab layout."""
+  if spec.ep_size > 1:
+    meta = _exchange(spec, meta, "exchange_meta")
+  return spec.ops.slab_layout(meta, **_layout_sizes(spec, top_k))
+
+
 def _routing(spec: _Spec, topk_idx, topk_weights):
   """Dispatch's routing: ``(handle, slab weights [L, C], counts [L], demand
   [L])`` from the ids and weights, with the metadata exchange."""
-  ops = spec.ops
-  send_slot, send_token, route_slot, meta = ops.route(
-      topk_idx, topk_weights.astype(jnp.float32), num_experts=spec.num_experts,
-      ep_size=spec.ep_size, send_capacity=spec.send_capacity)
-  sizes = dict(top_k=topk_idx.shape[1], num_local_experts=spec.num_experts // spec.ep_size,
-               expert_capacity=spec.expert_capacity)
-
-  def exchanged_layout(spec, meta):
-    if spec.ep_size > 1:
-      meta = _exchange(spec, meta, "exchange_meta")
-    return ops.slab_layout(meta, **sizes)
-
+  send_slot, send_token, route_slot, meta = _route(spec, topk_idx, topk_weights)
+  top_k = topk_idx.shape[1]
+  sizes = _layout_sizes(spec, top_k)
   if spec.exchange == "peer" and _peer().fused_layout_fits(
-      spec.ep_size, spec.send_capacity, sizes["top_k"], sizes["num_local_experts"],
+      spec.ep_size, spec.send_capacity, top_k, sizes["num_local_experts"],
       spec.expert_capacity):  # decode: the exchange and the layout in one launch
     layout = _peer().slab_layout(
         meta, **sizes, axis_name=spec.axis_name, mesh=spec.mesh,
-        all_to_all_path=lambda m: exchanged_layout(_on_all_to_all(spec), m))
+        all_to_all_path=lambda m: _exchanged_layout(_on_all_to_all(spec), m, top_k))
   else:
-    layout = exchanged_layout(spec, meta)
+    layout = _exchanged_layout(spec, meta, top_k)
   recv_pos, slab_row, slab_weights, counts, demand = layout
   return (RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row), slab_weights,
           counts, demand)
 
 
+def _route(spec: _Spec, topk_idx, topk_weights):
+  """The sender's routing: ``(send_slot, send_token, route_slot, meta)``."""
+  return spec.ops.route(topk_idx, topk_weights.astype(jnp.float32), num_experts=spec.num_experts,
+                        ep_size=spec.ep_size, send_capacity=spec.send_capacity)
+
+
+def _dispatch_with_layout(spec: _Spec, tokens, topk_idx, topk_weights):
+  """Decode sizes on the peer path: route, then one launch for the metadata
+  exchange, the slab layout and the rows (``peer.dispatch_with_layout``);
+  ``(handle, slabs [L, C, H], slab weights, counts, demand)``."""
+  send_slot, send_token, route_slot, meta = _route(spec, topk_idx, topk_weights)
+  top_k = topk_idx.shape[1]
+  sizes = _layout_sizes(spec, top_k)
+
+  def all_to_all_path(rows, meta):
+    on_all_to_all = _on_all_to_all(spec)
+    recv_pos, slab_row, *rest = _exchanged_layout(on_all_to_all, meta, top_k)
+    handle = RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row)
+    slabs = _exchanged_rows_to_slabs(on_all_to_all, rows, handle)
+    return (slabs, recv_pos, slab_row, *rest)
+
+  slabs, recv_pos, slab_row, slab_weights, counts, demand = _peer().dispatch_with_layout(
+      tokens, meta, send_token, send_slot, **sizes, axis_name=spec.axis_name, mesh=spec.mesh,
+      all_to_all_path=all_to_all_path)
+  handle = RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row)
+  return handle, slabs.reshape(slab_row.shape + (tokens.shape[-1],)), slab_weights, counts, demand
+
+
 def _dispatch_forward(spec: _Spec, tokens, topk_idx, topk_weights) -> Dispatched:
   with jax.named_scope(NAMED_SCOPES["dispatch"]):
-    handle, slab_weights, counts, demand = _routing(spec, topk_idx, topk_weights)
-    slabs = (_rows_to_slabs_fp8 if spec.wire_dtype else _rows_to_slabs)(spec, tokens, handle)
+    if (spec.exchange == "peer" and not spec.wire_dtype and _peer().dispatch_layout_enabled()
+        and _peer().dispatch_layout_fits(tokens.dtype, tokens.shape[-1], spec.ep_size,
+                                         spec.send_capacity, topk_idx.shape[1],
+                                         spec.num_experts // spec.ep_size,
+                                         spec.expert_capacity)):
+      handle, slabs, slab_weights, counts, demand = _dispatch_with_layout(
+          spec, tokens, topk_idx, topk_weights)
+    else:
+      handle, slab_weights, counts, demand = _routing(spec, topk_idx, topk_weights)
+      slabs = (_rows_to_slabs_fp8 if spec.wire_dtype else _rows_to_slabs)(spec, tokens, handle)
   # Names go on the outputs here, inside the forward rule, so they also mark
   # the residual (the handle) that the backward rule reads.
   # The FP8 path names its FP8 slabs (the smaller residual) itself.

@@ -85,7 +85,12 @@ __all__ = [
     "buffer_bytes",
     "combine_rows",
     "configure",
+    "dispatch_layout_enabled",
+    "dispatch_layout_fits",
+    "dispatch_layout_kernel",
+    "dispatch_layout_launch",
     "dispatch_rows",
+    "dispatch_with_layout",
     "ep_groups",
     "exchange",
     "fp8_send_units",
@@ -119,7 +124,8 @@ _KERNEL_FILE = "peer.cu"
 _PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 _HOST_ALLOC_PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostAllocPortable | cudaHostAllocMapped
 _CONCURRENT_FLAG = "xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
-_WAIT_KINDS = {1: "acknowledge reading step", 2: "deliver its chunk of step"}
+_WAIT_KINDS = {1: "acknowledge reading step", 2: "deliver its chunk of step",
+               3: "finish (every receiver block of its own launch) the slab maps of step"}
 # The fused row kernels (kernels/peer.cu, peer_<name>): one warp per row.
 _ROW_THREADS = 512
 _ROW_WARPS = _ROW_THREADS // 32
@@ -128,7 +134,7 @@ _SUM_STEP = 32 * 2  # vectors a warp sums per step (ROW_SUM_UNROLL)
 MAX_FUSED_RANKS = 32  # one lane per rank's entry of a token
 MAX_FUSED_TOP_K = 32  # one lane per member of a row
 _SUM_SUFFIX = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-_ROW_KERNELS = ("dispatch", "send_v16", "drain_v16",
+_ROW_KERNELS = ("dispatch", "dispatch_layout", "send_v16", "drain_v16",
                 *(f"combine_{suffix}" for suffix in _SUM_SUFFIX.values()),
                 *(f"dispatch_fp8_{suffix}" for suffix in _SUM_SUFFIX.values()))
 _LAYOUT_TABLE_BYTES = 8 * 32  # peer_slab_layout's static shared row pointers (ROW_MAX_LANES)
@@ -138,6 +144,9 @@ _LAYOUT_TABLE_BYTES = 8 * 32  # peer_slab_layout's static shared row pointers (R
 # 7.5 vs 9.1, R=4 T=32 E=256 7.5 vs 8.3, but R=8 T=16 E=256 8.7 vs 8.1 (its
 # layout blocks read every source's row from L2, R - 1 senders copy).
 _FUSED_LAYOUT_MAX_RANKS = 4
+# peer_dispatch_layout's receivers count every member tile in each block
+# (slab_rank_own_count's way, tiles of 512): at most this many.
+_DISPATCH_LAYOUT_MAX_TILES = 4
 _FP8 = "float8_e4m3fn"  # the one wire dtype the fused dispatch quantizes to
 _FP8_STEP_CHANNELS = 512  # channels per quantize step of a warp (kernels/fp8.cuh)
 MAX_CHUNKS = 1024  # signalled chunks per destination of one fused exchange (PEER_MAX_CHUNKS)
@@ -175,13 +184,15 @@ class _Settings:
   blocks_per_peer: int | None = None  # None: half the device's SMs / (R - 1)
   row_blocks: int | None = None  # None: every SM
   send_blocks: int | None = None  # None: SEND_SHARE of row_blocks
+  dispatch_layout: bool | None = None  # None: $MOE_EP_PEER_DISPATCH_LAYOUT == "1"
 
 
 _settings = _Settings()
 
 
 def configure(*, timeout_s: float | None = None, blocks_per_peer: int | None = None,
-              row_blocks: int | None = None, send_blocks: int | None = None) -> None:
+              row_blocks: int | None = None, send_blocks: int | None = None,
+              dispatch_layout: bool | None = None) -> None:
   """Sets, for exchanges traced from now on (a compiled program keeps its
   values; ``None`` restores the default):
 
@@ -192,7 +203,11 @@ def configure(*, timeout_s: float | None = None, blocks_per_peer: int | None = N
     (:func:`dispatch_rows`, :func:`combine_rows`), by default every SM;
   * ``send_blocks``: how many of those store rows into the other GPUs (the
     rest do this GPU's own rows and the arriving ones), by default
-    :data:`SEND_SHARE` of them.
+    :data:`SEND_SHARE` of them;
+  * ``dispatch_layout``: whether dispatch at decode sizes runs as one launch
+    with its metadata exchange and slab layout (:func:`dispatch_with_layout`)
+    where :func:`dispatch_layout_fits`; by default ``$MOE_EP_PEER_DISPATCH_LAYOUT``
+    = ``1``, else off (:func:`dispatch_layout_enabled` says why).
   """
   global _settings
   if timeout_s is not None:
@@ -202,11 +217,30 @@ def configure(*, timeout_s: float | None = None, blocks_per_peer: int | None = N
     if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                               or value < least):
       raise ValueError(f"{name}={value!r} must be an integer >= {least} or None")
+  if dispatch_layout is not None and not isinstance(dispatch_layout, bool):
+    raise ValueError(f"dispatch_layout={dispatch_layout!r} must be True, False or None")
   if row_blocks is not None and send_blocks is not None and send_blocks >= row_blocks:
     raise ValueError(f"send_blocks={send_blocks} must be below row_blocks={row_blocks} (at "
                      f"least one block receives)")
   _settings = _Settings(timeout_s=timeout_s, blocks_per_peer=blocks_per_peer,
-                        row_blocks=row_blocks, send_blocks=send_blocks)
+                        row_blocks=row_blocks, send_blocks=send_blocks,
+                        dispatch_layout=dispatch_layout)
+
+
+DISPATCH_LAYOUT_ENV = "MOE_EP_PEER_DISPATCH_LAYOUT"
+
+
+def dispatch_layout_enabled() -> bool:
+  """Whether dispatch takes :func:`dispatch_with_layout` where it fits:
+  :func:`configure`'s ``dispatch_layout``, else ``$MOE_EP_PEER_DISPATCH_LAYOUT``
+  = ``1``. Off by default: on one H200 (the loopback, rank 0, every flag
+  raised) the one launch took as long as the fused layout and peer_dispatch
+  one after the other (26.5 against 26.2 us at T=128, E=256, R=2; 15.6
+  against 16.5 us at T=32, R=4); what it should gain, the rows leaving
+  before the layout is done, only two GPUs can show."""
+  if _settings.dispatch_layout is not None:
+    return _settings.dispatch_layout
+  return os.environ.get(DISPATCH_LAYOUT_ENV, "").strip() == "1"
 
 
 def _check_timeout(name: str, value) -> float:
@@ -1260,6 +1294,142 @@ def _fused_launches(kernel: RowKernel, mesh, axis_name: str, ep_size: int,
         kernel.args(grid, layout, state.peers.data.ptr, state.rank,
                     _device_tail(ordinal, site, timeout_ns)))]
   return launches
+
+
+def _dispatch_layout_tiles(ep_size: int, send_capacity: int, top_k: int) -> int:
+  return -(-ep_size * send_capacity * top_k // _ROW_THREADS)
+
+
+def _dispatch_layout_shared_ints(tiles: int, local_experts: int) -> int:
+  """slab_rank_own_count's shared memory with blocks of the row kernels."""
+  return (_ROW_WARPS + 2 + tiles) * local_experts
+
+
+def dispatch_layout_fits(dtype, hidden: int, ep_size: int, send_capacity: int, top_k: int,
+                         local_experts: int, expert_capacity: int,
+                         wire_dtype: str | None = None) -> bool:
+  """Whether :func:`dispatch_with_layout` runs at this shape: the fused
+  dispatch kernel moves these rows (:func:`fused_rows_problem`; no FP8 wire
+  yet), 2 <= R <= 4, metadata rows of whole 16-byte vectors, at most
+  :data:`_DISPATCH_LAYOUT_MAX_TILES` member tiles of 512 (decode) and the
+  layout's shared memory fits."""
+  if wire_dtype is not None or fused_rows_problem(dtype, hidden, ep_size, top_k,
+                                                  sums=False) is not None:
+    return False
+  width = 2 * send_capacity * top_k + local_experts
+  tiles = _dispatch_layout_tiles(ep_size, send_capacity, top_k)
+  return (2 <= ep_size <= _FUSED_LAYOUT_MAX_RANKS and width % 4 == 0
+          and tiles <= _DISPATCH_LAYOUT_MAX_TILES
+          and 4 * _dispatch_layout_shared_ints(tiles, local_experts) + _LAYOUT_TABLE_BYTES
+          <= 4 * cupy_backend._SHARED_INTS
+          # its two channels must differ: a channel is keyed by its slot bytes
+          and 4 * width != send_capacity * hidden * np.dtype(dtype).itemsize)
+
+
+def dispatch_layout_kernel(dtype, num_tokens: int, hidden: int, send_capacity: int, top_k: int,
+                           local_experts: int, expert_capacity: int) -> RowKernel:
+  """:func:`dispatch_with_layout`'s kernel (``peer_dispatch_layout``)."""
+  kernel = dispatch_kernel(dtype, num_tokens, hidden, send_capacity, top_k,
+                           local_experts * expert_capacity)
+  width = 2 * send_capacity * top_k + local_experts
+  # the member tiles depend on R too: dispatch_layout_launch appends them
+  return dataclasses.replace(kernel, function="dispatch_layout",
+                             sizes=(*kernel.sizes, local_experts, expert_capacity, width))
+
+
+def dispatch_layout_launch(kernel: RowKernel, grid: RowGrid, layout: ChannelLayout,
+                           meta_layout: ChannelLayout, function, peers: int, meta_peers: int,
+                           rank: int, tail: tuple) -> _Kernel:
+  """Rank ``rank``'s launch of ``kernel`` (:func:`dispatch_layout_kernel`) on
+  its rows channel (``layout``, bases at ``peers``) and metadata channel
+  (``meta_layout``, ``meta_peers``). Buffers: rows 0, send_token 1,
+  send_slot 2, meta 3; slabs 4, recv_pos 5, slab_row 6, slab_weights 7,
+  counts 8, demand 9."""
+  ep_size = layout.ep_size
+  send_capacity, top_k, _, _, local_experts, _, _ = kernel.sizes
+  tiles = _dispatch_layout_tiles(ep_size, send_capacity, top_k)
+  if tiles > grid.recv_blocks:
+    raise ValueError(f"peer_dispatch_layout needs a receiver block per member tile ({tiles}); "
+                     f"the grid has {grid.recv_blocks} (configure(row_blocks=..., "
+                     f"send_blocks=...))")
+  sized = dataclasses.replace(kernel, sizes=(*kernel.sizes, tiles))
+  args = sized.args(grid, layout, peers, rank, tail) + (
+      np.uint64(meta_peers), np.int64(meta_layout.slot_bytes), np.int64(meta_layout.data_offset))
+  return _Kernel(function, grid.blocks, tuple(range(10)), args, threads=_ROW_THREADS,
+                 shared_bytes=4 * _dispatch_layout_shared_ints(tiles, local_experts))
+
+
+def _fused_dispatch_layout(rows, send_token, send_slot, meta, *, top_k: int, local_experts: int,
+                           expert_capacity: int, axis_name: str, mesh):
+  num_tokens, hidden = rows.shape
+  ep_size, send_capacity = send_token.shape
+  kernel = dispatch_layout_kernel(rows.dtype, num_tokens, hidden, send_capacity, top_k,
+                                  local_experts, expert_capacity)
+  layout = kernel.layout(ep_size)
+  meta_layout = ChannelLayout(ep_size, meta.shape[1] * 4)  # the drop-in exchange's for meta
+  channel = _gpu_channel(mesh, axis_name, layout)
+  meta_channel = _gpu_channel(mesh, axis_name, meta_layout)
+  site = _site(kernel.site, (ep_size, send_capacity, hidden), kernel.slot_dtype,
+               channel.key if channel is not None else "")
+  timeout_ns = int(timeout_s() * 1e9)
+  launches = {}
+  for ordinal, state in (channel.on_device.items() if channel is not None else ()):
+    launches[ordinal] = [dispatch_layout_launch(
+        kernel, kernel.grid(ep_size, _multiprocessors(ordinal)), layout, meta_layout,
+        _kernels(ordinal)["dispatch_layout"], state.peers.data.ptr,
+        meta_channel.on_device[ordinal].peers.data.ptr, state.rank,
+        _device_tail(ordinal, site, timeout_ns))]
+  shapes = [jax.ShapeDtypeStruct((local_experts * expert_capacity, hidden), rows.dtype),
+            *cupy_backend.slab_layout_shapes(ep_size, send_capacity, top_k, local_experts,
+                                             expert_capacity)]
+  return _fused_call("dispatch with layout", launches, (rows, send_token, send_slot, meta),
+                     shapes, axis_name)
+
+
+def dispatch_with_layout(rows: jax.Array, meta: jax.Array, send_token: jax.Array,
+                         send_slot: jax.Array, *, top_k: int, num_local_experts: int,
+                         expert_capacity: int, axis_name: str, mesh: jax.sharding.Mesh,
+                         all_to_all_path) -> tuple:
+  """Dispatch from route's outputs to the slabs in one launch, the metadata
+  exchange and the slab layout included (decode sizes; check
+  :func:`dispatch_layout_fits` first; call it inside ``shard_map``).
+
+  On CUDA one ``buffer_callback`` launching ``peer_dispatch_layout``: its
+  sender blocks push the metadata rows (on the drop-in exchange's channel
+  for ``meta``) and then every token row to the other ranks' slots at once;
+  its receiver blocks wait for every source's metadata, lay the slabs out,
+  meet at a barrier and then place the own rows and each arriving chunk.
+  Elsewhere ``all_to_all_path(rows, meta)``. Bitwise the unfused path.
+
+  Args:
+    rows: ``[T, H]``; meta, send_token, send_slot: ``route``'s outputs
+      (``[R, W]``, ``[R, S]``, ``[T, R]`` int32).
+    top_k, num_local_experts, expert_capacity: ``K``, ``L``, ``C``.
+    axis_name, mesh: the EP axis and the ``shard_map``'s mesh.
+    all_to_all_path: ``(rows, meta) ->`` the same six arrays through XLA's
+      ``all_to_all`` (every platform but CUDA).
+
+  Returns:
+    ``(slabs [L * C, H], recv_pos [R, S, K], slab_row [L, C], slab_weights
+    [L, C], counts [L], demand [L])``.
+  """
+  _check_axis(mesh, axis_name)
+  ep_size, send_capacity = send_token.shape
+  if not dispatch_layout_fits(rows.dtype, rows.shape[-1], ep_size, send_capacity, top_k,
+                              num_local_experts, expert_capacity):
+    raise ValueError(f"no fused dispatch with layout at R={ep_size}, S={send_capacity}, "
+                     f"K={top_k}, L={num_local_experts}, H={rows.shape[-1]} "
+                     f"(dispatch_layout_fits)")
+  if meta.shape != (ep_size, 2 * send_capacity * top_k + num_local_experts):
+    raise ValueError(f"meta shape {meta.shape} must be [R, 2 * S * K + L] = "
+                     f"[{ep_size}, {2 * send_capacity * top_k + num_local_experts}]")
+  with jax.named_scope("exchange_rows"):
+    return jax.lax.platform_dependent(
+        rows, send_token, send_slot, meta,
+        cuda=functools.partial(_fused_dispatch_layout, top_k=top_k,
+                               local_experts=num_local_experts,
+                               expert_capacity=expert_capacity, axis_name=axis_name, mesh=mesh),
+        default=lambda rows, send_token, send_slot, meta: all_to_all_path(rows, meta))
 
 
 def _fused_dispatch(rows, send_token, send_slot, recv_pos, slab_row, *, axis_name: str, mesh,

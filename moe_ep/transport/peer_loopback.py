@@ -143,11 +143,7 @@ def run_rank(kernel: peer.RowKernel, inputs: list[tuple], out_shape: tuple, out_
       return result
     # Every later launch finds its flags raised, and the rows of step 1 in
     # the slots of either parity: it repeats the full exchange's work.
-    channel = held[0][rank]
-    channel[:layout.step_offset] = _RAISED
-    parity_bytes = (ep_size - 1) * layout.slot_bytes
-    first = layout.data_offset
-    channel[first:first + parity_bytes] = channel[first + parity_bytes:first + 2 * parity_bytes]
+    _replayable(held[0][rank], layout)
     args = arguments[rank]
     return result, Launch(run=lambda: function((grid.blocks,), (peer._ROW_THREADS,), args),
                           out=out, grid=grid, held=(*held, args))
@@ -203,3 +199,62 @@ def slab_layout_rank(metas: list, sizes: tuple, *, rank: int, absent: tuple = ()
 
     outs, _ = _in_turn(layout, rank, absent, timeout_s, "slab layout", launch)
     return tuple(out.get().reshape(-1) for out in outs)
+
+
+def _replayable(channel, layout: peer.ChannelLayout) -> None:
+  """Every flag and acknowledgement raised, and the slots of step 1's parity
+  copied into the other's: a later launch finds everything arrived."""
+  channel[:layout.step_offset] = _RAISED
+  parity_bytes = (layout.ep_size - 1) * layout.slot_bytes
+  first = layout.data_offset
+  channel[first:first + parity_bytes] = channel[first + parity_bytes:first + 2 * parity_bytes]
+
+
+def dispatch_layout_rank(kernel: peer.RowKernel, inputs: list[tuple], *, rank: int,
+                         absent: tuple = (), ordinal: int = 0, timeout_s: float = 10.0,
+                         keep: bool = False):
+  """Rank ``rank``'s outputs of ``peer_dispatch_layout``
+  (:func:`peer.dispatch_layout_kernel`), every rank's launch run on GPU
+  ``ordinal`` on two channels each (rows and metadata): ``inputs[q]`` is
+  rank ``q``'s ``(rows, send_token, send_slot, meta)``. Returns NumPy
+  ``(slabs [L * C, row bytes] uint8, recv_pos, slab_row, slab_weights,
+  counts, demand)`` (the maps flat), and with ``keep`` a :class:`Launch`
+  repeating ``rank``'s launch with every flag of both channels raised.
+  ``absent``, ``timeout_s``: as :func:`run_rank`."""
+  import cupy
+  from moe_ep.transport import cupy as cupy_backend
+  ep_size = len(inputs)
+  send_capacity, top_k, slab_rows, row_vecs, local_experts, capacity, width = kernel.sizes
+  layout = kernel.layout(ep_size)
+  meta_layout = peer.ChannelLayout(ep_size, width * 4)
+  shapes = [((slab_rows, row_vecs * 16), np.uint8)] + [
+      (shape.shape, shape.dtype) for shape in cupy_backend.slab_layout_shapes(
+          ep_size, send_capacity, top_k, local_experts, capacity)]
+  with cupy.cuda.Device(ordinal):
+    function = peer._kernels(ordinal)[kernel.function]
+    grid = kernel.grid(ep_size, peer._multiprocessors(ordinal))
+    meta_channels, meta_peers = _channels(meta_layout, rank)
+    launched = {}
+
+    def launch(q, peers, tail):
+      outs = [_unwritten(cupy, shape, dtype) for shape, dtype in shapes]
+      job = peer.dispatch_layout_launch(kernel, grid, layout, meta_layout, function, peers,
+                                        meta_peers.data.ptr, q, tail)
+      buffers = (*(cupy.asarray(a) for a in inputs[q]), *outs)
+      args = (*(buffers[i] for i in job.buffers), *job.args)
+      function((job.blocks,), (job.threads,), args, shared_mem=job.shared_bytes)
+      launched[q] = (job, buffers, args)
+      return outs
+
+    outs, held = _in_turn(layout, rank, absent, timeout_s, kernel.function, launch)
+    result = tuple(out.get().reshape(out.shape[0], -1) if i == 0 else out.get().reshape(-1)
+                   for i, out in enumerate(outs))
+    if not keep:
+      return result
+    _replayable(held[0][rank], layout)
+    _replayable(meta_channels[rank], meta_layout)
+    job, buffers, args = launched[rank]
+    run = lambda: function((job.blocks,), (job.threads,), args,  # noqa: E731
+                           shared_mem=job.shared_bytes)
+    return result, Launch(run=run, out=outs[0], grid=grid,
+                          held=(*held, meta_channels, meta_peers, buffers))

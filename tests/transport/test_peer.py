@@ -211,6 +211,31 @@ def test_row_segment_splits_rows_only_when_they_are_few(rows, row_vecs, warps, s
   assert 1 <= segment <= row_vecs and (segment % step == 0 or segment == row_vecs)
 
 
+def test_dispatch_with_layout_is_off_unless_asked(monkeypatch):
+  monkeypatch.delenv(peer.DISPATCH_LAYOUT_ENV, raising=False)
+  assert not peer.dispatch_layout_enabled()
+  monkeypatch.setenv(peer.DISPATCH_LAYOUT_ENV, "1")
+  assert peer.dispatch_layout_enabled()
+  peer.configure(dispatch_layout=False)  # configure wins over the environment
+  assert not peer.dispatch_layout_enabled()
+  monkeypatch.delenv(peer.DISPATCH_LAYOUT_ENV)
+  peer.configure(dispatch_layout=True)
+  assert peer.dispatch_layout_enabled()
+  with pytest.raises(ValueError, match="dispatch_layout=1 must be True, False or None"):
+    peer.configure(dispatch_layout=1)
+
+
+def test_dispatch_with_layout_only_where_its_launch_holds_the_layout():
+  # decode at EP=2 (T=128, E=256, K=8, H=7168): 2048 members, 4 tiles of 512
+  assert peer.dispatch_layout_fits("bfloat16", 7168, 2, 128, 8, 128, 16)
+  assert not peer.dispatch_layout_fits("bfloat16", 7168, 2, 128, 8, 128, 16,
+                                       wire_dtype="float8_e4m3fn")  # no FP8 variant yet
+  assert not peer.dispatch_layout_fits("bfloat16", 7168, 8, 80, 8, 32, 16)  # R > 4
+  assert not peer.dispatch_layout_fits("bfloat16", 7168, 4, 128, 8, 64, 16)  # 8 tiles
+  assert not peer.dispatch_layout_fits("bfloat16", 7168, 2, 5, 1, 3, 4)  # 13-word rows
+  assert not peer.dispatch_layout_fits("bfloat16", 7, 2, 128, 8, 128, 16)  # 14-byte rows
+
+
 def test_fused_slab_layout_only_where_one_launch_holds_the_layout():
   # decode at EP=2 (T=128, E=256, K=8): 2048 members, 2 tiles of 1024
   assert peer.fused_layout_fits(2, 128, 8, 128, 16)

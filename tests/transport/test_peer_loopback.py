@@ -163,6 +163,79 @@ def test_fused_slab_layout_at_decode_counts_the_other_tile():
                                     err_msg=f"{name}, rank {rank}")
 
 
+@pytest.mark.parametrize("ep_size", [2, 4])
+def test_dispatch_with_layout_is_the_pure_jax_dispatch(ep_size):
+  """peer_dispatch_layout (the metadata exchange, the slab layout and the
+  rows in one launch), every rank: its slabs and the handle's maps equal the
+  pure-JAX dispatch's bit for bit, with invalid ids and both kinds of drop
+  (two member tiles of 512)."""
+  ranks = _reference(ep_size, jnp.bfloat16, seed=20 + ep_size)
+  send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
+  local, capacity = EXPERTS // ep_size, ranks[0]["capacity"]
+  assert peer.dispatch_layout_fits(jnp.bfloat16, HIDDEN, ep_size, send_capacity, top_k, local,
+                                   capacity)
+  kernel = peer.dispatch_layout_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
+                                       local, capacity)
+  inputs = [(r["rows"], r["send_token"], r["send_slot"], r["meta"]) for r in ranks]
+  for rank in range(ep_size):
+    got = peer_loopback.dispatch_layout_rank(kernel, inputs, rank=rank)
+    want = ranks[rank]
+    np.testing.assert_array_equal(got[0], want["slabs"].view(np.uint8).reshape(got[0].shape),
+                                  err_msg=f"slabs, rank {rank} of {ep_size}")
+    for name, value in zip(("recv_pos", "slab_row", "slab_weights", "counts", "demand"),
+                           got[1:]):
+      np.testing.assert_array_equal(value.view(np.int32), want[name].reshape(-1).view(np.int32),
+                                    err_msg=f"{name}, rank {rank} of {ep_size}")
+
+
+def test_dispatch_with_layout_at_decode_is_the_two_launches():
+  """Decode's shape at EP=2 (T=128, E=256, K=8, H=7168): 2048 members, four
+  tiles of 512. Every rank's slabs and maps equal those of the metadata
+  exchange fused with the layout followed by peer_dispatch (each checked
+  against pure JAX above)."""
+  ranks, tokens, experts, top_k, hidden, capacity = 2, 128, 256, 8, 7168, 12
+  local = experts // ranks
+  rng = np.random.default_rng(6)
+  routes, rows = [], []
+  for _ in range(ranks):
+    idx = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k].astype(np.int32)
+    weights = rng.random((tokens, top_k)).astype(np.float32)
+    routes.append([np.asarray(a) for a in xla_backend.route(
+        idx, weights, num_experts=experts, ep_size=ranks, send_capacity=tokens)])
+    rows.append(rng.standard_normal((tokens, hidden)).astype(jnp.bfloat16))
+  assert peer.dispatch_layout_fits(jnp.bfloat16, hidden, ranks, tokens, top_k, local, capacity)
+  kernel = peer.dispatch_layout_kernel(jnp.bfloat16, tokens, hidden, tokens, top_k, local,
+                                       capacity)
+  inputs = [(rows[q], routes[q][1].reshape(-1), routes[q][0], routes[q][3])
+            for q in range(ranks)]
+  sizes = (tokens, top_k, local, capacity)
+  maps = [peer_loopback.slab_layout_rank([r[3] for r in routes], sizes, rank=q)
+          for q in range(ranks)]
+  two = peer.dispatch_kernel(jnp.bfloat16, tokens, hidden, tokens, top_k, local * capacity)
+  for rank in range(ranks):
+    got = peer_loopback.dispatch_layout_rank(kernel, inputs, rank=rank)
+    slabs = peer_loopback.run_rank(
+        two, [(rows[q], routes[q][1].reshape(-1), routes[q][0], maps[q][0], maps[q][1])
+              for q in range(ranks)], (local * capacity, hidden), jnp.bfloat16, rank=rank)
+    assert (maps[rank][0] == -2).any()
+    np.testing.assert_array_equal(got[0], slabs.view(np.uint8), err_msg=f"slabs, rank {rank}")
+    for name, value, expected in zip(("recv_pos", "slab_row", "slab_weights", "counts",
+                                      "demand"), got[1:], maps[rank]):
+      np.testing.assert_array_equal(value.view(np.int32), expected.view(np.int32),
+                                    err_msg=f"{name}, rank {rank}")
+
+
+def test_dispatch_with_layout_names_a_rank_that_never_sends():
+  ranks = _reference(2, jnp.bfloat16, seed=4)
+  send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
+  kernel = peer.dispatch_layout_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
+                                       EXPERTS // 2, ranks[0]["capacity"])
+  with pytest.raises(RuntimeError, match="rank 0 waited in vain for rank 1"):
+    peer_loopback.dispatch_layout_rank(
+        kernel, [(r["rows"], r["send_token"], r["send_slot"], r["meta"]) for r in ranks],
+        rank=0, absent=(1,), timeout_s=0.5)
+
+
 def test_fused_slab_layout_names_a_rank_that_never_sends():
   ranks = _reference(2, jnp.bfloat16, seed=3)
   send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
