@@ -753,7 +753,10 @@ struct LayoutJob {
   int meta_width;         // 2 * S * K + L, a multiple of 4 (uint4 copies)
   int local_experts;
   int expert_capacity;
-  int num_tiles;          // ceil(R * S * K / blockDim.x), at most the receiver blocks
+  int num_tiles;          // ceil(R * S * K / blockDim.x)
+  int meta_blocks;        // sender blocks pushing each other rank's metadata row
+  int* tile_counts;       // [num_tiles, L] scratch; null: every receiver block counts
+                          // every tile itself (num_tiles <= receiver blocks)
   int* recv_pos;          // outputs, as slab_rank's
   int* slab_row;
   float* slab_weights;
@@ -769,11 +772,11 @@ __device__ __forceinline__ bool layout_job_ok(const LayoutJob& job, int ep_size,
          job.meta_width == 2 * send_capacity * top_k + job.local_experts &&
          job.meta_width % 4 == 0 && 4ll * job.meta_width <= job.meta_slot_bytes &&
          (i64)job.local_experts * job.expert_capacity == num_slab_rows &&
-         send_blocks >= ep_size - 1 && job.num_tiles >= 1 &&
-         job.num_tiles <= (int)gridDim.x - send_blocks &&
-         (i64)job.num_tiles * blockDim.x >= members &&
-         4ll * ((blockDim.x / 32 + 2 + job.num_tiles) * (i64)job.local_experts) <=
-             dynamic_shared_bytes();
+         job.meta_blocks >= 1 && (i64)job.meta_blocks * (ep_size - 1) <= send_blocks &&
+         job.num_tiles >= 1 && (i64)job.num_tiles * blockDim.x >= members &&
+         (job.tile_counts != nullptr || job.num_tiles <= (int)gridDim.x - send_blocks) &&
+         4ll * ((blockDim.x / 32 + 2 + (job.tile_counts ? 0 : job.num_tiles)) *
+                (i64)job.local_experts) <= dynamic_shared_bytes();
 }
 
 // This launch's step on the metadata channel (read once per block at its
@@ -793,12 +796,32 @@ __device__ __forceinline__ MetaExchange open_meta_exchange(const LayoutJob& job,
   return mx;
 }
 
-// Sender block b < R - 1: route's row for the b-th other rank into its
-// metadata slot, then that rank's flag (peer_send's protocol).
+// Sender block b < (R - 1) * meta_blocks: its part of route's row for the
+// (b / meta_blocks)-th other rank into that rank's metadata slot; the last
+// of the row's blocks raises its flag (peer_send's protocol).
 __device__ __forceinline__ void send_meta_row(const LayoutJob& job, const Exchange& ex, int b) {
   peer_send<uint4>((const uint4*)job.meta, nullptr, job.meta_peers, ex.rank, ex.ep_size,
-                   job.meta_width / 4, job.meta_slot_bytes, job.meta_data_offset, 1, 0,
-                   ex.failed, ex.record, ex.timeout_ns, ex.site, b);
+                   job.meta_width / 4, job.meta_slot_bytes, job.meta_data_offset,
+                   job.meta_blocks, 0, ex.failed, ex.record, ex.timeout_ns, ex.site, b);
+}
+
+// Receiver blocks' barrier number `round` (1, 2) of the launch: every block
+// has arrived once per round; the count on the metadata channel's
+// recv_done[0], which no other part of this launch uses.
+__device__ void receivers_barrier(const MetaExchange& mx, const Exchange& ex, int receivers,
+                                  int round) {
+  __syncthreads();  // the block's stores are all issued
+  if (threadIdx.x == 0) {
+    u32* arrived = counters_of(mx.own, ex.ep_size) + ex.ep_size;
+    __threadfence();  // release them to the other receivers
+    atomicAdd(arrived, 1u);
+    u64 waited_ns = 0;
+    if (wait_at_least<u32>(arrived, (u32)(round * receivers), ex.failed, ex.timeout_ns,
+                           &waited_ns) == 2)
+      record_timeout(ex.failed, ex.record, PEER_WAIT_LAYOUT, ex.rank, ex.site, ex.rank, mx.step,
+                     waited_ns);
+  }
+  __syncthreads();
 }
 
 // Receiver blocks: the slab layout, then their barrier (every map entry is
@@ -820,22 +843,35 @@ __device__ void lay_out_slabs(const LayoutJob& job, const MetaExchange& mx, cons
         thread_wait(flag_of(mx.own, ep_size, mx.parity, src, 0), mx.step, ex.failed, ex.record,
                     ex.timeout_ns, PEER_WAIT_FLAG, src, ex.site, rank, mx.step);
   __syncthreads();
-  const int receivers = (int)gridDim.x - send_blocks;
-  slab_rank_body<false>(LandedMeta{rows}, ep_size, send_capacity, top_k, job.local_experts,
-                        job.expert_capacity, 2 * send_capacity * top_k, job.num_tiles, nullptr,
-                        job.recv_pos, job.slab_row, job.slab_weights, job.counts, job.demand,
-                        (int)blockIdx.x - send_blocks, receivers);
-  __syncthreads();  // the block's map entries are all stored
-  if (threadIdx.x == 0) {
-    u32* arrived = counters_of(mx.own, ep_size) + ep_size;
-    __threadfence();  // release them to the other receivers
-    atomicAdd(arrived, 1u);
-    u64 waited_ns = 0;
-    if (wait_at_least<u32>(arrived, (u32)receivers, ex.failed, ex.timeout_ns, &waited_ns) == 2)
-      record_timeout(ex.failed, ex.record, PEER_WAIT_LAYOUT, rank, ex.site, rank, mx.step,
-                     waited_ns);
+  const int receivers = (int)gridDim.x - send_blocks, block = (int)blockIdx.x - send_blocks;
+  const LandedMeta landed{rows};
+  const int demand_offset = 2 * send_capacity * top_k;
+  if (job.tile_counts == nullptr) {  // few tiles: slab_rank_own_count's way, one round
+    slab_rank_body<false>(landed, ep_size, send_capacity, top_k, job.local_experts,
+                          job.expert_capacity, demand_offset, job.num_tiles, nullptr,
+                          job.recv_pos, job.slab_row, job.slab_weights, job.counts, job.demand,
+                          block, receivers);
+    receivers_barrier(mx, ex, receivers, 1);
+    return;
   }
-  __syncthreads();
+  // Many tiles: slab_count's then slab_rank's grid, each strided over the
+  // receiver blocks, a barrier after each.
+  for (int tile = block; tile < job.num_tiles; tile += receivers) {
+    count_slab_tile(landed, tile, ep_size, send_capacity, top_k, job.local_experts, shared,
+                    job.tile_counts + (i64)tile * job.local_experts);
+    __syncthreads();  // shared memory is reused
+  }
+  receivers_barrier(mx, ex, receivers, 1);
+  const int slab_rows = job.local_experts * job.expert_capacity;
+  const int rank_blocks = max(job.num_tiles, (slab_rows + (int)blockDim.x - 1) / (int)blockDim.x);
+  for (int virtual_block = block; virtual_block < rank_blocks; virtual_block += receivers) {
+    slab_rank_body<true>(landed, ep_size, send_capacity, top_k, job.local_experts,
+                         job.expert_capacity, demand_offset, job.num_tiles, job.tile_counts,
+                         job.recv_pos, job.slab_row, job.slab_weights, job.counts, job.demand,
+                         virtual_block, rank_blocks);
+    __syncthreads();  // shared memory is reused
+  }
+  receivers_barrier(mx, ex, receivers, 2);
 }
 
 // The end of every block: once all have passed it, rearms the receivers'
@@ -1058,7 +1094,8 @@ __device__ __forceinline__ void dispatch_rows(
   const i64 wire_rows = (i64)ep_size * send_capacity;
   const int source_units = source.units();
   if ((int)blockIdx.x < send_blocks) {
-    if (kLayout && (int)blockIdx.x < ep_size - 1) send_meta_row(job, ex, blockIdx.x);
+    if (kLayout && (int)blockIdx.x < (ep_size - 1) * job.meta_blocks)
+      send_meta_row(job, ex, blockIdx.x);
     const int segments = (source_units + send_segment - 1) / send_segment;
     send_chunks(ex, c, segments, send_segment, source_units, row_vecs,
                 [&](int dest, i64 s, const RowUnit& u, uint4* out) {
@@ -1158,22 +1195,27 @@ extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch(
 // slab layout in the same launch (LayoutJob above): route's outputs in,
 // slabs and the handle's maps out. Extra inputs: meta [R, meta_width];
 // outputs recv_pos [R * S * K], slab_row [L * C], slab_weights [L * C],
-// counts [L], demand [L] (as slab_rank); the metadata channel's bases,
-// slot bytes and data offset after `site`. Dynamic shared memory: the
-// layout's, for num_tiles tiles of blockDim members.
+// counts [L], demand [L] (as slab_rank) and tile_counts [num_tiles, L]
+// scratch; after `site` the metadata channel's bases, slot bytes and data
+// offset, the sender blocks per other rank's metadata row, and `counted`
+// (0: few tiles, each receiver block counts them all and tile_counts is not
+// used). Dynamic shared memory: the layout's (slab_rank's, or
+// slab_rank_own_count's for num_tiles tiles).
 extern "C" __global__ void __launch_bounds__(512, 1) peer_dispatch_layout(
     const uint4* __restrict__ rows, const int* __restrict__ send_token,
     const int* __restrict__ send_slot, const int* __restrict__ meta, uint4* __restrict__ slabs,
     int* recv_pos, int* slab_row, float* slab_weights, int* counts, int* demand,
-    const u64* __restrict__ peers, int rank, int ep_size, int num_tokens, int send_capacity,
+    int* tile_counts, const u64* __restrict__ peers, int rank, int ep_size, int num_tokens,
+    int send_capacity,
     int top_k, int num_slab_rows, int row_vecs, int local_experts, int expert_capacity,
     int meta_width, int num_tiles, int chunk_rows, int num_chunks, int send_blocks,
     int send_segment_vecs, int recv_segment_vecs, i64 slot_bytes, i64 data_offset, u32* failed,
     PeerFailure* record, u64 timeout_ns, int site, const u64* __restrict__ meta_peers,
-    i64 meta_slot_bytes, i64 meta_data_offset) {
+    i64 meta_slot_bytes, i64 meta_data_offset, int meta_blocks, int counted) {
   const LayoutJob job{meta, meta_peers, meta_slot_bytes, meta_data_offset, meta_width,
-                      local_experts, expert_capacity, num_tiles, recv_pos, slab_row,
-                      slab_weights, counts, demand};
+                      local_experts, expert_capacity, num_tiles, meta_blocks,
+                      counted ? tile_counts : nullptr, recv_pos, slab_row, slab_weights, counts,
+                      demand};
   dispatch_rows<CopyRows, true>(CopyRows{rows, row_vecs}, send_token, send_slot, recv_pos,
                                 slab_row, slabs, peers, rank, ep_size, num_tokens, send_capacity,
                                 top_k, num_slab_rows, row_vecs, chunk_rows, num_chunks,

@@ -89,6 +89,7 @@ __all__ = [
     "dispatch_layout_fits",
     "dispatch_layout_kernel",
     "dispatch_layout_launch",
+    "dispatch_layout_tiles",
     "dispatch_rows",
     "dispatch_with_layout",
     "ep_groups",
@@ -144,8 +145,13 @@ _LAYOUT_TABLE_BYTES = 8 * 32  # peer_slab_layout's static shared row pointers (R
 # 7.5 vs 9.1, R=4 T=32 E=256 7.5 vs 8.3, but R=8 T=16 E=256 8.7 vs 8.1 (its
 # layout blocks read every source's row from L2, R - 1 senders copy).
 _FUSED_LAYOUT_MAX_RANKS = 4
-# peer_dispatch_layout's receivers count every member tile in each block
-# (slab_rank_own_count's way, tiles of 512): at most this many.
+# peer_dispatch_layout runs up to this many member tiles of 512 (decode),
+# each counted by every receiver block (slab_rank_own_count's way). Beyond,
+# its receivers can count each tile once into scratch and rank after a
+# barrier (tested), but they also place every own row, which the senders of
+# peer_dispatch place as they send: at P2's shape (T=8192, E=64, R=2) the
+# loopback took 526.5 us against 455-457 for the layout launches and
+# peer_dispatch (dispatch-layout-chain-loopback-1xH200-20261201.json).
 _DISPATCH_LAYOUT_MAX_TILES = 4
 _FP8 = "float8_e4m3fn"  # the one wire dtype the fused dispatch quantizes to
 _FP8_STEP_CHANNELS = 512  # channels per quantize step of a warp (kernels/fp8.cuh)
@@ -1296,13 +1302,23 @@ def _fused_launches(kernel: RowKernel, mesh, axis_name: str, ep_size: int,
   return launches
 
 
-def _dispatch_layout_tiles(ep_size: int, send_capacity: int, top_k: int) -> int:
+def dispatch_layout_tiles(ep_size: int, send_capacity: int, top_k: int) -> int:
+  """peer_dispatch_layout's member tiles (of a row kernel's block)."""
   return -(-ep_size * send_capacity * top_k // _ROW_THREADS)
 
 
-def _dispatch_layout_shared_ints(tiles: int, local_experts: int) -> int:
-  """slab_rank_own_count's shared memory with blocks of the row kernels."""
-  return (_ROW_WARPS + 2 + tiles) * local_experts
+def _dispatch_layout_counted(tiles: int, receiver_blocks: int | None = None) -> bool:
+  """Whether peer_dispatch_layout's receivers count the member tiles once
+  each into scratch, a barrier before they rank (more tiles than
+  :data:`_DISPATCH_LAYOUT_MAX_TILES` or than receiver blocks), rather than
+  each block counting every tile (slab_rank_own_count's way)."""
+  return tiles > _DISPATCH_LAYOUT_MAX_TILES or (receiver_blocks is not None
+                                                and tiles > receiver_blocks)
+
+
+def _dispatch_layout_shared_ints(tiles: int, local_experts: int, counted: bool) -> int:
+  """The layout's shared memory with blocks of the row kernels."""
+  return (_ROW_WARPS + 2 + (0 if counted else tiles)) * local_experts
 
 
 def dispatch_layout_fits(dtype, hidden: int, ep_size: int, send_capacity: int, top_k: int,
@@ -1317,11 +1333,11 @@ def dispatch_layout_fits(dtype, hidden: int, ep_size: int, send_capacity: int, t
                                                   sums=False) is not None:
     return False
   width = 2 * send_capacity * top_k + local_experts
-  tiles = _dispatch_layout_tiles(ep_size, send_capacity, top_k)
+  tiles = dispatch_layout_tiles(ep_size, send_capacity, top_k)
+  shared = _dispatch_layout_shared_ints(tiles, local_experts, _dispatch_layout_counted(tiles))
   return (2 <= ep_size <= _FUSED_LAYOUT_MAX_RANKS and width % 4 == 0
           and tiles <= _DISPATCH_LAYOUT_MAX_TILES
-          and 4 * _dispatch_layout_shared_ints(tiles, local_experts) + _LAYOUT_TABLE_BYTES
-          <= 4 * cupy_backend._SHARED_INTS
+          and 4 * shared + _LAYOUT_TABLE_BYTES <= 4 * cupy_backend._SHARED_INTS
           # its two channels must differ: a channel is keyed by its slot bytes
           and 4 * width != send_capacity * hidden * np.dtype(dtype).itemsize)
 
@@ -1344,19 +1360,23 @@ def dispatch_layout_launch(kernel: RowKernel, grid: RowGrid, layout: ChannelLayo
   its rows channel (``layout``, bases at ``peers``) and metadata channel
   (``meta_layout``, ``meta_peers``). Buffers: rows 0, send_token 1,
   send_slot 2, meta 3; slabs 4, recv_pos 5, slab_row 6, slab_weights 7,
-  counts 8, demand 9."""
+  counts 8, demand 9, tile_counts scratch 10 (:func:`dispatch_layout_tiles`
+  ``* L`` ints). The metadata rows are pushed by up to a block per 32 KiB
+  of each, from the sender blocks."""
   ep_size = layout.ep_size
-  send_capacity, top_k, _, _, local_experts, _, _ = kernel.sizes
-  tiles = _dispatch_layout_tiles(ep_size, send_capacity, top_k)
-  if tiles > grid.recv_blocks:
-    raise ValueError(f"peer_dispatch_layout needs a receiver block per member tile ({tiles}); "
-                     f"the grid has {grid.recv_blocks} (configure(row_blocks=..., "
-                     f"send_blocks=...))")
+  send_capacity, top_k, _, _, local_experts, _, width = kernel.sizes
+  tiles = dispatch_layout_tiles(ep_size, send_capacity, top_k)
+  counted = _dispatch_layout_counted(tiles, grid.recv_blocks)
+  if grid.send_blocks < ep_size - 1:
+    raise ValueError(f"peer_dispatch_layout needs a sender block per other rank ({ep_size - 1});"
+                     f" the grid has {grid.send_blocks} (configure(send_blocks=...))")
+  meta_blocks = max(1, min(grid.send_blocks // (ep_size - 1), -(-4 * width // (32 << 10))))
   sized = dataclasses.replace(kernel, sizes=(*kernel.sizes, tiles))
   args = sized.args(grid, layout, peers, rank, tail) + (
-      np.uint64(meta_peers), np.int64(meta_layout.slot_bytes), np.int64(meta_layout.data_offset))
-  return _Kernel(function, grid.blocks, tuple(range(10)), args, threads=_ROW_THREADS,
-                 shared_bytes=4 * _dispatch_layout_shared_ints(tiles, local_experts))
+      np.uint64(meta_peers), np.int64(meta_layout.slot_bytes), np.int64(meta_layout.data_offset),
+      np.int32(meta_blocks), np.int32(counted))
+  return _Kernel(function, grid.blocks, tuple(range(11)), args, threads=_ROW_THREADS,
+                 shared_bytes=4 * _dispatch_layout_shared_ints(tiles, local_experts, counted))
 
 
 def _fused_dispatch_layout(rows, send_token, send_slot, meta, *, top_k: int, local_experts: int,
@@ -1381,9 +1401,11 @@ def _fused_dispatch_layout(rows, send_token, send_slot, meta, *, top_k: int, loc
         _device_tail(ordinal, site, timeout_ns))]
   shapes = [jax.ShapeDtypeStruct((local_experts * expert_capacity, hidden), rows.dtype),
             *cupy_backend.slab_layout_shapes(ep_size, send_capacity, top_k, local_experts,
-                                             expert_capacity)]
+                                             expert_capacity),
+            jax.ShapeDtypeStruct((dispatch_layout_tiles(ep_size, send_capacity, top_k)
+                                  * local_experts,), np.int32)]
   return _fused_call("dispatch with layout", launches, (rows, send_token, send_slot, meta),
-                     shapes, axis_name)
+                     shapes, axis_name)[:6]
 
 
 def dispatch_with_layout(rows: jax.Array, meta: jax.Array, send_token: jax.Array,

@@ -227,9 +227,11 @@ def dispatch_layout_rank(kernel: peer.RowKernel, inputs: list[tuple], *, rank: i
   send_capacity, top_k, slab_rows, row_vecs, local_experts, capacity, width = kernel.sizes
   layout = kernel.layout(ep_size)
   meta_layout = peer.ChannelLayout(ep_size, width * 4)
+  tiles = peer.dispatch_layout_tiles(ep_size, send_capacity, top_k)
   shapes = [((slab_rows, row_vecs * 16), np.uint8)] + [
       (shape.shape, shape.dtype) for shape in cupy_backend.slab_layout_shapes(
-          ep_size, send_capacity, top_k, local_experts, capacity)]
+          ep_size, send_capacity, top_k, local_experts, capacity)] + [
+      ((tiles * local_experts,), np.int32)]  # the layout's scratch
   with cupy.cuda.Device(ordinal):
     function = peer._kernels(ordinal)[kernel.function]
     grid = kernel.grid(ep_size, peer._multiprocessors(ordinal))
@@ -248,7 +250,7 @@ def dispatch_layout_rank(kernel: peer.RowKernel, inputs: list[tuple], *, rank: i
 
     outs, held = _in_turn(layout, rank, absent, timeout_s, kernel.function, launch)
     result = tuple(out.get().reshape(out.shape[0], -1) if i == 0 else out.get().reshape(-1)
-                   for i, out in enumerate(outs))
+                   for i, out in enumerate(outs[:6]))
     if not keep:
       return result
     _replayable(held[0][rank], layout)

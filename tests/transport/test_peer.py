@@ -225,13 +225,16 @@ def test_dispatch_with_layout_is_off_unless_asked(monkeypatch):
     peer.configure(dispatch_layout=1)
 
 
-def test_dispatch_with_layout_only_where_its_launch_holds_the_layout():
+def test_dispatch_with_layout_only_at_decode_sizes():
   # decode at EP=2 (T=128, E=256, K=8, H=7168): 2048 members, 4 tiles of 512
   assert peer.dispatch_layout_fits("bfloat16", 7168, 2, 128, 8, 128, 16)
   assert not peer.dispatch_layout_fits("bfloat16", 7168, 2, 128, 8, 128, 16,
                                        wire_dtype="float8_e4m3fn")  # no FP8 variant yet
   assert not peer.dispatch_layout_fits("bfloat16", 7168, 8, 80, 8, 32, 16)  # R > 4
-  assert not peer.dispatch_layout_fits("bfloat16", 7168, 4, 128, 8, 64, 16)  # 8 tiles
+  # more than 4 tiles (8; P2's 256): the receivers would place every own row
+  assert not peer.dispatch_layout_fits("bfloat16", 7168, 4, 128, 8, 64, 16)
+  assert not peer.dispatch_layout_fits("bfloat16", 7168, 2, 8192, 8, 32, 2560)
+  assert peer.dispatch_layout_tiles(2, 8192, 8) == 256
   assert not peer.dispatch_layout_fits("bfloat16", 7168, 2, 5, 1, 3, 4)  # 13-word rows
   assert not peer.dispatch_layout_fits("bfloat16", 7, 2, 128, 8, 128, 16)  # 14-byte rows
 

@@ -163,12 +163,17 @@ def test_fused_slab_layout_at_decode_counts_the_other_tile():
                                     err_msg=f"{name}, rank {rank}")
 
 
+@pytest.mark.parametrize("counted", [False, True])
 @pytest.mark.parametrize("ep_size", [2, 4])
-def test_dispatch_with_layout_is_the_pure_jax_dispatch(ep_size):
+def test_dispatch_with_layout_is_the_pure_jax_dispatch(monkeypatch, ep_size, counted):
   """peer_dispatch_layout (the metadata exchange, the slab layout and the
   rows in one launch), every rank: its slabs and the handle's maps equal the
-  pure-JAX dispatch's bit for bit, with invalid ids and both kinds of drop
-  (two member tiles of 512)."""
+  pure-JAX dispatch's bit for bit, with invalid ids and both kinds of drop;
+  two member tiles of 512, each counted by every receiver block, or
+  (counted: as with more tiles than that path takes, or than receiver
+  blocks) once each into scratch, ranked after a barrier."""
+  if counted:
+    monkeypatch.setattr(peer, "_DISPATCH_LAYOUT_MAX_TILES", 1)
   ranks = _reference(ep_size, jnp.bfloat16, seed=20 + ep_size)
   send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
   local, capacity = EXPERTS // ep_size, ranks[0]["capacity"]
