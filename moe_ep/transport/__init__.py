@@ -7,7 +7,8 @@ routing or the forward exchange. The local passes come from a backend
 over the EP mesh axis are issued here, once, by one of two paths with bitwise
 the same results: XLA's ``all_to_all``, or direct NVLink stores into the
 other GPUs' memory (:mod:`~moe_ep.transport.peer`), which also fuses the row
-exchanges with the expands and sums around them (``exchange=`` picks).
+exchanges with the expands and sums around them, and at decode sizes the
+metadata exchange with the slab layout (``exchange=`` picks).
 With ``wire_dtype="float8_e4m3fn"`` the dispatch rows travel as FP8
 (:mod:`~moe_ep.transport.fp8`).
 
