@@ -737,11 +737,12 @@ struct LandedMeta {  // slab_layout.cuh's Meta: each source's row where it lande
 // The metadata exchange and the receiver's slab layout done by a dispatch
 // launch itself (peer_dispatch_layout; decode sizes, where every launch on
 // the dispatch's path is latency): the metadata rows travel on their own
-// channel (the drop-in exchange's for `meta`), pushed by sender blocks
-// [0, R - 1) before their rows; the receiver blocks wait for every source's
-// row, lay the slabs out (slab_rank_own_count's work over tiles of blockDim
-// members, slab_layout.cuh) into the handle's maps, meet at a barrier and
-// then place rows by those maps (read through L2: this launch wrote them).
+// channel (the drop-in exchange's for `meta`), pushed by the first sender
+// blocks (meta_blocks per other rank) before their rows; the receiver blocks
+// wait for every source's row, lay the slabs out (slab_layout.cuh: with few
+// tiles slab_rank_own_count's work, else slab_count's and slab_rank's with
+// a barrier between) into the handle's maps, meet at a barrier and then
+// place rows by those maps (read through L2: this launch wrote them).
 // The senders start on the rows at once and leave every own row to the
 // receivers, so nothing on the sender side waits for the layout.
 // ---------------------------------------------------------------------------
