@@ -75,6 +75,7 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import meta as meta_format
 
 __all__ = [
     "ChannelLayout",
@@ -924,7 +925,7 @@ def fused_layout_fits(ep_size: int, send_capacity: int, top_k: int, local_expert
   Elsewhere the drop-in :func:`exchange` and the backend's ``slab_layout``
   run."""
   if (not 2 <= ep_size <= _FUSED_LAYOUT_MAX_RANKS
-      or (2 * send_capacity * top_k + local_experts) % 4):
+      or meta_format.width(send_capacity, top_k, local_experts) % 4):
     return False
   plan = cupy_backend.slab_plan(ep_size, send_capacity, top_k, local_experts, expert_capacity)
   # beside the layout's dynamic shared memory, the kernel's table of row pointers
@@ -1332,7 +1333,7 @@ def dispatch_layout_fits(dtype, hidden: int, ep_size: int, send_capacity: int, t
   if wire_dtype is not None or fused_rows_problem(dtype, hidden, ep_size, top_k,
                                                   sums=False) is not None:
     return False
-  width = 2 * send_capacity * top_k + local_experts
+  width = meta_format.width(send_capacity, top_k, local_experts)
   tiles = dispatch_layout_tiles(ep_size, send_capacity, top_k)
   shared = _dispatch_layout_shared_ints(tiles, local_experts, _dispatch_layout_counted(tiles))
   return (2 <= ep_size <= _FUSED_LAYOUT_MAX_RANKS and width % 4 == 0
@@ -1347,7 +1348,7 @@ def dispatch_layout_kernel(dtype, num_tokens: int, hidden: int, send_capacity: i
   """:func:`dispatch_with_layout`'s kernel (``peer_dispatch_layout``)."""
   kernel = dispatch_kernel(dtype, num_tokens, hidden, send_capacity, top_k,
                            local_experts * expert_capacity)
-  width = 2 * send_capacity * top_k + local_experts
+  width = meta_format.width(send_capacity, top_k, local_experts)
   # the member tiles depend on R too: dispatch_layout_launch appends them
   return dataclasses.replace(kernel, function="dispatch_layout",
                              sizes=(*kernel.sizes, local_experts, expert_capacity, width))
@@ -1442,9 +1443,9 @@ def dispatch_with_layout(rows: jax.Array, meta: jax.Array, send_token: jax.Array
     raise ValueError(f"no fused dispatch with layout at R={ep_size}, S={send_capacity}, "
                      f"K={top_k}, L={num_local_experts}, H={rows.shape[-1]} "
                      f"(dispatch_layout_fits)")
-  if meta.shape != (ep_size, 2 * send_capacity * top_k + num_local_experts):
-    raise ValueError(f"meta shape {meta.shape} must be [R, 2 * S * K + L] = "
-                     f"[{ep_size}, {2 * send_capacity * top_k + num_local_experts}]")
+  width = meta_format.width(send_capacity, top_k, num_local_experts)
+  if meta.shape != (ep_size, width):
+    raise ValueError(f"meta shape {meta.shape} must be [R, 2 * S * K + L] = [{ep_size}, {width}]")
   with jax.named_scope("exchange_rows"):
     return jax.lax.platform_dependent(
         rows, send_token, send_slot, meta,
