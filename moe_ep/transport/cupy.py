@@ -240,6 +240,12 @@ _SLAB_TILES_COUNTED_IN_RANK = 2
 _ROUTE_WARPS = 4
 
 
+def _route_counted(num_tokens: int, threads: int) -> bool:
+  """Whether ``route_count`` counts the token tiles first: more than one
+  tile (one tile: ``route_rank_own_count`` counts it, one launch fewer at decode)."""
+  return num_tokens > threads
+
+
 def _route_threads(num_tokens: int, ep_size: int, num_experts: int, top_k: int) -> int:
   """Threads per token tile of ``route_count``/``route_rank``: up to 256
   tokens (decode) one tile of 8 warps, which leaves each thread the fewest
@@ -249,7 +255,7 @@ def _route_threads(num_tokens: int, ep_size: int, num_experts: int, top_k: int) 
   most = 8 if num_tokens <= 32 * 8 else _ROUTE_WARPS
   for warps in range(most, 0, -1):
     threads = 32 * warps
-    counted = num_tokens > threads  # one tile: route_rank counts it, no route_count
+    counted = _route_counted(num_tokens, threads)
     if max(_route_count_shared_ints(threads, ep_size, num_experts),
            _route_rank_shared_ints(threads, ep_size, top_k, num_experts,
                                    counted)) <= _SHARED_INTS:
@@ -267,7 +273,7 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
   num_tokens, top_k = topk_idx.shape
   local_experts = num_experts // ep_size
   width = meta_layout.width(send_capacity, top_k, local_experts)
-  demand_offset = 2 * send_capacity * top_k
+  demand_offset = meta_layout.demand_offset(send_capacity, top_k)
   threads = _route_threads(num_tokens, ep_size, num_experts, top_k)
   tiles = -(-num_tokens // threads)
   rank_blocks = max(tiles, -(-ep_size * send_capacity // threads))
@@ -278,7 +284,7 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
             jax.ShapeDtypeStruct((ep_size, width), jnp.int32),
             jax.ShapeDtypeStruct((sum(workspace),), jnp.int32)]
 
-  counted = tiles > 1  # one tile: route_rank counts it (one launch fewer at decode)
+  counted = _route_counted(num_tokens, threads)
 
   def callback(ctx, outs, idx, weights):
     send_slot, send_token, route_slot, meta, scratch = (_pointer(b) for b in outs)
@@ -349,7 +355,7 @@ def slab_layout(recv_meta, *, top_k: int, num_local_experts: int, expert_capacit
   alone); see :func:`moe_ep.transport.xla.slab_layout`."""
   ep_size, width = recv_meta.shape
   local_experts, capacity = num_local_experts, expert_capacity
-  send_capacity = (width - local_experts) // (2 * top_k)
+  send_capacity = meta_layout.send_capacity(width, top_k, local_experts)
   plan = slab_plan(ep_size, send_capacity, top_k, local_experts, capacity)
   threads, tiles = plan.threads, plan.tiles
   shapes = [*slab_layout_shapes(ep_size, send_capacity, top_k, local_experts, capacity),
@@ -365,7 +371,7 @@ def slab_layout(recv_meta, *, top_k: int, num_local_experts: int, expert_capacit
                shared_ints=threads // 32 * local_experts)
       launch("slab_rank" if plan.counted else "slab_rank_own_count", plan.rank_blocks, threads,
              _pointer(meta), *_i32(ep_size, send_capacity, top_k, local_experts, capacity, width,
-                                   2 * send_capacity * top_k, tiles),
+                                   meta_layout.demand_offset(send_capacity, top_k), tiles),
              tile_counts, recv_pos, slab_row, slab_weights, counts, demand,
              shared_ints=plan.shared_ints)
 

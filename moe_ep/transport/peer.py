@@ -955,7 +955,7 @@ def slab_layout_kernel(layout: ChannelLayout, ordinal: int, peers: int, rank: in
 def _fused_slab_layout(meta, *, top_k: int, local_experts: int, expert_capacity: int,
                        axis_name: str, mesh):
   ep_size, width = meta.shape
-  send_capacity = (width - local_experts) // (2 * top_k)
+  send_capacity = meta_format.send_capacity(width, top_k, local_experts)
   layout = ChannelLayout(ep_size, width * 4)  # the drop-in exchange's channel for meta
   channel = _gpu_channel(mesh, axis_name, layout)
   site = _site("exchange_meta", meta.shape, meta.dtype, channel.key if channel is not None else "")
@@ -998,10 +998,7 @@ def slab_layout(meta: jax.Array, *, top_k: int, num_local_experts: int, expert_c
   if meta.ndim != 2 or meta.shape[0] != ep_size or meta.dtype != np.int32:
     raise ValueError(f"meta must be int32 [R, W] with R={ep_size}; got {meta.dtype} "
                      f"{meta.shape}")
-  send_capacity, rest = divmod(meta.shape[1] - num_local_experts, 2 * top_k)
-  if rest or send_capacity < 1:
-    raise ValueError(f"meta width {meta.shape[1]} must be 2 * S * K + L with K={top_k}, "
-                     f"L={num_local_experts}")
+  send_capacity = meta_format.send_capacity(meta.shape[1], top_k, num_local_experts)
   if not fused_layout_fits(ep_size, send_capacity, top_k, num_local_experts, expert_capacity):
     raise ValueError(f"no fused slab layout at R={ep_size}, S={send_capacity}, K={top_k}, "
                      f"L={num_local_experts}: too many member tiles (fused_layout_fits)")

@@ -221,3 +221,29 @@ def test_recv_pos_marks_routes_dropped_for_capacity():
       seen[expert] += 1
   assert (want == -2).any() and (want == -1).any() and (want >= 0).any()
   np.testing.assert_array_equal(recv_pos, want)
+
+
+@pytest.mark.parametrize("send_capacity,top_k,local_experts",
+                         [(1, 1, 1), (20, 4, 5), (128, 8, 128), (2560, 8, 32)])
+def test_meta_row_width_and_send_capacity_are_inverse(send_capacity, top_k, local_experts):
+  """meta.send_capacity recovers S from a row's width, and unpack splits a
+  packed row back into what went in (the row that width() sizes)."""
+  from moe_ep.transport import meta as meta_layout
+  width = meta_layout.width(send_capacity, top_k, local_experts)
+  assert meta_layout.send_capacity(width, top_k, local_experts) == send_capacity
+  rng = np.random.default_rng(send_capacity)
+  ids = rng.integers(-1, local_experts, (2, send_capacity, top_k)).astype(np.int32)
+  weights = rng.random(ids.shape).astype(np.float32)
+  demand = rng.integers(0, 9, (2, local_experts)).astype(np.int32)
+  packed = meta_layout.pack(ids, weights, demand)
+  assert packed.shape == (2, width)
+  for got, want in zip(meta_layout.unpack(packed, top_k=top_k, num_local_experts=local_experts),
+                       (ids, weights, demand)):
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("width,top_k,local_experts", [(10, 2, 3), (3, 2, 3), (2, 1, 4)])
+def test_meta_send_capacity_rejects_widths_no_row_has(width, top_k, local_experts):
+  from moe_ep.transport import meta as meta_layout
+  with pytest.raises(ValueError, match=f"meta width {width} must be 2 \\* S \\* K \\+ L"):
+    meta_layout.send_capacity(width, top_k, local_experts)
