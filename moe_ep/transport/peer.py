@@ -1144,6 +1144,13 @@ class _Kernel:
   threads: int = _ROW_THREADS
   shared_bytes: int = 0
 
+  def launch(self, buffers) -> None:
+    """Launches on CuPy's current device and stream; ``buffers``: the
+    callback's inputs then outputs (pointers or CuPy arrays)."""
+    self.function((self.blocks,), (self.threads,),
+                  (*(buffers[i] for i in self.buffers), *self.args),
+                  shared_mem=self.shared_bytes)
+
 
 def _device_tail(ordinal: int, site: int, timeout_ns: int) -> tuple:
   """The failure word, record, timeout and site arguments every kernel ends with."""
@@ -1179,9 +1186,7 @@ def _fused_call(name: str, launches: dict[int, list[_Kernel]], inputs, out_shape
     pointers = [cupy_backend._pointer(b) for b in (*buffers, *outs)]
     with cupy.cuda.Device(ordinal), _stream(ordinal, ctx.stream):
       for kernel in kernels:
-        kernel.function((kernel.blocks,), (kernel.threads,),
-                        (*(pointers[i] for i in kernel.buffers), *kernel.args),
-                        shared_mem=kernel.shared_bytes)
+        kernel.launch(pointers)
 
   shapes = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
   with jax.named_scope("moe_peer_exchange"):
@@ -1377,6 +1382,20 @@ def dispatch_layout_launch(kernel: RowKernel, grid: RowGrid, layout: ChannelLayo
                  shared_bytes=4 * _dispatch_layout_shared_ints(tiles, local_experts, counted))
 
 
+def dispatch_layout_shapes(kernel: RowKernel, ep_size: int, slab_dtype,
+                           slab_width: int) -> list:
+  """``kernel``'s (:func:`dispatch_layout_kernel`) outputs at EP size
+  ``ep_size``: slabs ``[L * C, slab_width]`` of ``slab_dtype``, the slab
+  layout's maps (:func:`moe_ep.transport.cupy.slab_layout_shapes`) and the
+  layout's scratch (:func:`dispatch_layout_tiles` ``* L`` int32)."""
+  send_capacity, top_k, slab_rows, _, local_experts, capacity, _ = kernel.sizes
+  return [jax.ShapeDtypeStruct((slab_rows, slab_width), slab_dtype),
+          *cupy_backend.slab_layout_shapes(ep_size, send_capacity, top_k, local_experts,
+                                           capacity),
+          jax.ShapeDtypeStruct((dispatch_layout_tiles(ep_size, send_capacity, top_k)
+                                * local_experts,), np.int32)]
+
+
 def _fused_dispatch_layout(rows, send_token, send_slot, meta, *, top_k: int, local_experts: int,
                            expert_capacity: int, axis_name: str, mesh):
   num_tokens, hidden = rows.shape
@@ -1397,11 +1416,7 @@ def _fused_dispatch_layout(rows, send_token, send_slot, meta, *, top_k: int, loc
         _kernels(ordinal)["dispatch_layout"], state.peers.data.ptr,
         meta_channel.on_device[ordinal].peers.data.ptr, state.rank,
         _device_tail(ordinal, site, timeout_ns))]
-  shapes = [jax.ShapeDtypeStruct((local_experts * expert_capacity, hidden), rows.dtype),
-            *cupy_backend.slab_layout_shapes(ep_size, send_capacity, top_k, local_experts,
-                                             expert_capacity),
-            jax.ShapeDtypeStruct((dispatch_layout_tiles(ep_size, send_capacity, top_k)
-                                  * local_experts,), np.int32)]
+  shapes = dispatch_layout_shapes(kernel, ep_size, rows.dtype, hidden)
   return _fused_call("dispatch with layout", launches, (rows, send_token, send_slot, meta),
                      shapes, axis_name)[:6]
 

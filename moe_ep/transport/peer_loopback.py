@@ -190,11 +190,7 @@ def slab_layout_rank(metas: list, sizes: tuple, *, rank: int, absent: tuple = ()
 
     def launch(q, peers, tail):
       outs = [_unwritten(cupy, shape.shape, shape.dtype) for shape in shapes]
-      kernel = peer.slab_layout_kernel(layout, ordinal, peers, q, sizes, tail)
-      buffers = (inputs[q], *outs)
-      kernel.function((kernel.blocks,), (kernel.threads,),
-                      (*(buffers[i] for i in kernel.buffers), *kernel.args),
-                      shared_mem=kernel.shared_bytes)
+      peer.slab_layout_kernel(layout, ordinal, peers, q, sizes, tail).launch((inputs[q], *outs))
       return outs
 
     outs, _ = _in_turn(layout, rank, absent, timeout_s, "slab layout", launch)
@@ -222,16 +218,11 @@ def dispatch_layout_rank(kernel: peer.RowKernel, inputs: list[tuple], *, rank: i
   repeating ``rank``'s launch with every flag of both channels raised.
   ``absent``, ``timeout_s``: as :func:`run_rank`."""
   import cupy
-  from moe_ep.transport import cupy as cupy_backend
   ep_size = len(inputs)
-  send_capacity, top_k, slab_rows, row_vecs, local_experts, capacity, width = kernel.sizes
+  width = kernel.sizes[-1]
   layout = kernel.layout(ep_size)
   meta_layout = peer.ChannelLayout(ep_size, width * 4)
-  tiles = peer.dispatch_layout_tiles(ep_size, send_capacity, top_k)
-  shapes = [((slab_rows, row_vecs * 16), np.uint8)] + [
-      (shape.shape, shape.dtype) for shape in cupy_backend.slab_layout_shapes(
-          ep_size, send_capacity, top_k, local_experts, capacity)] + [
-      ((tiles * local_experts,), np.int32)]  # the layout's scratch
+  shapes = peer.dispatch_layout_shapes(kernel, ep_size, np.uint8, kernel.row_vecs * 16)
   with cupy.cuda.Device(ordinal):
     function = peer._kernels(ordinal)[kernel.function]
     grid = kernel.grid(ep_size, peer._multiprocessors(ordinal))
@@ -239,13 +230,12 @@ def dispatch_layout_rank(kernel: peer.RowKernel, inputs: list[tuple], *, rank: i
     launched = {}
 
     def launch(q, peers, tail):
-      outs = [_unwritten(cupy, shape, dtype) for shape, dtype in shapes]
+      outs = [_unwritten(cupy, shape.shape, shape.dtype) for shape in shapes]
       job = peer.dispatch_layout_launch(kernel, grid, layout, meta_layout, function, peers,
                                         meta_peers.data.ptr, q, tail)
       buffers = (*(cupy.asarray(a) for a in inputs[q]), *outs)
-      args = (*(buffers[i] for i in job.buffers), *job.args)
-      function((job.blocks,), (job.threads,), args, shared_mem=job.shared_bytes)
-      launched[q] = (job, buffers, args)
+      job.launch(buffers)
+      launched[q] = (job, buffers)
       return outs
 
     outs, held = _in_turn(layout, rank, absent, timeout_s, kernel.function, launch)
@@ -255,8 +245,6 @@ def dispatch_layout_rank(kernel: peer.RowKernel, inputs: list[tuple], *, rank: i
       return result
     _replayable(held[0][rank], layout)
     _replayable(meta_channels[rank], meta_layout)
-    job, buffers, args = launched[rank]
-    run = lambda: function((job.blocks,), (job.threads,), args,  # noqa: E731
-                           shared_mem=job.shared_bytes)
-    return result, Launch(run=run, out=outs[0], grid=grid,
+    job, buffers = launched[rank]
+    return result, Launch(run=lambda: job.launch(buffers), out=outs[0], grid=grid,
                           held=(*held, meta_channels, meta_peers, buffers))
