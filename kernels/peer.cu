@@ -715,15 +715,47 @@ __device__ __forceinline__ void warp_wait_chunk(const Exchange& ex, int src, int
   __syncwarp();
 }
 
+// Thread 0 of a launch's last block (last_block_of_launch): acknowledges
+// step `step` to every other rank (what it stored on the channel at `own`
+// is read) and advances that channel's step.
+__device__ __forceinline__ void acknowledge_step(const u64* peers, u64 own, int rank,
+                                                 int ep_size, int parity, u64 step) {
+  __threadfence_system();
+  for (int src = 0; src < ep_size; ++src)
+    if (src != rank) atomicExch(acks_of(peers[src], ep_size) + parity * ep_size + rank, step);
+  *(volatile u64*)step_of(own, ep_size) = step;
+}
+
 // The end of every block: once all blocks of the grid are done, acknowledges
 // step s to every other rank (its rows here are read) and advances the step.
 __device__ __forceinline__ void finish_exchange(const Exchange& ex) {
-  if (!last_block_of_launch(ex.own, ex.ep_size)) return;
-  __threadfence_system();
-  for (int src = 0; src < ex.ep_size; ++src)
-    if (src != ex.rank)
-      atomicExch(acks_of(ex.peers[src], ex.ep_size) + ex.parity * ex.ep_size + ex.rank, ex.step);
-  *(volatile u64*)step_of(ex.own, ex.ep_size) = ex.step;
+  if (last_block_of_launch(ex.own, ex.ep_size))
+    acknowledge_step(ex.peers, ex.own, ex.rank, ex.ep_size, ex.parity, ex.step);
+}
+
+// Block-wide: where each source's metadata row is read this step (table
+// [R] in shared memory: this rank's own, meta[rank]; another's, its slot
+// on the channel at `own`), once thread 0 has waited for every other
+// source's flag. A table, not per-call address arithmetic: the layout body
+// beside it already needs ~62 of its 64 registers.
+__device__ __forceinline__ const int* const* land_meta_rows(
+    const int* meta, int meta_width, u64 own, i64 data_offset, i64 slot_bytes, int parity,
+    u64 step, int rank, int ep_size, u32* failed, PeerFailure* record, u64 timeout_ns,
+    int site) {
+  __shared__ const int* rows[ROW_MAX_LANES];
+  if (threadIdx.x < (unsigned)ep_size) {
+    const int src = (int)threadIdx.x;
+    rows[src] = src == rank ? meta + (i64)rank * meta_width
+        : (const int*)slot_address(own, data_offset, parity, ep_size, slot_of(src, rank),
+                                   slot_bytes);
+  }
+  if (threadIdx.x == 0)
+    for (int src = 0; src < ep_size; ++src)
+      if (src != rank)
+        thread_wait(flag_of(own, ep_size, parity, src, 0), step, failed, record, timeout_ns,
+                    PEER_WAIT_FLAG, src, site, rank, step);
+  __syncthreads();
+  return rows;
 }
 
 struct LandedMeta {  // slab_layout.cuh's Meta: each source's row where it landed
@@ -830,22 +862,12 @@ __device__ void receivers_barrier(const MetaExchange& mx, const Exchange& ex, in
 // channel's recv_done[0], which no other part of this launch uses.
 __device__ void lay_out_slabs(const LayoutJob& job, const MetaExchange& mx, const Exchange& ex,
                               int send_capacity, int top_k, int send_blocks) {
-  __shared__ const int* rows[ROW_MAX_LANES];
-  const int rank = ex.rank, ep_size = ex.ep_size;
-  if (threadIdx.x < (unsigned)ep_size) {
-    const int src = (int)threadIdx.x;
-    rows[src] = src == rank ? job.meta + (i64)rank * job.meta_width
-        : (const int*)slot_address(mx.own, job.meta_data_offset, mx.parity, ep_size,
-                                   slot_of(src, rank), job.meta_slot_bytes);
-  }
-  if (threadIdx.x == 0)
-    for (int src = 0; src < ep_size; ++src)
-      if (src != rank)
-        thread_wait(flag_of(mx.own, ep_size, mx.parity, src, 0), mx.step, ex.failed, ex.record,
-                    ex.timeout_ns, PEER_WAIT_FLAG, src, ex.site, rank, mx.step);
-  __syncthreads();
+  const LandedMeta landed{land_meta_rows(job.meta, job.meta_width, mx.own, job.meta_data_offset,
+                                         job.meta_slot_bytes, mx.parity, mx.step, ex.rank,
+                                         ex.ep_size, ex.failed, ex.record, ex.timeout_ns,
+                                         ex.site)};
+  const int ep_size = ex.ep_size;
   const int receivers = (int)gridDim.x - send_blocks, block = (int)blockIdx.x - send_blocks;
-  const LandedMeta landed{rows};
   const int demand_offset = 2 * send_capacity * top_k;
   if (job.tile_counts == nullptr) {  // few tiles: slab_rank_own_count's way, one round
     slab_rank_body<false>(landed, ep_size, send_capacity, top_k, job.local_experts,
@@ -883,12 +905,7 @@ __device__ __forceinline__ void finish_meta_exchange(const LayoutJob& job,
                                                      const Exchange& ex) {
   if (!last_block_of_launch(mx.own, ex.ep_size)) return;
   counters_of(mx.own, ex.ep_size)[ex.ep_size] = 0u;
-  __threadfence_system();
-  for (int src = 0; src < ex.ep_size; ++src)
-    if (src != ex.rank)
-      atomicExch(acks_of(job.meta_peers[src], ex.ep_size) + mx.parity * ex.ep_size + ex.rank,
-                 mx.step);
-  *(volatile u64*)step_of(mx.own, ex.ep_size) = mx.step;
+  acknowledge_step(job.meta_peers, mx.own, ex.rank, ex.ep_size, mx.parity, mx.step);
 }
 
 // Receiver warps: index and count among the receiver blocks.
@@ -1398,7 +1415,6 @@ DEFINE_PEER_COMBINE_KERNEL(f16, F16)
 //            memory holds the layout's counts of num_tiles tiles; every read
 //            of a source's row stays below meta_width.
 // ---------------------------------------------------------------------------
-template <typename Vec>
 __device__ __forceinline__ void peer_slab_layout(
     const int* __restrict__ meta, int* __restrict__ recv_pos, int* __restrict__ slab_row,
     float* __restrict__ slab_weights, int* __restrict__ counts, int* __restrict__ demand,
@@ -1411,42 +1427,27 @@ __device__ __forceinline__ void peer_slab_layout(
       (int)gridDim.x <= senders ||
       send_capacity < 1 || top_k < 1 || local_experts < 1 || expert_capacity < 1 ||
       num_tiles < 1 || meta_width != 2 * send_capacity * top_k + local_experts ||
-      meta_bytes % (i64)sizeof(Vec) != 0 || meta_bytes > slot_bytes ||
+      meta_bytes % (i64)sizeof(uint4) != 0 || meta_bytes > slot_bytes ||
       4ll * ((blockDim.x / 32 + 2 + num_tiles) * (i64)local_experts) > dynamic_shared_bytes())
     return;  // the last test: slab_rank_own_count's shared memory for num_tiles tiles
   const u64 own = peers[rank];
   const u64 step = *(volatile u64*)step_of(own, ep_size) + 1;
   const int parity = (int)(step & 1ull);
   if ((int)blockIdx.x < senders) {
-    peer_send<Vec>((const Vec*)meta, nullptr, peers, rank, ep_size, meta_bytes / sizeof(Vec),
-                   slot_bytes, data_offset, 1, 0, failed, record, timeout_ns, site, blockIdx.x);
+    peer_send<uint4>((const uint4*)meta, nullptr, peers, rank, ep_size,
+                     meta_bytes / sizeof(uint4), slot_bytes, data_offset, 1, 0, failed, record,
+                     timeout_ns, site, blockIdx.x);
   } else {
-    // The row pointers live in static shared memory (a table, not per-call
-    // address arithmetic: the layout body already needs ~62 of its 64 registers).
-    __shared__ const int* rows[ROW_MAX_LANES];
-    if (threadIdx.x < (unsigned)ep_size) {
-      const int src = (int)threadIdx.x;
-      rows[src] = src == rank ? meta + (i64)rank * meta_width
-          : (const int*)slot_address(own, data_offset, parity, ep_size, slot_of(src, rank),
-                                     slot_bytes);
-    }
-    if (threadIdx.x == 0)
-      for (int src = 0; src < ep_size; ++src)
-        if (src != rank)
-          thread_wait(flag_of(own, ep_size, parity, src, 0), step, failed, record, timeout_ns,
-                      PEER_WAIT_FLAG, src, site, rank, step);
-    __syncthreads();
-    const LandedMeta landed{rows};
+    const LandedMeta landed{land_meta_rows(meta, meta_width, own, data_offset, slot_bytes,
+                                           parity, step, rank, ep_size, failed, record,
+                                           timeout_ns, site)};
     slab_rank_body<false>(landed, ep_size, send_capacity, top_k, local_experts, expert_capacity,
                           2 * send_capacity * top_k, num_tiles, nullptr, recv_pos, slab_row,
                           slab_weights, counts, demand, (int)blockIdx.x - senders,
                           (int)gridDim.x - senders);
   }
-  if (!last_block_of_launch(own, ep_size)) return;
-  __threadfence_system();
-  for (int src = 0; src < ep_size; ++src)
-    if (src != rank) atomicExch(acks_of(peers[src], ep_size) + parity * ep_size + rank, step);
-  *(volatile u64*)step_of(own, ep_size) = step;
+  if (last_block_of_launch(own, ep_size))
+    acknowledge_step(peers, own, rank, ep_size, parity, step);
 }
 
 // Metadata rows of whole 16-byte vectors only (fused_layout_fits): the
@@ -1456,7 +1457,7 @@ extern "C" __global__ void __launch_bounds__(1024) peer_slab_layout_v16(
     const u64* peers, int rank, int ep_size, int send_capacity, int top_k, int local_experts,
     int expert_capacity, int meta_width, int num_tiles, i64 slot_bytes, i64 data_offset,
     u32* failed, PeerFailure* record, u64 timeout_ns, int site) {
-  peer_slab_layout<uint4>(meta, recv_pos, slab_row, slab_weights, counts, demand, peers, rank,
+  peer_slab_layout(meta, recv_pos, slab_row, slab_weights, counts, demand, peers, rank,
                           ep_size, send_capacity, top_k, local_experts, expert_capacity,
                           meta_width, num_tiles, slot_bytes, data_offset, failed, record,
                           timeout_ns, site);
