@@ -5,8 +5,11 @@ so the kernels' indexing, chunking, flags and own-row placement run as at
 EP=R without R GPUs. For tests (one rank's
 output against the pure-JAX path, at any R), compute-sanitizer (one
 process, one GPU) and timing a kernel's local memory traffic; it is not a
-transport and moves nothing between GPUs. What it cannot show: two GPUs'
-kernels running at once (the fences and flags between them, NVLink).
+transport and moves nothing between GPUs. The in-turn runners cannot
+show kernels running at once; :func:`run_concurrently` runs every rank's
+kernels at once on their own streams of the one GPU, over several steps
+(the flags, acknowledgements and step parity as on R GPUs, but no NVLink
+and no second GPU's memory).
 
 How rank ``r``'s output comes about: fresh channels at step 0, every rank
 but ``r`` with its own flags raised beforehand (its receivers find every
@@ -248,3 +251,69 @@ def dispatch_layout_rank(kernel: peer.RowKernel, inputs: list[tuple], *, rank: i
     job, buffers = launched[rank]
     return result, Launch(run=lambda: job.launch(buffers), out=outs[0], grid=grid,
                           held=(*held, meta_channels, meta_peers, buffers))
+
+
+def row_job(kernel: peer.RowKernel, grid: peer.RowGrid, layout: peer.ChannelLayout, peers: int,
+            rank: int, tail: tuple, inputs: tuple, out_shape: tuple, out_dtype,
+            ordinal: int = 0) -> tuple:
+  """Rank ``rank``'s launch of a fused row kernel for :func:`run_concurrently`:
+  ``(peer._Kernel, buffers, [out])``, ``inputs`` device arrays in the
+  kernel's order, ``out`` a fresh :func:`_unwritten` buffer."""
+  import cupy
+  out = _unwritten(cupy, out_shape, out_dtype)
+  buffers = (*inputs, out)
+  launch = peer._Kernel(peer._kernels(ordinal)[kernel.function], grid.blocks,
+                        tuple(range(len(buffers))), kernel.args(grid, layout, peers, rank, tail))
+  return launch, buffers, [out]
+
+
+def run_concurrently(layouts: list, launches, steps: int, *, ordinal: int = 0,
+                     timeout_s: float = 10.0) -> list:
+  """Every rank's launches of ``steps`` steps, ranks at once, each on its own
+  stream of GPU ``ordinal``, on fresh channels (one per layout in
+  ``layouts``, all at step 0): the kernels wait for each other's flags and
+  acknowledgements, and alternate slot parity, as on R GPUs.
+
+  Args:
+    layouts: the channels' :class:`peer.ChannelLayout`, every one of R ranks.
+    launches: ``(step, q, peers, tail) -> [(peer._Kernel, buffers,
+      outputs)]``, rank ``q``'s launches of that step in order; ``peers``:
+      per layout, the device pointer of the R channel bases; ``tail``: the
+      arguments every peer kernel ends with (rank ``q``'s failure word). It
+      must not copy from the host (a pageable copy may wait for the device,
+      where a kernel waits for a rank not yet launched): upload inputs first.
+      Each kernel's grid must leave the other ranks room to run (at most
+      the SMs / R blocks of one block per SM), else a wait times out.
+    steps: how many times each rank's launches run, without a host sync
+      between.
+    timeout_s: the bound of every wait; one that ran out raises
+      :class:`RuntimeError` naming the rank and its peer.
+
+  Returns:
+    ``outputs[step][q]``: rank ``q``'s outputs of that step, NumPy arrays in
+    launch order.
+  """
+  import cupy
+  ep_size = layouts[0].ep_size
+  with cupy.cuda.Device(ordinal):
+    channels = [[cupy.zeros(layout.total_bytes, cupy.uint8) for _ in range(ep_size)]
+                for layout in layouts]
+    bases = [cupy.asarray(np.array([c.data.ptr for c in chans], np.uint64))
+             for chans in channels]
+    words = [_failure_word(timeout_s) for _ in range(ep_size)]
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(ep_size)]
+    jobs = []
+    for step in range(steps):
+      jobs.append([])
+      for q in range(ep_size):
+        with streams[q]:
+          rank_jobs = launches(step, q, [b.data.ptr for b in bases], words[q][2])
+          for kernel, buffers, _ in rank_jobs:
+            kernel.launch(buffers)
+        jobs[-1].append(rank_jobs)
+    for stream in streams:
+      stream.synchronize()
+    for q, (failed, record, _) in enumerate(words):
+      _checked(failed.get(), record.get(), f"concurrent run, rank {q}")
+    return [[[out.get() for _, _, outs in rank_jobs for out in outs] for rank_jobs in step_jobs]
+            for step_jobs in jobs]

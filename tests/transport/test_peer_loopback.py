@@ -299,3 +299,153 @@ def test_fp8_dispatch_takes_the_wire_width_it_is_given(monkeypatch, zero_vectors
     got = peer_loopback.run_rank(kernel, [_dispatch_inputs(r) for r in ranks], want.shape,
                                  want.dtype, rank=rank)
     np.testing.assert_array_equal(got, want, err_msg=f"W={want.shape[-1]}, rank {rank}")
+
+
+def _multiprocessors() -> int:
+  import cupy
+  return cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+
+def _on_device(ranks: list[dict], names: tuple) -> list[tuple]:
+  import cupy
+  return [tuple(cupy.asarray(np.ascontiguousarray(r[name])) for name in names) for r in ranks]
+
+
+STEPS = 3  # the ranks' kernels alternate slot parity and wait for acknowledgements (step > 2)
+
+
+@pytest.mark.parametrize("ep_size", [2, 4])
+def test_ranks_at_once_dispatch_then_combine_over_steps_match_pure_jax(ep_size):
+  """Every rank's peer_dispatch then peer_combine, on one channel (as the
+  layer's share one), three steps with fresh routing each, all ranks
+  running at once on their own streams (each grid a 1/R share of the
+  SMs): six exchanges on the channel, so the senders wait for the
+  acknowledgements of step s - 2 and the slots alternate parity. Every
+  rank's slabs and combined rows of every step equal the pure-JAX path's
+  bit for bit."""
+  refs = [_reference(ep_size, jnp.bfloat16, seed=40 + 10 * ep_size + s) for s in range(STEPS)]
+  send_capacity, top_k = refs[0][0]["recv_pos"].shape[1:]
+  slab_rows = refs[0][0]["slab_row"].shape[0]
+  dispatch_kernel = peer.dispatch_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
+                                         slab_rows)
+  combine_kernel = peer.combine_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
+                                       slab_rows)
+  layout = dispatch_kernel.layout(ep_size)
+  assert combine_kernel.layout(ep_size) == layout  # one channel, as in the layer
+  share = _multiprocessors() // ep_size
+  grids = [k.grid(ep_size, share) for k in (dispatch_kernel, combine_kernel)]
+  assert max(g.blocks for g in grids) <= share
+  for step_refs in refs:
+    for r in step_refs:
+      r["recv_pos_flat"] = r["recv_pos"].reshape(-1)
+      r["recv_pos_rows"] = r["recv_pos"].reshape(-1, top_k)
+      r["expert_rows"] = r["expert_out"].reshape(slab_rows, HIDDEN)
+  inputs = [_on_device(step_refs, ("rows", "send_token", "send_slot", "recv_pos_flat",
+                                   "slab_row", "expert_rows", "recv_pos_rows"))
+            for step_refs in refs]
+
+  def launches(step, q, peers, tail):
+    rows, send_token, send_slot, recv_pos, slab_row, expert_rows, recv_pos_rows = inputs[step][q]
+    return [peer_loopback.row_job(dispatch_kernel, grids[0], layout, peers[0], q, tail,
+                                  (rows, send_token, send_slot, recv_pos, slab_row),
+                                  (slab_rows, HIDDEN), jnp.bfloat16),
+            peer_loopback.row_job(combine_kernel, grids[1], layout, peers[0], q, tail,
+                                  (expert_rows, recv_pos_rows, send_slot),
+                                  (TOKENS, HIDDEN), jnp.bfloat16)]
+
+  got = peer_loopback.run_concurrently([layout], launches, STEPS)
+  for step, step_refs in enumerate(refs):
+    for q, want in enumerate(step_refs):
+      slabs, y = got[step][q]
+      np.testing.assert_array_equal(slabs.view(np.uint16),
+                                    want["slabs"].view(np.uint16).reshape(slabs.shape),
+                                    err_msg=f"slabs, step {step}, rank {q} of {ep_size}")
+      np.testing.assert_array_equal(y.view(np.uint16), want["y"].view(np.uint16),
+                                    err_msg=f"combine, step {step}, rank {q} of {ep_size}")
+
+
+@pytest.mark.parametrize("ep_size", [2, 4])
+def test_ranks_at_once_fused_layouts_then_combine_over_steps_match_pure_jax(ep_size):
+  """Decode's fused launches with every rank running at once, three steps:
+  the metadata exchange fused with the slab layout (peer_slab_layout), then
+  the whole dispatch in one launch (peer_dispatch_layout: metadata, layout,
+  receivers' barrier, rows) on the same metadata channel, then the combine
+  on the rows channel. Each kernel's maps, slabs and combined rows of every
+  step, every rank, equal the pure-JAX path's bit for bit."""
+  refs = [_reference(ep_size, jnp.bfloat16, seed=70 + 10 * ep_size + s) for s in range(STEPS)]
+  send_capacity, top_k = refs[0][0]["recv_pos"].shape[1:]
+  local, capacity = EXPERTS // ep_size, refs[0][0]["capacity"]
+  slab_rows = local * capacity
+  sizes = (send_capacity, top_k, local, capacity)
+  assert peer.fused_layout_fits(ep_size, *sizes)
+  assert peer.dispatch_layout_fits(jnp.bfloat16, HIDDEN, ep_size, *sizes)
+  kernel = peer.dispatch_layout_kernel(jnp.bfloat16, TOKENS, HIDDEN, *sizes)
+  combine_kernel = peer.combine_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
+                                       slab_rows)
+  layout = kernel.layout(ep_size)
+  meta_layout = peer.ChannelLayout(ep_size, refs[0][0]["meta"].nbytes // ep_size)
+  share = _multiprocessors() // ep_size
+  grid, combine_grid = kernel.grid(ep_size, share), combine_kernel.grid(ep_size, share)
+  shapes = peer.dispatch_layout_shapes(kernel, ep_size, jnp.bfloat16, HIDDEN)
+  layout_shapes = shapes[1:6]
+  for step_refs in refs:
+    for r in step_refs:
+      r["expert_rows"] = r["expert_out"].reshape(slab_rows, HIDDEN)
+      r["recv_pos_rows"] = r["recv_pos"].reshape(-1, top_k)
+  inputs = [_on_device(step_refs, ("rows", "send_token", "send_slot", "meta", "expert_rows",
+                                   "recv_pos_rows")) for step_refs in refs]
+  function = peer._kernels(0)["dispatch_layout"]
+
+  def launches(step, q, peers, tail):
+    import cupy
+    rows, send_token, send_slot, meta, expert_rows, recv_pos_rows = inputs[step][q]
+    maps = [peer_loopback._unwritten(cupy, s.shape, s.dtype) for s in layout_shapes]
+    fused = peer.slab_layout_kernel(meta_layout, 0, peers[1], q, sizes, tail)
+    outs = [peer_loopback._unwritten(cupy, s.shape, s.dtype) for s in shapes]
+    one = peer.dispatch_layout_launch(kernel, grid, layout, meta_layout, function, peers[0],
+                                      peers[1], q, tail)
+    return [(fused, (meta, *maps), maps),
+            (one, (rows, send_token, send_slot, meta, *outs), outs[:6]),
+            peer_loopback.row_job(combine_kernel, combine_grid, layout, peers[0], q, tail,
+                                  (expert_rows, recv_pos_rows, send_slot), (TOKENS, HIDDEN),
+                                  jnp.bfloat16)]
+
+  got = peer_loopback.run_concurrently([layout, meta_layout], launches, STEPS)
+  names = ("recv_pos", "slab_row", "slab_weights", "counts", "demand")
+  for step, step_refs in enumerate(refs):
+    for q, want in enumerate(step_refs):
+      fused_maps, (slabs, *maps), (y,) = got[step][q][:5], got[step][q][5:11], got[step][q][11:]
+      where = f"step {step}, rank {q} of {ep_size}"
+      for label, values in (("fused layout", fused_maps), ("one-launch dispatch", maps)):
+        for name, value in zip(names, values):
+          np.testing.assert_array_equal(value.view(np.int32).reshape(-1),
+                                        want[name].reshape(-1).view(np.int32),
+                                        err_msg=f"{label} {name}, {where}")
+      np.testing.assert_array_equal(slabs.view(np.uint16),
+                                    want["slabs"].view(np.uint16).reshape(slabs.shape),
+                                    err_msg=f"slabs, {where}")
+      np.testing.assert_array_equal(y.view(np.uint16), want["y"].view(np.uint16),
+                                    err_msg=f"combine, {where}")
+
+
+def test_ranks_at_once_name_the_rank_that_skips_a_step():
+  """Rank 1 runs two of three steps: rank 0's third dispatch waits for its
+  chunks in vain, and the bounded wait ends in an error naming rank 1."""
+  refs = _reference(2, jnp.bfloat16, seed=99)
+  send_capacity, top_k = refs[0]["recv_pos"].shape[1:]
+  slab_rows = refs[0]["slab_row"].shape[0]
+  kernel = peer.dispatch_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k, slab_rows)
+  layout = kernel.layout(2)
+  grid = kernel.grid(2, _multiprocessors() // 2)
+  for r in refs:
+    r["recv_pos_flat"] = r["recv_pos"].reshape(-1)
+  inputs = _on_device(refs, ("rows", "send_token", "send_slot", "recv_pos_flat", "slab_row"))
+
+  def launches(step, q, peers, tail):
+    if q == 1 and step == 2:
+      return []
+    return [peer_loopback.row_job(kernel, grid, layout, peers[0], q, tail, inputs[q],
+                                  (slab_rows, HIDDEN), jnp.bfloat16)]
+
+  with pytest.raises(RuntimeError, match="rank 0 waited in vain for rank 1"):
+    peer_loopback.run_concurrently([layout], launches, 3, timeout_s=0.5)
