@@ -1263,7 +1263,7 @@ DEFINE_PEER_DISPATCH_FP8_KERNEL(bf16, BF16)
 DEFINE_PEER_DISPATCH_FP8_KERNEL(f16, F16)
 
 // ---------------------------------------------------------------------------
-// peer_combine_{f32,bf16,f16}: slabs [L * C, H] of every rank -> y [T, H],
+// peer_combine_{,own_first_}{f32,bf16,f16}: slabs [L * C, H] of every rank -> y [T, H],
 // one exchange.
 //   senders:   chunk (q, d): for slot s of the chunk (the row d sent here in
 //              slot s), the float32 sum of its members' slab rows in member
@@ -1277,13 +1277,20 @@ DEFINE_PEER_DISPATCH_FP8_KERNEL(f16, F16)
 //              rank this rank's own member sum, rounded to Elem and widened
 //              again (what gather_sum_rows over the wire rows reads);
 //              rounded once at the end.
+//   own first: peer_combine_own_first_* (decode sizes, the Python side's
+//              rule): the receivers first store every token's own member
+//              sum, so rounded, into y, and only then wait for the other
+//              ranks' rows and read it back (the same thread: the same
+//              unit-to-warp and vector-to-lane mapping), so that the own
+//              members' reads overlap the other ranks' sending: the same
+//              bits, y stored twice.
 //   grid:      send_blocks + at least one receiver block, 32 * w threads.
 //   inputs:    slabs [L * C, row_elems], recv_pos [R * S, K], send_slot [T,
 //              R] int32; peers [R] channel bases.
 //   output:    y [T, row_elems].
 //   bounds:    see the section comment; row_elems * sizeof(Elem) % 16 == 0.
 // ---------------------------------------------------------------------------
-template <typename T>
+template <typename T, bool kOwnFirst>
 __device__ __forceinline__ void peer_combine(
     const typename T::Elem* __restrict__ slabs, const int* __restrict__ recv_pos,
     const int* __restrict__ send_slot, typename T::Elem* __restrict__ y,
@@ -1328,6 +1335,23 @@ __device__ __forceinline__ void peer_combine(
   const int segments = (row_vecs + recv_segment_vecs - 1) / recv_segment_vecs;
   const i64 units = (i64)num_tokens * segments;
   const i64 warps = receiver_warps(send_blocks);
+  if constexpr (kOwnFirst) {  // every unit's own member sum into y before any wait
+    for (i64 unit = receiver_warp(send_blocks); unit < units; unit += warps) {
+      const RowUnit u = row_unit(unit, segments, recv_segment_vecs, row_vecs);
+      const int own_slot = __shfl_sync(MOE_EP_FULL_MASK,
+                                       sent_slot(send_slot, u.row, ep_size, send_capacity), rank);
+      if (own_slot < 0) continue;  // warp-uniform
+      const int member =
+          member_row(recv_pos, (i64)rank * send_capacity + own_slot, top_k, num_slab_rows);
+      const u32 members = __ballot_sync(MOE_EP_FULL_MASK, member >= 0);
+      for (int base = u.begin; base < u.end; base += 32 * ROW_SUM_UNROLL) {
+        float part[ROW_SUM_UNROLL][kPerVec];
+        zero_sums(part);
+        add_members<T, ROW_SUM_UNROLL>(table, row_vecs, member, members, base, u.end, part);
+        store_sums<T, ROW_SUM_UNROLL>(part, (uint4*)y + u.row * row_vecs, base, u.end);
+      }
+    }
+  }
   for (i64 unit = receiver_warp(send_blocks); unit < units; unit += warps) {
     const RowUnit u = row_unit(unit, segments, recv_segment_vecs, row_vecs);
     const int slot = sent_slot(send_slot, u.row, ep_size, send_capacity);
@@ -1350,7 +1374,12 @@ __device__ __forceinline__ void peer_combine(
       zero_sums(acc);
       for (u32 m = ranks; m != 0u; m &= m - 1u) {
         const int d = __ffs(m) - 1;
-        if (d == rank) {
+        if (kOwnFirst && d == rank) {  // stored above by this thread
+          uint4 values[ROW_SUM_UNROLL];
+          load_step<ROW_SUM_UNROLL, true>(out, base, u.end, values);
+#pragma unroll
+          for (int i = 0; i < ROW_SUM_UNROLL; ++i) add_vector<T>(values[i], acc[i]);
+        } else if (d == rank) {
           float part[ROW_SUM_UNROLL][kPerVec];
           zero_sums(part);
           add_members<T, ROW_SUM_UNROLL>(table, row_vecs, member, members, base, u.end, part);
@@ -1373,22 +1402,29 @@ __device__ __forceinline__ void peer_combine(
   finish_exchange(ex);
 }
 
-#define DEFINE_PEER_COMBINE_KERNEL(SUFFIX, TYPE)                                                \
-  extern "C" __global__ void __launch_bounds__(512, 1) peer_combine_##SUFFIX(                   \
+// Two instances each: the in-order receivers' code is not shaped by the
+// own-first pass (sharing one body behind a flag made P2's combine 35%
+// slower in the loopback on one H200).
+#define DEFINE_PEER_COMBINE_KERNEL(NAME, TYPE, OWN_FIRST)                                       \
+  extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                    \
       const TYPE::Elem* slabs, const int* recv_pos, const int* send_slot, TYPE::Elem* y,        \
       const u64* peers, int rank, int ep_size, int num_tokens, int send_capacity, int top_k,    \
       int num_slab_rows, int row_elems, int chunk_rows, int num_chunks, int send_blocks,        \
       int send_segment_vecs, int recv_segment_vecs, i64 slot_bytes, i64 data_offset,           \
       u32* failed, PeerFailure* record, u64 timeout_ns, int site) {                             \
-    peer_combine<TYPE>(slabs, recv_pos, send_slot, y, peers, rank, ep_size, num_tokens,         \
-                       send_capacity, top_k, num_slab_rows, row_elems, chunk_rows, num_chunks,  \
-                       send_blocks, send_segment_vecs, recv_segment_vecs, slot_bytes,           \
-                       data_offset, failed, record, timeout_ns, site);                          \
+    peer_combine<TYPE, OWN_FIRST>(slabs, recv_pos, send_slot, y, peers, rank, ep_size,          \
+                                  num_tokens, send_capacity, top_k, num_slab_rows, row_elems,   \
+                                  chunk_rows, num_chunks, send_blocks, send_segment_vecs,       \
+                                  recv_segment_vecs, slot_bytes, data_offset, failed, record,   \
+                                  timeout_ns, site);                                            \
   }
 
-DEFINE_PEER_COMBINE_KERNEL(f32, F32)
-DEFINE_PEER_COMBINE_KERNEL(bf16, BF16)
-DEFINE_PEER_COMBINE_KERNEL(f16, F16)
+DEFINE_PEER_COMBINE_KERNEL(peer_combine_f32, F32, false)
+DEFINE_PEER_COMBINE_KERNEL(peer_combine_bf16, BF16, false)
+DEFINE_PEER_COMBINE_KERNEL(peer_combine_f16, F16, false)
+DEFINE_PEER_COMBINE_KERNEL(peer_combine_own_first_f32, F32, true)
+DEFINE_PEER_COMBINE_KERNEL(peer_combine_own_first_bf16, BF16, true)
+DEFINE_PEER_COMBINE_KERNEL(peer_combine_own_first_f16, F16, true)
 
 // ---------------------------------------------------------------------------
 // peer_slab_layout_v16: dispatch's metadata exchange and the
@@ -1457,8 +1493,7 @@ extern "C" __global__ void __launch_bounds__(1024) peer_slab_layout_v16(
     const u64* peers, int rank, int ep_size, int send_capacity, int top_k, int local_experts,
     int expert_capacity, int meta_width, int num_tiles, i64 slot_bytes, i64 data_offset,
     u32* failed, PeerFailure* record, u64 timeout_ns, int site) {
-  peer_slab_layout(meta, recv_pos, slab_row, slab_weights, counts, demand, peers, rank,
-                          ep_size, send_capacity, top_k, local_experts, expert_capacity,
-                          meta_width, num_tiles, slot_bytes, data_offset, failed, record,
-                          timeout_ns, site);
+  peer_slab_layout(meta, recv_pos, slab_row, slab_weights, counts, demand, peers, rank, ep_size,
+                   send_capacity, top_k, local_experts, expert_capacity, meta_width, num_tiles,
+                   slot_bytes, data_offset, failed, record, timeout_ns, site);
 }

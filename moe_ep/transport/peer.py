@@ -138,6 +138,7 @@ MAX_FUSED_TOP_K = 32  # one lane per member of a row
 _SUM_SUFFIX = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 _ROW_KERNELS = ("dispatch", "dispatch_layout", "send_v16", "drain_v16",
                 *(f"combine_{suffix}" for suffix in _SUM_SUFFIX.values()),
+                *(f"combine_own_first_{suffix}" for suffix in _SUM_SUFFIX.values()),
                 *(f"dispatch_fp8_{suffix}" for suffix in _SUM_SUFFIX.values()))
 _LAYOUT_TABLE_BYTES = 8 * 32  # peer_slab_layout's static shared row pointers (ROW_MAX_LANES)
 # The fused metadata exchange and layout pays up to 4 ranks: rank 0's launch
@@ -1278,11 +1279,26 @@ def dispatch_kernel(dtype, num_tokens: int, hidden: int, send_capacity: int, top
                                             kernel.row_vecs, hidden))
 
 
+# Up to this many bytes of combine output (decode sizes), its receivers store
+# each token's own member sum into the output first and wait for the other
+# ranks' rows after (kernels/peer.cu's own_first): the output is stored
+# twice, and the own members' reads overlap the other ranks' sending.
+_COMBINE_OWN_FIRST_BYTES = 4 << 20
+
+
+def combine_own_first(num_tokens: int, hidden: int, dtype) -> bool:
+  """Whether the peer combine's receivers sum each token's own members
+  before waiting for the other ranks' rows (:data:`_COMBINE_OWN_FIRST_BYTES`)."""
+  return num_tokens * hidden * np.dtype(dtype).itemsize <= _COMBINE_OWN_FIRST_BYTES
+
+
 def combine_kernel(dtype, num_tokens: int, hidden: int, send_capacity: int, top_k: int,
                    num_slab_rows: int) -> RowKernel:
-  """:func:`combine_rows`' kernel for slab rows of ``hidden`` elements of ``dtype``."""
-  return RowKernel("combine", f"combine_{_SUM_SUFFIX[np.dtype(dtype).name]}", "combine_rows",
-                   np.dtype(dtype).name, hidden, num_tokens, send_capacity,
+  """:func:`combine_rows`' kernel for slab rows of ``hidden`` elements of
+  ``dtype`` (``peer_combine_own_first_*`` where :func:`combine_own_first`)."""
+  first = "own_first_" if combine_own_first(num_tokens, hidden, dtype) else ""
+  return RowKernel("combine", f"combine_{first}{_SUM_SUFFIX[np.dtype(dtype).name]}",
+                   "combine_rows", np.dtype(dtype).name, hidden, num_tokens, send_capacity,
                    (send_capacity, top_k, num_slab_rows, hidden))
 
 

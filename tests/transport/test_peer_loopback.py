@@ -449,3 +449,30 @@ def test_ranks_at_once_name_the_rank_that_skips_a_step():
 
   with pytest.raises(RuntimeError, match="rank 0 waited in vain for rank 1"):
     peer_loopback.run_concurrently([layout], launches, 3, timeout_s=0.5)
+
+
+@pytest.mark.parametrize("ep_size", [2, 4, 8])
+@pytest.mark.parametrize("own_first", [0, 1])
+def test_combine_own_members_first_or_after_the_wait_give_the_pure_jax_bits(ep_size, own_first):
+  """The combine's receivers either sum each token's own members before
+  waiting for the other ranks (own_first, which these decode-sized shapes
+  pick) or in rank order after it (larger sizes): every rank's rows equal
+  the pure-JAX combine's bit for bit either way, float32 and bf16."""
+  import dataclasses
+  assert peer.combine_own_first(TOKENS, HIDDEN, np.float32)
+  assert not peer.combine_own_first(8192, 7168, jnp.bfloat16)
+  for dtype in (np.float32, jnp.bfloat16):
+    ranks = _reference(ep_size, dtype, seed=50 + ep_size)
+    send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
+    slab_rows = ranks[0]["slab_row"].shape[0]
+    kernel = peer.combine_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows)
+    assert "own_first_" in kernel.function
+    if not own_first:
+      kernel = dataclasses.replace(kernel, function=kernel.function.replace("own_first_", ""))
+    inputs = [(r["expert_out"].reshape(slab_rows, HIDDEN), r["recv_pos"].reshape(-1, top_k),
+               r["send_slot"]) for r in ranks]
+    for rank in range(ep_size):
+      want = ranks[rank]["y"]
+      got = peer_loopback.run_rank(kernel, inputs, want.shape, want.dtype, rank=rank)
+      np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8),
+                                    err_msg=f"{np.dtype(dtype).name}, rank {rank} of {ep_size}")
