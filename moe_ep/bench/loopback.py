@@ -6,6 +6,9 @@ the row movement costs a GPU, and FP8's speed-up there, apart from the link.
 The timed launches repeat a full loopback exchange (every rank's kernel run
 in turn): ``same_as_full_exchange`` checks the last one's output against it.
 
+Decode (``decode_concurrent``): every rank's kernels at once on this GPU,
+each rank a 1/R share of its SMs (:func:`_decode_concurrent`).
+
 Routing: P2's (``ep._host_routing``: uniform top-k), its handle from the
 pure-JAX layout on R CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``). Dispatch's bytes
@@ -15,6 +18,8 @@ theirs, every slab row written (kept rows and zeroed padding).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -68,8 +73,111 @@ def _timed(launch, iters: int) -> dict:
   return {"us": float(np.median(times)), "min_us": float(np.min(times))}
 
 
+# Decode chains timed with every rank at once: each a sequence of parts per
+# step. "layout": the metadata exchange fused with the slab layout;
+# "dispatch": peer_dispatch (reading the maps the layout gives);
+# "one_launch": peer_dispatch_layout; "combine": peer_combine (at decode
+# sizes its receivers sum the own members before waiting: own_first);
+# "combine_in_order": peer_combine waiting first, as at larger sizes.
+DECODE_CHAINS = {
+    "layout": ("layout",), "dispatch": ("dispatch",), "combine": ("combine",),
+    "two_launches": ("layout", "dispatch"), "one_launch": ("one_launch",),
+    "two_launches_and_combine": ("layout", "dispatch", "combine"),
+    "one_launch_and_combine": ("one_launch", "combine"),
+    "combine_in_order": ("combine_in_order",),
+    "two_launches_and_combine_in_order": ("layout", "dispatch", "combine_in_order"),
+}
+
+
+def _decode_concurrent(ep_size: int, tokens: int, num_experts: int, hidden: int, top_k: int,
+                       capacity_factor, steps: int, chains: dict = DECODE_CHAINS,
+                       rounds: int = 2) -> dict:
+  """Decode's peer kernels with every rank running at once on this GPU
+  (:func:`peer_loopback.time_concurrently`, a 1/R share of the SMs each),
+  time per step of each chain in ``chains`` (:data:`DECODE_CHAINS`),
+  alternated ``rounds`` times: the default path (the metadata exchange
+  fused with the slab layout, then ``peer_dispatch``) against
+  ``peer_dispatch_layout`` (the one-launch dispatch, off by default), with
+  and without the combine, and each part alone. ``peer_dispatch`` and the
+  combine read maps the pure-JAX layout computed (the values the fused
+  layouts write)."""
+  import cupy
+  from moe_ep.transport import peer_loopback
+  from moe_ep.transport import xla as xla_backend
+  local = num_experts // ep_size
+  capacity = expert_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
+  send_capacity = send_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
+  sizes = (send_capacity, top_k, local, capacity)
+  case = {"ep_size": ep_size, "tokens_per_rank": tokens, "num_experts": num_experts,
+          "hidden": hidden, "expert_capacity": capacity, "send_capacity": send_capacity,
+          "steps_per_graph": steps}
+  if not (peer.fused_layout_fits(ep_size, *sizes)
+          and peer.dispatch_layout_fits("bfloat16", hidden, ep_size, *sizes)):
+    case["skipped"] = "the fused layout or the one-launch dispatch does not take this shape"
+    return case
+  rng = np.random.default_rng(tokens + num_experts + ep_size)
+  with jax.default_device(jax.devices("cpu")[0]):
+    routes = [[np.asarray(a) for a in xla_backend.route(
+        *ep._host_routing(rng, tokens, top_k, num_experts), num_experts=num_experts,
+        ep_size=ep_size, send_capacity=send_capacity)] for _ in range(ep_size)]
+    maps = [[np.asarray(a) for a in xla_backend.slab_layout(
+        np.stack([r[3][q] for r in routes]), top_k=top_k, num_local_experts=local,
+        expert_capacity=capacity)] for q in range(ep_size)]
+  slab_rows = local * capacity
+  put = lambda a: cupy.asarray(np.ascontiguousarray(a))  # noqa: E731
+  ranks = [dict(rows=_bf16_bits(q, (tokens, hidden)), send_slot=put(routes[q][0]),
+                send_token=put(routes[q][1].reshape(-1)), meta=put(routes[q][3]),
+                recv_pos=put(maps[q][0].reshape(-1)), slab_row=put(maps[q][1].reshape(-1)),
+                expert_rows=_bf16_bits(10 + q, (slab_rows, hidden))) for q in range(ep_size)]
+  dispatch = peer.dispatch_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows)
+  combine = peer.combine_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows)
+  in_order = dataclasses.replace(combine, function=combine.function.replace("own_first_", ""))
+  one = peer.dispatch_layout_kernel("bfloat16", tokens, hidden, *sizes)
+  layout = dispatch.layout(ep_size)
+  meta_layout = peer.ChannelLayout(ep_size, ranks[0]["meta"].nbytes // ep_size)
+  share = peer._multiprocessors(0) // ep_size
+  grids = {k: k.grid(ep_size, share) for k in (dispatch, combine, one)}
+  case["grids"] = {k.function: g.__dict__ for k, g in grids.items()}
+  case["combine_kernel"] = combine.function
+  shapes = peer.dispatch_layout_shapes(one, ep_size, np.uint16, hidden)
+  fresh = lambda shapes: [peer_loopback._unwritten(cupy, s.shape, s.dtype)  # noqa: E731
+                          for s in shapes]
+
+  def part(name, q, peers, tail):
+    r = ranks[q]
+    if name == "layout":
+      outs = fresh(shapes[1:6])
+      return (peer.slab_layout_kernel(meta_layout, 0, peers[1], q, sizes, tail),
+              (r["meta"], *outs), outs)
+    if name == "dispatch":
+      return peer_loopback.row_job(
+          dispatch, grids[dispatch], layout, peers[0], q, tail,
+          (r["rows"], r["send_token"], r["send_slot"], r["recv_pos"], r["slab_row"]),
+          (slab_rows, hidden), np.uint16)
+    if name == "one_launch":
+      outs = fresh(shapes)
+      return (peer.dispatch_layout_launch(
+          one, grids[one], layout, meta_layout, peer._kernels(0)["dispatch_layout"], peers[0],
+          peers[1], q, tail), (r["rows"], r["send_token"], r["send_slot"], r["meta"], *outs),
+          outs)
+    kernel = in_order if name == "combine_in_order" else combine
+    return peer_loopback.row_job(
+        kernel, grids[combine], layout, peers[0], q, tail,
+        (r["expert_rows"], r["recv_pos"].reshape(-1, top_k), r["send_slot"]),
+        (tokens, hidden), np.uint16)
+
+  for _ in range(rounds):
+    for name, parts in chains.items():
+      case.setdefault(name, []).append(peer_loopback.time_concurrently(
+          [layout, meta_layout],
+          lambda step, q, peers, tail, parts=parts: [part(p, q, peers, tail) for p in parts],
+          steps=steps))
+  return case
+
+
 def run(ep_sizes=(2, 4, 8), tokens=8192, num_experts=64, hidden=7168, top_k=8,
-        capacity_factor=1.25, iters=30) -> dict:
+        capacity_factor=1.25, iters=30, decode_cases=((2, 128), (4, 32)), decode_experts=256,
+        decode_steps=20) -> dict:
   from moe_ep.transport import cupy as cupy_backend
   from moe_ep.transport import peer_loopback
   result = {"tokens_per_rank": tokens, "num_experts": num_experts, "hidden": hidden,
@@ -77,7 +185,6 @@ def run(ep_sizes=(2, 4, 8), tokens=8192, num_experts=64, hidden=7168, top_k=8,
   if not cupy_backend.cupy_available() or jax.devices()[0].platform != "gpu":
     result["skipped"] = "needs a CUDA GPU and CuPy"
     return result
-  import cupy
   for ep_size in ep_sizes:
     if ep_size > len(jax.devices("cpu")):
       result["cases"].append({"ep_size": ep_size, "skipped": (
@@ -120,6 +227,9 @@ def run(ep_sizes=(2, 4, 8), tokens=8192, num_experts=64, hidden=7168, top_k=8,
     case["combine"] = {**_timed(launch, iters), "grid": launch.grid.__dict__,
                        "same_as_full_exchange": bool(np.array_equal(full, launch.out.get()))}
     result["cases"].append(case)
+  result["decode_concurrent"] = [
+      _decode_concurrent(r, decode_tokens, decode_experts, hidden, top_k, capacity_factor,
+                         decode_steps) for r, decode_tokens in decode_cases]
   return result
 
 
@@ -136,4 +246,12 @@ def summary(result: dict) -> str:
     lines.append(f"  EP={case['ep_size']}: dispatch {d['us']:.1f} us ({d['hbm_tbs']:.2f} TB/s), "
                  f"FP8 {f['us']:.1f} us ({f['hbm_tbs']:.2f} TB/s, {f['speedup_vs_bf16']:.2f}x), "
                  f"combine {c['us']:.1f} us")
+  for case in result.get("decode_concurrent", []):
+    if "skipped" in case:
+      lines.append(f"  decode EP={case['ep_size']}: skipped ({case['skipped']})")
+      continue
+    timed = {k: "/".join(f"{t['us']:.1f}" for t in case[k]) for k in DECODE_CHAINS
+             if k in case}
+    lines.append(f"  decode EP={case['ep_size']}, ranks at once, us per step: " +
+                 ", ".join(f"{k} {v}" for k, v in timed.items()))
   return "\n".join(lines)

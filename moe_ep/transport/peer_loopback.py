@@ -296,12 +296,7 @@ def run_concurrently(layouts: list, launches, steps: int, *, ordinal: int = 0,
   import cupy
   ep_size = layouts[0].ep_size
   with cupy.cuda.Device(ordinal):
-    channels = [[cupy.zeros(layout.total_bytes, cupy.uint8) for _ in range(ep_size)]
-                for layout in layouts]
-    bases = [cupy.asarray(np.array([c.data.ptr for c in chans], np.uint64))
-             for chans in channels]
-    words = [_failure_word(timeout_s) for _ in range(ep_size)]
-    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(ep_size)]
+    bases, words, streams, held = _concurrent_setup(layouts, ep_size, timeout_s)
     jobs = []
     for step in range(steps):
       jobs.append([])
@@ -313,7 +308,73 @@ def run_concurrently(layouts: list, launches, steps: int, *, ordinal: int = 0,
         jobs[-1].append(rank_jobs)
     for stream in streams:
       stream.synchronize()
-    for q, (failed, record, _) in enumerate(words):
-      _checked(failed.get(), record.get(), f"concurrent run, rank {q}")
+    _check_ranks(words)
+    del held
     return [[[out.get() for _, _, outs in rank_jobs for out in outs] for rank_jobs in step_jobs]
             for step_jobs in jobs]
+
+
+def _concurrent_setup(layouts: list, ep_size: int, timeout_s: float) -> tuple:
+  """Fresh channels (step 0) of every layout, each rank's failure word and
+  stream: ``(bases, words, streams, held)``, ``bases`` per layout the
+  device array of the R channel bases, ``held`` the channels."""
+  import cupy
+  channels = [[cupy.zeros(layout.total_bytes, cupy.uint8) for _ in range(ep_size)]
+              for layout in layouts]
+  bases = [cupy.asarray(np.array([c.data.ptr for c in chans], np.uint64)) for chans in channels]
+  words = [_failure_word(timeout_s) for _ in range(ep_size)]
+  streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(ep_size)]
+  return bases, words, streams, channels
+
+
+def _check_ranks(words: list) -> None:
+  for q, (failed, record, _) in enumerate(words):
+    _checked(failed.get(), record.get(), f"concurrent run, rank {q}")
+
+
+def time_concurrently(layouts: list, launches, *, steps: int = 20, replays: int = 20,
+                      ordinal: int = 0, timeout_s: float = 10.0) -> dict:
+  """Time per step of every rank's launches run at once, as
+  :func:`run_concurrently` (``launches(0, q, peers, tail)``, built once and
+  repeated): ``steps`` steps captured in one CUDA graph, each rank a branch
+  of it on its own stream, replayed ``replays`` times on channels that keep
+  stepping (no flag raised: every wait is real). The ranks share one GPU's
+  SMs and memory, so a step is what the kernels and their handshakes cost
+  with live peers, not what two GPUs take (no NVLink). Returns ``{"us":
+  median per step, "min_us": fastest replay's}``."""
+  import cupy
+  ep_size = layouts[0].ep_size
+  with cupy.cuda.Device(ordinal):
+    bases, words, streams, held = _concurrent_setup(layouts, ep_size, timeout_s)
+    jobs = [launches(0, q, [b.data.ptr for b in bases], words[q][2]) for q in range(ep_size)]
+    cupy.cuda.Device().synchronize()
+    main = streams[0]
+    main.begin_capture()
+    fork = cupy.cuda.Event()
+    fork.record(main)
+    for stream in streams[1:]:
+      stream.wait_event(fork)
+    for _ in range(steps):
+      for q in range(ep_size):
+        with streams[q]:
+          for kernel, buffers, _ in jobs[q]:
+            kernel.launch(buffers)
+    for stream in streams[1:]:
+      join = cupy.cuda.Event()
+      join.record(stream)
+      main.wait_event(join)
+    graph = main.end_capture()
+    graph.launch(main)
+    main.synchronize()
+    _check_ranks(words)
+    times = []
+    for _ in range(replays):
+      start, end = cupy.cuda.Event(), cupy.cuda.Event()
+      start.record(main)
+      graph.launch(main)
+      end.record(main)
+      end.synchronize()
+      times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / steps)
+    _check_ranks(words)
+    del held, jobs
+    return {"us": float(np.median(times)), "min_us": float(np.min(times))}
