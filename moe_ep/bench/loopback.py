@@ -140,8 +140,8 @@ def _decode_concurrent(ep_size: int, tokens: int, num_experts: int, hidden: int,
   case["grids"] = {k.function: g.__dict__ for k, g in grids.items()}
   case["combine_kernel"] = combine.function
   shapes = peer.dispatch_layout_shapes(one, ep_size, np.uint16, hidden)
-  fresh = lambda shapes: [peer_loopback._unwritten(cupy, s.shape, s.dtype)  # noqa: E731
-                          for s in shapes]
+  fresh = lambda specs: [peer_loopback._unwritten(cupy, s.shape, s.dtype)  # noqa: E731
+                         for s in specs]
 
   def part(name, q, peers, tail):
     r = ranks[q]
