@@ -917,6 +917,19 @@ def exchange(x: jax.Array, axis_name: str, mesh: jax.sharding.Mesh,
 # --- dispatch's metadata exchange fused with the receiver's slab layout -------------------------
 
 
+def _fused_meta_rows(ep_size: int, meta_width: int) -> bool:
+  """Whether a launch can take route's metadata rows itself (the fused
+  layout, the one-launch dispatch): 2 <= R <= 4, rows of whole 16-byte
+  vectors."""
+  return 2 <= ep_size <= _FUSED_LAYOUT_MAX_RANKS and meta_width % 4 == 0
+
+
+def _layout_shared_fits(shared_ints: int) -> bool:
+  """Whether the layout's dynamic shared memory fits beside such a launch's
+  table of row pointers."""
+  return 4 * shared_ints + _LAYOUT_TABLE_BYTES <= 4 * cupy_backend._SHARED_INTS
+
+
 def fused_layout_fits(ep_size: int, send_capacity: int, top_k: int, local_experts: int,
                       expert_capacity: int) -> bool:
   """Whether :func:`slab_layout` runs as one launch at this shape: 2 <= R <= 4,
@@ -925,13 +938,10 @@ def fused_layout_fits(ep_size: int, send_capacity: int, top_k: int, local_expert
   alone lays the slabs out (decode; :func:`moe_ep.transport.cupy.slab_plan`).
   Elsewhere the drop-in :func:`exchange` and the backend's ``slab_layout``
   run."""
-  if (not 2 <= ep_size <= _FUSED_LAYOUT_MAX_RANKS
-      or meta_format.width(send_capacity, top_k, local_experts) % 4):
+  if not _fused_meta_rows(ep_size, meta_format.width(send_capacity, top_k, local_experts)):
     return False
   plan = cupy_backend.slab_plan(ep_size, send_capacity, top_k, local_experts, expert_capacity)
-  # beside the layout's dynamic shared memory, the kernel's table of row pointers
-  return not plan.counted and (4 * plan.shared_ints + _LAYOUT_TABLE_BYTES
-                               <= 4 * cupy_backend._SHARED_INTS)
+  return not plan.counted and _layout_shared_fits(plan.shared_ints)
 
 
 def slab_layout_kernel(layout: ChannelLayout, ordinal: int, peers: int, rank: int,
@@ -1354,9 +1364,8 @@ def dispatch_layout_fits(dtype, hidden: int, ep_size: int, send_capacity: int, t
   width = meta_format.width(send_capacity, top_k, local_experts)
   tiles = dispatch_layout_tiles(ep_size, send_capacity, top_k)
   shared = _dispatch_layout_shared_ints(tiles, local_experts, _dispatch_layout_counted(tiles))
-  return (2 <= ep_size <= _FUSED_LAYOUT_MAX_RANKS and width % 4 == 0
-          and tiles <= _DISPATCH_LAYOUT_MAX_TILES
-          and 4 * shared + _LAYOUT_TABLE_BYTES <= 4 * cupy_backend._SHARED_INTS
+  return (_fused_meta_rows(ep_size, width) and tiles <= _DISPATCH_LAYOUT_MAX_TILES
+          and _layout_shared_fits(shared)
           # its two channels must differ: a channel is keyed by its slot bytes
           and 4 * width != send_capacity * hidden * np.dtype(dtype).itemsize)
 
