@@ -802,7 +802,7 @@ __device__ __forceinline__ bool layout_job_ok(const LayoutJob& job, int ep_size,
                                               int send_blocks) {
   const i64 members = (i64)ep_size * send_capacity * top_k;
   return job.local_experts >= 1 && job.expert_capacity >= 1 &&
-         job.meta_width == 2 * send_capacity * top_k + job.local_experts &&
+         job.meta_width == meta_row_width(send_capacity, top_k, job.local_experts) &&
          job.meta_width % 4 == 0 && 4ll * job.meta_width <= job.meta_slot_bytes &&
          (i64)job.local_experts * job.expert_capacity == num_slab_rows &&
          job.meta_blocks >= 1 && (i64)job.meta_blocks * (ep_size - 1) <= send_blocks &&
@@ -820,10 +820,10 @@ struct MetaExchange {
   int parity;
 };
 
-__device__ __forceinline__ MetaExchange open_meta_exchange(const LayoutJob& job, int rank,
+__device__ __forceinline__ MetaExchange open_meta_exchange(const u64* meta_peers, int rank,
                                                            int ep_size) {
   MetaExchange mx;
-  mx.own = job.meta_peers[rank];
+  mx.own = meta_peers[rank];
   mx.step = *(volatile u64*)step_of(mx.own, ep_size) + 1;
   mx.parity = (int)(mx.step & 1ull);
   return mx;
@@ -868,7 +868,7 @@ __device__ void lay_out_slabs(const LayoutJob& job, const MetaExchange& mx, cons
                                          ex.site)};
   const int ep_size = ex.ep_size;
   const int receivers = (int)gridDim.x - send_blocks, block = (int)blockIdx.x - send_blocks;
-  const int demand_offset = 2 * send_capacity * top_k;
+  const int demand_offset = meta_demand_offset(send_capacity, top_k);
   if (job.tile_counts == nullptr) {  // few tiles: slab_rank_own_count's way, one round
     slab_rank_body<false>(landed, ep_size, send_capacity, top_k, job.local_experts,
                           job.expert_capacity, demand_offset, job.num_tiles, nullptr,
@@ -1108,7 +1108,8 @@ __device__ __forceinline__ void dispatch_rows(
     return;
   const Exchange ex = open_exchange(peers, rank, ep_size, slot_bytes, data_offset, failed, record,
                                     timeout_ns, site);
-  const MetaExchange mx = kLayout ? open_meta_exchange(job, rank, ep_size) : MetaExchange{};
+  const MetaExchange mx =
+      kLayout ? open_meta_exchange(job.meta_peers, rank, ep_size) : MetaExchange{};
   const i64 wire_rows = (i64)ep_size * send_capacity;
   const int source_units = source.units();
   if ((int)blockIdx.x < send_blocks) {
@@ -1462,28 +1463,26 @@ __device__ __forceinline__ void peer_slab_layout(
   if (ep_size < 2 || ep_size > ROW_MAX_LANES || rank < 0 || rank >= ep_size ||
       (int)gridDim.x <= senders ||
       send_capacity < 1 || top_k < 1 || local_experts < 1 || expert_capacity < 1 ||
-      num_tiles < 1 || meta_width != 2 * send_capacity * top_k + local_experts ||
+      num_tiles < 1 || meta_width != meta_row_width(send_capacity, top_k, local_experts) ||
       meta_bytes % (i64)sizeof(uint4) != 0 || meta_bytes > slot_bytes ||
       4ll * ((blockDim.x / 32 + 2 + num_tiles) * (i64)local_experts) > dynamic_shared_bytes())
     return;  // the last test: slab_rank_own_count's shared memory for num_tiles tiles
-  const u64 own = peers[rank];
-  const u64 step = *(volatile u64*)step_of(own, ep_size) + 1;
-  const int parity = (int)(step & 1ull);
+  const MetaExchange mx = open_meta_exchange(peers, rank, ep_size);
   if ((int)blockIdx.x < senders) {
     peer_send<uint4>((const uint4*)meta, nullptr, peers, rank, ep_size,
                      meta_bytes / sizeof(uint4), slot_bytes, data_offset, 1, 0, failed, record,
                      timeout_ns, site, blockIdx.x);
   } else {
-    const LandedMeta landed{land_meta_rows(meta, meta_width, own, data_offset, slot_bytes,
-                                           parity, step, rank, ep_size, failed, record,
+    const LandedMeta landed{land_meta_rows(meta, meta_width, mx.own, data_offset, slot_bytes,
+                                           mx.parity, mx.step, rank, ep_size, failed, record,
                                            timeout_ns, site)};
     slab_rank_body<false>(landed, ep_size, send_capacity, top_k, local_experts, expert_capacity,
-                          2 * send_capacity * top_k, num_tiles, nullptr, recv_pos, slab_row,
-                          slab_weights, counts, demand, (int)blockIdx.x - senders,
-                          (int)gridDim.x - senders);
+                          meta_demand_offset(send_capacity, top_k), num_tiles, nullptr,
+                          recv_pos, slab_row, slab_weights, counts, demand,
+                          (int)blockIdx.x - senders, (int)gridDim.x - senders);
   }
-  if (last_block_of_launch(own, ep_size))
-    acknowledge_step(peers, own, rank, ep_size, parity, step);
+  if (last_block_of_launch(mx.own, ep_size))
+    acknowledge_step(peers, mx.own, rank, ep_size, mx.parity, mx.step);
 }
 
 // Metadata rows of whole 16-byte vectors only (fused_layout_fits): the

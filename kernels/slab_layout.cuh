@@ -48,6 +48,16 @@ __device__ void sum_tiles(const int* __restrict__ tile_counts, int num_tiles, in
 // (the slab_* kernels, after the exchange), or peer.cu's rows where they
 // landed in the peer channel.
 // ---------------------------------------------------------------------------
+// Source src's row: S * K local expert ids, S * K weights (float32 bits),
+// then the L demand counts (moe_ep/transport/meta.py).
+__device__ __forceinline__ int meta_demand_offset(int send_capacity, int top_k) {
+  return 2 * send_capacity * top_k;
+}
+
+__device__ __forceinline__ int meta_row_width(int send_capacity, int top_k, int local_experts) {
+  return meta_demand_offset(send_capacity, top_k) + local_experts;
+}
+
 struct MetaRows {
   const int* __restrict__ meta;  // [R, width]
   int width;

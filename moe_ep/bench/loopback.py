@@ -134,7 +134,7 @@ def _decode_concurrent(ep_size: int, tokens: int, num_experts: int, hidden: int,
   in_order = dataclasses.replace(combine, function=combine.function.replace("own_first_", ""))
   one = peer.dispatch_layout_kernel("bfloat16", tokens, hidden, *sizes)
   layout = dispatch.layout(ep_size)
-  meta_layout = peer.ChannelLayout(ep_size, ranks[0]["meta"].nbytes // ep_size)
+  meta_layout = peer.meta_channel_layout(ep_size, ranks[0]["meta"].shape[1])
   share = peer._multiprocessors(0) // ep_size
   grids = {k: k.grid(ep_size, share) for k in (dispatch, combine, one)}
   case["grids"] = {k.function: g.__dict__ for k, g in grids.items()}

@@ -98,6 +98,7 @@ __all__ = [
     "fp8_send_units",
     "fused_layout_fits",
     "fused_rows_problem",
+    "meta_channel_layout",
     "raise_if_failed",
     "reachability_problem",
     "reset",
@@ -342,6 +343,14 @@ class ChannelLayout:
     if src == dst:
       raise ValueError(f"rank {src} has no receive slot for itself")
     return src if src < dst else src - 1
+
+
+def meta_channel_layout(ep_size: int, width: int) -> ChannelLayout:
+  """The channel dispatch's ``[R, W]`` int32 metadata travels on: the
+  drop-in :func:`exchange`'s for an array of that shape (channels are keyed
+  by their chunk bytes), so the fused layout kernels and the exchange share
+  one."""
+  return ChannelLayout(ep_size, width * 4)
 
 
 def ep_groups(mesh: jax.sharding.Mesh, axis_name: str) -> list[tuple]:
@@ -967,7 +976,7 @@ def _fused_slab_layout(meta, *, top_k: int, local_experts: int, expert_capacity:
                        axis_name: str, mesh):
   ep_size, width = meta.shape
   send_capacity = meta_format.send_capacity(width, top_k, local_experts)
-  layout = ChannelLayout(ep_size, width * 4)  # the drop-in exchange's channel for meta
+  layout = meta_channel_layout(ep_size, width)
   channel = _gpu_channel(mesh, axis_name, layout)
   site = _site("exchange_meta", meta.shape, meta.dtype, channel.key if channel is not None else "")
   timeout_ns = int(timeout_s() * 1e9)
@@ -1271,6 +1280,14 @@ class RowKernel:
             np.int32(grid.recv_segment), np.int64(layout.slot_bytes),
             np.int64(layout.data_offset), *tail)
 
+  def job(self, ordinal: int, grid: RowGrid, layout: ChannelLayout, peers: int, rank: int,
+          tail: tuple, buffers: tuple[int, ...]) -> _Kernel:
+    """Rank ``rank``'s launch of this kernel on GPU ``ordinal``, the
+    callback's ``buffers`` (indices into its inputs then outputs) first;
+    the rest as :meth:`args`."""
+    return _Kernel(_kernels(ordinal)[self.function], grid.blocks, buffers,
+                   self.args(grid, layout, peers, rank, tail))
+
 
 def dispatch_kernel(dtype, num_tokens: int, hidden: int, send_capacity: int, top_k: int,
                     num_slab_rows: int, wire_dtype: str | None = None) -> RowKernel:
@@ -1323,11 +1340,9 @@ def _fused_launches(kernel: RowKernel, mesh, axis_name: str, ep_size: int,
   timeout_ns = int(timeout_s() * 1e9)
   launches = {}
   for ordinal, state in (channel.on_device.items() if channel is not None else ()):
-    grid = kernel.grid(ep_size, _multiprocessors(ordinal))
-    launches[ordinal] = [_Kernel(
-        _kernels(ordinal)[kernel.function], grid.blocks, buffers,
-        kernel.args(grid, layout, state.peers.data.ptr, state.rank,
-                    _device_tail(ordinal, site, timeout_ns)))]
+    launches[ordinal] = [kernel.job(ordinal, kernel.grid(ep_size, _multiprocessors(ordinal)),
+                                    layout, state.peers.data.ptr, state.rank,
+                                    _device_tail(ordinal, site, timeout_ns), buffers)]
   return launches
 
 
@@ -1366,8 +1381,9 @@ def dispatch_layout_fits(dtype, hidden: int, ep_size: int, send_capacity: int, t
   shared = _dispatch_layout_shared_ints(tiles, local_experts, _dispatch_layout_counted(tiles))
   return (_fused_meta_rows(ep_size, width) and tiles <= _DISPATCH_LAYOUT_MAX_TILES
           and _layout_shared_fits(shared)
-          # its two channels must differ: a channel is keyed by its slot bytes
-          and 4 * width != send_capacity * hidden * np.dtype(dtype).itemsize)
+          # its two channels must differ: a channel is keyed by its chunk bytes
+          and meta_channel_layout(ep_size, width).chunk_bytes
+          != send_capacity * hidden * np.dtype(dtype).itemsize)
 
 
 def dispatch_layout_kernel(dtype, num_tokens: int, hidden: int, send_capacity: int, top_k: int,
@@ -1428,7 +1444,7 @@ def _fused_dispatch_layout(rows, send_token, send_slot, meta, *, top_k: int, loc
   kernel = dispatch_layout_kernel(rows.dtype, num_tokens, hidden, send_capacity, top_k,
                                   local_experts, expert_capacity)
   layout = kernel.layout(ep_size)
-  meta_layout = ChannelLayout(ep_size, meta.shape[1] * 4)  # the drop-in exchange's for meta
+  meta_layout = meta_channel_layout(ep_size, meta.shape[1])
   channel = _gpu_channel(mesh, axis_name, layout)
   meta_channel = _gpu_channel(mesh, axis_name, meta_layout)
   site = _site(kernel.site, (ep_size, send_capacity, hidden), kernel.slot_dtype,

@@ -129,15 +129,15 @@ def run_rank(kernel: peer.RowKernel, inputs: list[tuple], out_shape: tuple, out_
   ep_size = len(inputs)
   layout = kernel.layout(ep_size)
   with cupy.cuda.Device(ordinal):
-    function = peer._kernels(ordinal)[kernel.function]
     grid = kernel.grid(ep_size, peer._multiprocessors(ordinal))
-    arguments = {}
+    launched = {}
 
     def launch(q, peers, tail):
-      out = _unwritten(cupy, out_shape, out_dtype)
-      arguments[q] = (*(cupy.asarray(a) for a in inputs[q]), out,
-                      *kernel.args(grid, layout, peers, q, tail))
-      function((grid.blocks,), (peer._ROW_THREADS,), arguments[q])
+      job, buffers, (out,) = row_job(kernel, grid, layout, peers, q, tail,
+                                     tuple(cupy.asarray(a) for a in inputs[q]), out_shape,
+                                     out_dtype, ordinal)
+      job.launch(buffers)
+      launched[q] = (job, buffers)
       return out
 
     out, held = _in_turn(layout, rank, absent, timeout_s, kernel.function, launch)
@@ -147,9 +147,9 @@ def run_rank(kernel: peer.RowKernel, inputs: list[tuple], out_shape: tuple, out_
     # Every later launch finds its flags raised, and the rows of step 1 in
     # the slots of either parity: it repeats the full exchange's work.
     _replayable(held[0][rank], layout)
-    args = arguments[rank]
-    return result, Launch(run=lambda: function((grid.blocks,), (peer._ROW_THREADS,), args),
-                          out=out, grid=grid, held=(*held, args))
+    job, buffers = launched[rank]
+    return result, Launch(run=lambda: job.launch(buffers), out=out, grid=grid,
+                          held=(*held, buffers))
 
 
 def exchange_rank(chunks: list, *, rank: int, absent: tuple = (), ordinal: int = 0,
@@ -189,7 +189,7 @@ def slab_layout_rank(metas: list, sizes: tuple, *, rank: int, absent: tuple = ()
   shapes = cupy_backend.slab_layout_shapes(ep_size, *sizes)
   with cupy.cuda.Device(ordinal):
     inputs = [cupy.ascontiguousarray(cupy.asarray(m, dtype=np.int32)) for m in metas]
-    layout = peer.ChannelLayout(ep_size, inputs[0].nbytes // ep_size)
+    layout = peer.meta_channel_layout(ep_size, inputs[0].shape[1])
 
     def launch(q, peers, tail):
       outs = [_unwritten(cupy, shape.shape, shape.dtype) for shape in shapes]
@@ -224,7 +224,7 @@ def dispatch_layout_rank(kernel: peer.RowKernel, inputs: list[tuple], *, rank: i
   ep_size = len(inputs)
   width = kernel.sizes[-1]
   layout = kernel.layout(ep_size)
-  meta_layout = peer.ChannelLayout(ep_size, width * 4)
+  meta_layout = peer.meta_channel_layout(ep_size, width)
   shapes = peer.dispatch_layout_shapes(kernel, ep_size, np.uint8, kernel.row_vecs * 16)
   with cupy.cuda.Device(ordinal):
     function = peer._kernels(ordinal)[kernel.function]
@@ -262,9 +262,8 @@ def row_job(kernel: peer.RowKernel, grid: peer.RowGrid, layout: peer.ChannelLayo
   import cupy
   out = _unwritten(cupy, out_shape, out_dtype)
   buffers = (*inputs, out)
-  launch = peer._Kernel(peer._kernels(ordinal)[kernel.function], grid.blocks,
-                        tuple(range(len(buffers))), kernel.args(grid, layout, peers, rank, tail))
-  return launch, buffers, [out]
+  job = kernel.job(ordinal, grid, layout, peers, rank, tail, tuple(range(len(buffers))))
+  return job, buffers, [out]
 
 
 def run_concurrently(layouts: list, launches, steps: int, *, ordinal: int = 0,

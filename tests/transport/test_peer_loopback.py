@@ -383,7 +383,7 @@ def test_ranks_at_once_fused_layouts_then_combine_over_steps_match_pure_jax(ep_s
   combine_kernel = peer.combine_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
                                        slab_rows)
   layout = kernel.layout(ep_size)
-  meta_layout = peer.ChannelLayout(ep_size, refs[0][0]["meta"].nbytes // ep_size)
+  meta_layout = peer.meta_channel_layout(ep_size, refs[0][0]["meta"].shape[1])
   share = _multiprocessors() // ep_size
   grid, combine_grid = kernel.grid(ep_size, share), combine_kernel.grid(ep_size, share)
   shapes = peer.dispatch_layout_shapes(kernel, ep_size, jnp.bfloat16, HIDDEN)
