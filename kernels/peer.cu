@@ -970,8 +970,14 @@ __device__ __forceinline__ TokenWires token_wires(const int* __restrict__ send_s
 // row. CopyRows: the rows are already wire rows, units are 16-byte vectors.
 // QuantizeRows<T>: FP8 dispatch, each T row quantized on the way (fp8.cuh's
 // warp step), units are quantize steps of FP8_STEP_CHANNELS channels.
+// kZeroesPadding: whether the receivers zero the slabs' padding rows. Slabs
+// of copied rows feed the expert GEMMs, whose weight gradients multiply
+// every row (stale bits could make 0 * NaN); FP8 slabs' one reader is the
+// dequantize, which zeroes every row no member fills (moe_ep.transport.fp8
+// dequantize_wire_rows), so their padding is left unwritten.
 struct CopyRows {
   static constexpr bool kVectorUnits = true;
+  static constexpr bool kZeroesPadding = true;
   const uint4* __restrict__ rows;  // [T, row_vecs]
   int row_vecs;
 
@@ -990,6 +996,7 @@ struct CopyRows {
 template <typename T>
 struct QuantizeRows {
   static constexpr bool kVectorUnits = false;
+  static constexpr bool kZeroesPadding = false;
   const typename T::Elem* __restrict__ rows;  // [T, hidden], hidden % 16 == 0
   int hidden;
   int row_vecs;  // W / 16, the kernel's argument (fp8.py's wire_bytes)
@@ -1072,7 +1079,8 @@ struct QuantizeRows {
 //              too, from the same loads, into its members' slab rows here.
 //   receivers: units in this order, warps striding: (1) padding slab rows
 //              n (slab_row[n] outside [0, R * S)) zeroed, each warp loading
-//              the slab_row entries of its next 32 units of (1) at once;
+//              the slab_row entries of its next 32 units of (1) at once
+//              (FP8: none; its padding rows are left unwritten);
 //              (2) this rank's own slots s whose token goes to no other
 //              rank: token send_token[rank * S + s] copied into its members'
 //              slab rows;
@@ -1089,7 +1097,8 @@ struct QuantizeRows {
 //   inputs:    rows [T, row_vecs] uint4 (FP8: [T, hidden] T::Elem),
 //              send_token [R * S], send_slot [T, R], recv_pos [R * S, K],
 //              slab_row [L * C] int32; peers [R] channel bases.
-//   output:    slabs [L * C, row_vecs] uint4, every row written once.
+//   output:    slabs [L * C, row_vecs] uint4, every row written once (FP8:
+//              every row that a member fills).
 // ---------------------------------------------------------------------------
 template <typename Source, bool kLayout = false>
 __device__ __forceinline__ void dispatch_rows(
@@ -1139,7 +1148,7 @@ __device__ __forceinline__ void dispatch_rows(
   const int segments = (row_vecs + recv_segment_vecs - 1) / recv_segment_vecs;
   const int own_segment = Source::kVectorUnits ? recv_segment_vecs
                                                : (source_units + segments - 1) / segments;
-  const i64 padding_units = (i64)num_slab_rows * segments;
+  const i64 padding_units = Source::kZeroesPadding ? (i64)num_slab_rows * segments : 0;
   const i64 own_units = (i64)send_capacity * segments;
   const i64 chunk_units = (i64)chunk_rows * segments;
   const int others = ep_size - 1;

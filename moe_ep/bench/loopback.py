@@ -14,7 +14,8 @@ pure-JAX layout on R CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``). Dispatch's bytes
 per launch (``hbm_bytes``): the HBM traffic it must do, from the handle:
 token rows read, wire rows stored for the other ranks and read back from
-theirs, every slab row written (kept rows and zeroed padding).
+theirs, every slab row written (kept rows and, bf16 only, zeroed padding;
+FP8 slabs' padding is left unwritten).
 """
 
 from __future__ import annotations
@@ -213,7 +214,9 @@ def run(ep_sizes=(2, 4, 8), tokens=8192, num_experts=64, hidden=7168, top_k=8,
                                             rank=0, keep=True)
       timing = _timed(launch, iters)
       again = launch.out.get()
-      hbm = read * hidden * 2 + (sent + received + slab_rows) * width  # every slab row written
+      # bf16: every slab row written (padding zeroed); FP8: the filled ones
+      written = case["kept_slab_rows"] if wire_dtype else slab_rows
+      hbm = read * hidden * 2 + (sent + received + written) * width
       case[name] = {**timing, "row_bytes": width, "grid": launch.grid.__dict__,
                     "same_as_full_exchange": bool(np.array_equal(full, again)),
                     "hbm_bytes": hbm, "hbm_tbs": hbm / timing["us"] / 1e6}

@@ -268,15 +268,17 @@ def _rows_to_slabs_fp8(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> j
   ``"{checkpoint_name}.tokens"``, and XLA dequantizes them: a remat policy
   that saves the dispatch then keeps the FP8 slabs (about half the bf16
   residual) and backward recomputes only the dequantize, never the exchange.
-  Both give bitwise the same slabs (the dequantize is exact before its one
-  rounding)."""
+  The dequantize zeroes every slab row no member fills (the FP8 slabs' own
+  padding may be unwritten). Both give bitwise the same slabs (the
+  dequantize is exact before its one rounding)."""
   hidden = rows.shape[-1]
   slab_shape = handle.slab_row.shape + (hidden,)
   if spec.checkpoint_name is not None:
-    fp8 = _fp8()
     fp8_slabs = _name(spec, "tokens", _rows_to_fp8_slabs(spec, rows, handle))
-    return fp8.dequantize_rows(*fp8.unpack_wire(fp8_slabs.reshape(-1, fp8_slabs.shape[-1]),
-                                                hidden), rows.dtype).reshape(slab_shape)
+    slab_row = handle.slab_row.reshape(-1)
+    filled = (slab_row >= 0) & (slab_row < handle.send_token.size)
+    return _fp8().dequantize_wire_rows(fp8_slabs.reshape(-1, fp8_slabs.shape[-1]), hidden,
+                                       rows.dtype, filled).reshape(slab_shape)
   ops = spec.ops
   slab_row = handle.slab_row.reshape(-1)
   if spec.ep_size == 1:
@@ -292,7 +294,9 @@ def _rows_to_slabs_fp8(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> j
 
 def _rows_to_fp8_slabs(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
   """``rows [T, H]`` -> FP8 slabs ``[L, C, W]`` uint8 (the wire rows of the
-  slab rows; all-zero bytes on padding rows). On the peer path one fused
+  slab rows; padding rows all-zero bytes, or unwritten where the peer kernel
+  quantizes: read them only through
+  :func:`moe_ep.transport.fp8.dequantize_wire_rows`). On the peer path one fused
   kernel quantizes each token as it sends it or places it (H % 16 == 0), or
   else, where the fused kernels take rows of ``W`` bytes, each token is
   quantized once and its wire row moved like a bf16 row

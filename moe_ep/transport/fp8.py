@@ -226,6 +226,19 @@ def unpack_wire(wire: jax.Array, hidden: int) -> tuple[jax.Array, jax.Array]:
   return codes, jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
 
 
+def dequantize_wire_rows(wire: jax.Array, hidden: int, dtype, filled: jax.Array) -> jax.Array:
+  """``[N, W]`` uint8 wire rows -> ``[N, H]`` rows of ``dtype``
+  (:func:`dequantize_rows` of :func:`unpack_wire`), zero wherever ``filled
+  [N]`` (bool) is False whatever those rows' bytes hold: the FP8 slabs'
+  padding rows, which the peer kernel leaves unwritten. One fused pass, as
+  without the mask."""
+  if filled.shape != wire.shape[:1] or filled.dtype != jnp.bool_:
+    raise ValueError(f"filled must be [{wire.shape[0]}] bool for wire rows {wire.shape}; "
+                     f"got {filled.dtype} {filled.shape}")
+  rows = dequantize_rows(*unpack_wire(wire, hidden), dtype)
+  return jnp.where(filled[:, None], rows, jnp.zeros((), rows.dtype))
+
+
 def quantize_pack(x: jax.Array) -> jax.Array:
   """``x [N, H]`` -> ``[N, W]`` uint8 wire rows."""
   return pack_wire(*quantize_rows(x))

@@ -1558,7 +1558,9 @@ def dispatch_rows(rows: jax.Array, send_token: jax.Array, send_slot: jax.Array,
   With ``wire_dtype="float8_e4m3fn"`` (``peer_dispatch_fp8_<dtype>``) the
   rows travel and land as FP8 wire rows (:mod:`~moe_ep.transport.fp8`), each
   quantized by the warp that sends it or places it in this rank's slabs: no
-  quantize pass before the exchange.
+  quantize pass before the exchange. Its receivers leave the padding rows
+  unwritten: the FP8 slabs' reader,
+  :func:`moe_ep.transport.fp8.dequantize_wire_rows`, zeroes them.
 
   Args:
     rows: ``[T, H]`` one row per token.
@@ -1576,8 +1578,9 @@ def dispatch_rows(rows: jax.Array, send_token: jax.Array, send_slot: jax.Array,
     wire_dtype: None, or ``"float8_e4m3fn"`` for FP8 slabs.
 
   Returns:
-    ``[L * C, H]`` in ``rows.dtype`` (FP8: ``[L * C, W]`` uint8 wire rows,
-    all-zero on padding rows), bitwise ``all_to_all_path(rows)``.
+    ``[L * C, H]`` in ``rows.dtype``, bitwise ``all_to_all_path(rows)``
+    (FP8: ``[L * C, W]`` uint8 wire rows, bitwise it on every row that
+    ``slab_row`` fills; what the padding rows hold is undefined).
   """
   _check_maps(mesh, axis_name, recv_pos, send_token=send_token, send_slot=send_slot,
               slab_row=slab_row)

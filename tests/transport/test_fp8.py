@@ -264,6 +264,29 @@ def test_all_zero_wire_row_dequantizes_to_zeros():
   np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantize_wire_rows_zeroes_unfilled_rows_whatever_their_bytes(dtype):
+  """Rows not ``filled`` come out zero even when their bytes are NaN codes
+  and NaN scales (0xff), as the peer kernel's unwritten padding may be; the
+  filled rows are dequantize_rows' bits."""
+  rng = np.random.default_rng(6)
+  x = sample_rows(rng, 6, 200, dtype)
+  wire = np.asarray(fp8.quantize_pack(x)).copy()
+  filled = np.array([True, False, True, True, False, True])
+  wire[~filled] = 0xFF
+  got = jax.jit(fp8.dequantize_wire_rows, static_argnums=(1, 2))(
+      jnp.asarray(wire), 200, dtype, jnp.asarray(filled))
+  assert np.isnan(np.asarray(dequantize_rows(*fp8.unpack_wire(jnp.asarray(wire), 200), dtype),
+                             np.float32)[~filled]).all()
+  want = np.asarray(dequantize_rows(*fp8.unpack_wire(jnp.asarray(wire), 200), dtype))
+  np.testing.assert_array_equal(np.asarray(got)[filled].view(np.uint8),
+                                want[filled].view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(got, np.float32)[~filled], 0.0)
+  assert not np.signbit(np.asarray(got, np.float32)[~filled]).any()  # +0, as a zero wire row
+  with pytest.raises(ValueError, match=r"filled must be \[6\] bool"):
+    fp8.dequantize_wire_rows(jnp.asarray(wire), 200, dtype, jnp.ones((5,), bool))
+
+
 def test_fused_ops_equal_quantize_then_expand():
   rng = np.random.default_rng(5)
   x = sample_rows(rng, 30, 200, jnp.bfloat16)

@@ -384,9 +384,10 @@ def test_cupy_named_fp8_slabs_equal_the_fused_receive_bitwise(ep_size):
 
 
 def fp8_slabs_fn(mesh, backend: str, exchange: str, capacity: int, send_capacity: int):
-  """Per rank: ``(x, idx, weights) -> FP8 slabs [L, C, W]`` uint8, what the
-  layer's named FP8 dispatch produces and saves (the routing, then
-  ``_rows_to_fp8_slabs``)."""
+  """Per rank: ``(x, idx, weights) -> (FP8 slabs [L, C, W] uint8, filled
+  [L, C] bool)``, what the layer's named FP8 dispatch produces and saves (the
+  routing, then ``_rows_to_fp8_slabs``) and which of its rows a member fills
+  (the others are padding, whose bytes are undefined on the peer path)."""
   from moe_ep import transport
   spec = transport._Spec(num_experts=NUM_EXPERTS, ep_size=mesh.shape["ep"],
                          expert_capacity=capacity, send_capacity=send_capacity,
@@ -396,7 +397,9 @@ def fp8_slabs_fn(mesh, backend: str, exchange: str, capacity: int, send_capacity
   def per_rank(x, idx, weights):
     idx, weights = transport._merge_duplicate_routes(
         transport._valid_ids(idx, NUM_EXPERTS), weights)
-    return transport._rows_to_fp8_slabs(spec, x, transport._routing(spec, idx, weights)[0])
+    handle = transport._routing(spec, idx, weights)[0]
+    filled = (handle.slab_row >= 0) & (handle.slab_row < handle.send_token.size)
+    return transport._rows_to_fp8_slabs(spec, x, handle), filled
   return per_rank
 
 
@@ -425,12 +428,14 @@ def fp8_slabs_problem(seed: int, ranks: int, steps: int, tokens: int, hidden: in
 
 def scanned_fp8_slabs(mesh, backend: str, exchange: str, capacity: int, send_capacity: int,
                       problem):
-  """The FP8 slabs of every step of ``problem``, one scan over the steps."""
+  """The FP8 slabs of every step of ``problem`` and which rows are filled
+  (:func:`fp8_slabs_fn`), one scan over the steps."""
   per_rank = fp8_slabs_fn(mesh, backend, exchange, capacity, send_capacity)
   body = lambda carry, step: (carry, per_rank(*step))
   spec = P(None, "ep")
-  return np.asarray(jax.jit(jax.shard_map(lambda *xs: jax.lax.scan(body, None, xs)[1],
-                                          mesh=mesh, in_specs=spec, out_specs=spec))(*problem))
+  return tuple(np.asarray(a) for a in jax.jit(jax.shard_map(
+      lambda *xs: jax.lax.scan(body, None, xs)[1], mesh=mesh, in_specs=spec,
+      out_specs=spec))(*problem))
 
 
 @pytest.mark.parametrize("hidden, quantize_in_peer_kernel", [(208, True), (200, False)])
@@ -471,10 +476,11 @@ def test_peer_fp8_slabs_off_cuda_are_the_all_to_all_bytes(monkeypatch, dtype):
   monkeypatch.setattr(peer, "unsupported_reason", lambda mesh, axis: None)
   mesh = make_mesh((4,), ("ep",))
   problem = fp8_slabs_problem(3, 4, 3, 32, 1040, dtype)
-  got, want = (scanned_fp8_slabs(mesh, "xla", exchange, 8, 24, problem)
-               for exchange in ("peer", "all_to_all"))
+  (got, got_filled), (want, want_filled) = (scanned_fp8_slabs(mesh, "xla", exchange, 8, 24, problem)
+                                            for exchange in ("peer", "all_to_all"))
   assert got.shape[-1] == fp8.wire_bytes(1040) and (want != 0).any()
   np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got_filled, want_filled)
 
 
 @pytest.mark.gpu
@@ -485,8 +491,8 @@ def test_peer_fp8_slabs_off_cuda_are_the_all_to_all_bytes(monkeypatch, dtype):
 def test_peer_quantizing_dispatch_gives_the_pure_jax_fp8_slabs_bitwise(dtype, hidden, tokens,
                                                                        grid):
   """Two GPUs: the FP8 slabs the peer kernel quantizes as it sends (and as
-  it places this rank's own rows) are byte for byte the pure-JAX quantize's
-  carried by XLA's all_to_all, over 6 scan steps of fresh rows and routes
+  it places this rank's own rows) are, on every row a member fills, byte for
+  byte the pure-JAX quantize's carried by XLA's all_to_all, over 6 scan steps of fresh rows and routes
   (drops: capacity factor 1.0 and a binding send capacity; the rows of
   fp8_slabs_problem). H = 1040: 65 code vectors, the last quantize step and
   scale block short; H = 4112 with 8 tokens: rows split into one-step
@@ -502,11 +508,14 @@ def test_peer_quantizing_dispatch_gives_the_pure_jax_fp8_slabs_bitwise(dtype, hi
   if grid is not None:
     peer.configure(row_blocks=grid[0], send_blocks=grid[1])
   try:
-    got = scanned_fp8_slabs(mesh, "cupy", "peer", capacity, send_capacity, problem)
+    got, got_filled = scanned_fp8_slabs(mesh, "cupy", "peer", capacity, send_capacity, problem)
   finally:
     peer.configure()
   peer.raise_if_failed()
-  want = scanned_fp8_slabs(mesh, "xla", "all_to_all", capacity, send_capacity, problem)
+  want, filled = scanned_fp8_slabs(mesh, "xla", "all_to_all", capacity, send_capacity, problem)
   assert got.shape == want.shape and got.shape[-1] == fp8.wire_bytes(hidden)
-  np.testing.assert_array_equal(got, want)
-  assert (want != 0).any(axis=-1).sum() > 0  # rows were moved at all
+  np.testing.assert_array_equal(got_filled, filled)
+  # the padding rows' bytes are undefined on the peer path (the dequantize
+  # zeroes them): compare the rows a member fills
+  np.testing.assert_array_equal(got[filled], want[filled])
+  assert filled.sum() > 0 and (~filled).sum() > 0  # rows were moved, and padding exists

@@ -74,6 +74,12 @@ def _reference(ep_size: int, dtype, seed: int) -> list[dict]:
                demand=part(demand, r), capacity=capacity) for r in range(ep_size)]
 
 
+def _filled(rank: dict) -> np.ndarray:
+  """``[L * C]`` bool: the slab rows a member fills (slab_row in [0, R * S)),
+  the rows on which FP8 slabs are defined."""
+  return (rank["slab_row"] >= 0) & (rank["slab_row"] < rank["send_token"].size)
+
+
 def _dispatch_inputs(rank: dict) -> tuple:
   return (rank["rows"], rank["send_token"], rank["send_slot"], rank["recv_pos"].reshape(-1),
           rank["slab_row"])
@@ -105,7 +111,8 @@ def test_every_rank_matches_pure_jax(ep_size, dtype):
       want = ranks[rank][name].reshape(slab_rows, -1)
       got = peer_loopback.run_rank(kernel, [_dispatch_inputs(r) for r in ranks],
                                    want.shape, want.dtype, rank=rank)
-      np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8),
+      rows = _filled(ranks[rank]) if name == "fp8_slabs" else slice(None)  # FP8 padding: any
+      np.testing.assert_array_equal(got.view(np.uint8)[rows], want.view(np.uint8)[rows],
                                     err_msg=f"{name}, rank {rank} of {ep_size}")
     kernel = peer.combine_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows)
     inputs = [(r["expert_out"].reshape(slab_rows, HIDDEN), r["recv_pos"].reshape(-1, top_k),
@@ -298,7 +305,39 @@ def test_fp8_dispatch_takes_the_wire_width_it_is_given(monkeypatch, zero_vectors
     want = ranks[rank]["fp8_slabs"].reshape(slab_rows, -1)
     got = peer_loopback.run_rank(kernel, [_dispatch_inputs(r) for r in ranks], want.shape,
                                  want.dtype, rank=rank)
-    np.testing.assert_array_equal(got, want, err_msg=f"W={want.shape[-1]}, rank {rank}")
+    filled = _filled(ranks[rank])
+    np.testing.assert_array_equal(got[filled], want[filled],
+                                  err_msg=f"W={want.shape[-1]}, rank {rank}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float32])
+def test_fp8_padding_rows_are_left_unwritten_and_dequantize_to_zero(dtype):
+  """The FP8 dispatch kernel leaves the slabs' padding rows as it found them
+  (0xAB poison here, which dequantizes to small nonzero values), and
+  fp8.dequantize_wire_rows, the FP8 slabs' reader, zeroes them: its slabs are
+  bitwise the pure-JAX FP8 slabs' (all-zero padding) dequantized, every rank
+  of EP=2."""
+  from moe_ep.transport import fp8
+  ranks = _reference(2, dtype, seed=31)
+  send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
+  slab_rows = ranks[0]["slab_row"].shape[0]
+  kernel = peer.dispatch_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows,
+                                wire_dtype=FP8)
+  for rank in range(2):
+    want = ranks[rank]["fp8_slabs"].reshape(slab_rows, -1)
+    got = peer_loopback.run_rank(kernel, [_dispatch_inputs(r) for r in ranks], want.shape,
+                                 want.dtype, rank=rank)
+    filled = _filled(ranks[rank])
+    assert (~filled).sum() > 0 and (got[~filled] == 0xAB).all()
+    assert (want[~filled] == 0).all()
+    raw = np.asarray(fp8.dequantize_rows(*fp8.unpack_wire(jnp.asarray(got), HIDDEN), dtype),
+                     np.float32)
+    assert (raw[~filled] != 0).all()  # the mask, not the bytes, zeroes the padding
+    got_rows, want_rows = (np.asarray(fp8.dequantize_wire_rows(
+        jnp.asarray(w), HIDDEN, dtype, jnp.asarray(filled))) for w in (got, want))
+    np.testing.assert_array_equal(got_rows.view(np.uint8), want_rows.view(np.uint8),
+                                  err_msg=f"rank {rank}")
+    assert (got_rows[~filled] == 0).all() and (got_rows[filled] != 0).any()
 
 
 def _multiprocessors() -> int:
