@@ -172,7 +172,8 @@ def _grids(ep_size: int, tokens: int, send_capacity: int, hidden: int, top_k: in
   ``hidden`` (dispatch and combine) and for the FP8 dispatch."""
   sms = _multiprocessors() or 1
   shape = ("bfloat16", tokens, hidden, send_capacity, top_k, num_slab_rows)
-  kernels = {"dispatch": peer.dispatch_kernel(*shape), "combine": peer.combine_kernel(*shape),
+  kernels = {"dispatch": peer.dispatch_kernel(*shape),
+             "combine": peer.combine_kernel(*shape, ep_size=ep_size),
              "dispatch_fp8": peer.dispatch_kernel(*shape, wire_dtype=FP8)}
   return {name: dataclasses.asdict(kernel.grid(ep_size, sms)) for name, kernel in kernels.items()}
 

@@ -131,7 +131,8 @@ def _decode_concurrent(ep_size: int, tokens: int, num_experts: int, hidden: int,
                 recv_pos=put(maps[q][0].reshape(-1)), slab_row=put(maps[q][1].reshape(-1)),
                 expert_rows=_bf16_bits(10 + q, (slab_rows, hidden))) for q in range(ep_size)]
   dispatch = peer.dispatch_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows)
-  combine = peer.combine_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows)
+  combine = peer.combine_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows,
+                               ep_size=ep_size)
   in_order = dataclasses.replace(combine, function=combine.function.replace("own_first_", ""))
   one = peer.dispatch_layout_kernel("bfloat16", tokens, hidden, *sizes)
   layout = dispatch.layout(ep_size)
@@ -221,7 +222,8 @@ def run(ep_sizes=(2, 4, 8), tokens=8192, num_experts=64, hidden=7168, top_k=8,
                     "same_as_full_exchange": bool(np.array_equal(full, again)),
                     "hbm_bytes": hbm, "hbm_tbs": hbm / timing["us"] / 1e6}
     case["dispatch_fp8"]["speedup_vs_bf16"] = case["dispatch"]["us"] / case["dispatch_fp8"]["us"]
-    kernel = peer.combine_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows)
+    kernel = peer.combine_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows,
+                                 ep_size=ep_size)
     slabs = [_bf16_bits(10 + r, (slab_rows, hidden)) for r in range(ep_size)]
     inputs = [(slabs[r], maps[r][2].reshape(-1, top_k), ranks[r]["send_slot"])
               for r in range(ep_size)]

@@ -1306,24 +1306,31 @@ def dispatch_kernel(dtype, num_tokens: int, hidden: int, send_capacity: int, top
                                             kernel.row_vecs, hidden))
 
 
-# Up to this many bytes of combine output (decode sizes), its receivers store
-# each token's own member sum into the output first and wait for the other
-# ranks' rows after (kernels/peer.cu's own_first): the output is stored
-# twice, and the own members' reads overlap the other ranks' sending.
-_COMBINE_OWN_FIRST_BYTES = 4 << 20
+# Up to this many bytes of combine output times R - 1 (decode and small
+# prefill sizes), its receivers store each token's own member sum into the
+# output first and wait for the other ranks' rows after (kernels/peer.cu's
+# own_first): the output is stored twice, and the own members' reads overlap
+# the other ranks' sending. With every rank at once on one H200 (H=7168 bf16,
+# E=256) own-first was 4% faster at EP=2 for 7.3 MB of output and 5% slower
+# for 14.7 MB; at EP=4, where a rank holds a quarter of the members, it was
+# no faster even at 3.7 MB (combine-own-first-sweep-1xH200-20261201.json).
+_COMBINE_OWN_FIRST_BYTES = 8 << 20
 
 
-def combine_own_first(num_tokens: int, hidden: int, dtype) -> bool:
+def combine_own_first(num_tokens: int, hidden: int, dtype, ep_size: int) -> bool:
   """Whether the peer combine's receivers sum each token's own members
-  before waiting for the other ranks' rows (:data:`_COMBINE_OWN_FIRST_BYTES`)."""
-  return num_tokens * hidden * np.dtype(dtype).itemsize <= _COMBINE_OWN_FIRST_BYTES
+  before waiting for the other ranks' rows: ``[T, H]`` output bytes times
+  ``R - 1`` at most :data:`_COMBINE_OWN_FIRST_BYTES`."""
+  output_bytes = num_tokens * hidden * np.dtype(dtype).itemsize
+  return output_bytes * (ep_size - 1) <= _COMBINE_OWN_FIRST_BYTES
 
 
 def combine_kernel(dtype, num_tokens: int, hidden: int, send_capacity: int, top_k: int,
-                   num_slab_rows: int) -> RowKernel:
-  """:func:`combine_rows`' kernel for slab rows of ``hidden`` elements of
-  ``dtype`` (``peer_combine_own_first_*`` where :func:`combine_own_first`)."""
-  first = "own_first_" if combine_own_first(num_tokens, hidden, dtype) else ""
+                   num_slab_rows: int, *, ep_size: int) -> RowKernel:
+  """:func:`combine_rows`' kernel at EP size ``ep_size`` for slab rows of
+  ``hidden`` elements of ``dtype`` (``peer_combine_own_first_*`` where
+  :func:`combine_own_first`)."""
+  first = "own_first_" if combine_own_first(num_tokens, hidden, dtype, ep_size) else ""
   return RowKernel("combine", f"combine_{first}{_SUM_SUFFIX[np.dtype(dtype).name]}",
                    "combine_rows", np.dtype(dtype).name, hidden, num_tokens, send_capacity,
                    (send_capacity, top_k, num_slab_rows, hidden))
@@ -1532,7 +1539,7 @@ def _fused_combine(slabs, recv_pos, send_slot, *, axis_name: str, mesh):
   num_slab_rows, hidden = slabs.shape
   ep_size, send_capacity, top_k = recv_pos.shape
   kernel = combine_kernel(slabs.dtype, send_slot.shape[0], hidden, send_capacity, top_k,
-                          num_slab_rows)
+                          num_slab_rows, ep_size=ep_size)
   launches = _fused_launches(  # buffers: slabs 0, recv_pos 1, send_slot 2, y 3
       kernel, mesh, axis_name, ep_size, (0, 1, 2, 3))
   return _fused_call("combine rows", launches, (slabs, recv_pos, send_slot),

@@ -114,7 +114,8 @@ def test_every_rank_matches_pure_jax(ep_size, dtype):
       rows = _filled(ranks[rank]) if name == "fp8_slabs" else slice(None)  # FP8 padding: any
       np.testing.assert_array_equal(got.view(np.uint8)[rows], want.view(np.uint8)[rows],
                                     err_msg=f"{name}, rank {rank} of {ep_size}")
-    kernel = peer.combine_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows)
+    kernel = peer.combine_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows,
+                                 ep_size=ep_size)
     inputs = [(r["expert_out"].reshape(slab_rows, HIDDEN), r["recv_pos"].reshape(-1, top_k),
                r["send_slot"]) for r in ranks]
     want = ranks[rank]["y"]
@@ -368,7 +369,7 @@ def test_ranks_at_once_dispatch_then_combine_over_steps_match_pure_jax(ep_size):
   dispatch_kernel = peer.dispatch_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
                                          slab_rows)
   combine_kernel = peer.combine_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
-                                       slab_rows)
+                                       slab_rows, ep_size=ep_size)
   layout = dispatch_kernel.layout(ep_size)
   assert combine_kernel.layout(ep_size) == layout  # one channel, as in the layer
   share = _multiprocessors() // ep_size
@@ -420,7 +421,7 @@ def test_ranks_at_once_fused_layouts_then_combine_over_steps_match_pure_jax(ep_s
   assert peer.dispatch_layout_fits(jnp.bfloat16, HIDDEN, ep_size, *sizes)
   kernel = peer.dispatch_layout_kernel(jnp.bfloat16, TOKENS, HIDDEN, *sizes)
   combine_kernel = peer.combine_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
-                                       slab_rows)
+                                       slab_rows, ep_size=ep_size)
   layout = kernel.layout(ep_size)
   meta_layout = peer.meta_channel_layout(ep_size, refs[0][0]["meta"].shape[1])
   share = _multiprocessors() // ep_size
@@ -498,13 +499,14 @@ def test_combine_own_members_first_or_after_the_wait_give_the_pure_jax_bits(ep_s
   pick) or in rank order after it (larger sizes): every rank's rows equal
   the pure-JAX combine's bit for bit either way, float32 and bf16."""
   import dataclasses
-  assert peer.combine_own_first(TOKENS, HIDDEN, np.float32)
-  assert not peer.combine_own_first(8192, 7168, jnp.bfloat16)
+  assert peer.combine_own_first(TOKENS, HIDDEN, np.float32, ep_size)
+  assert not peer.combine_own_first(8192, 7168, jnp.bfloat16, 2)
   for dtype in (np.float32, jnp.bfloat16):
     ranks = _reference(ep_size, dtype, seed=50 + ep_size)
     send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
     slab_rows = ranks[0]["slab_row"].shape[0]
-    kernel = peer.combine_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows)
+    kernel = peer.combine_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows,
+                                 ep_size=ep_size)
     assert "own_first_" in kernel.function
     if not own_first:
       kernel = dataclasses.replace(kernel, function=kernel.function.replace("own_first_", ""))
