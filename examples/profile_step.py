@@ -507,7 +507,10 @@ def op_events(trace: dict) -> list[OpEvent]:
 def _innermost_segments(line_events: list[int], events: list[OpEvent]) -> list[tuple]:
   """``(start, end, event index)`` pieces of one line's time, each owned by
   the innermost event running then (a while loop's event owns only the gaps
-  between its body's ops)."""
+  between its body's ops). Events that overlap without one holding the
+  other are consecutive, the earlier ending where the later starts: on a
+  GPU, kernels of one CUDA stream whose timestamps overlap by a fraction of
+  a microsecond (about half of an H200 step's kernels)."""
   order = sorted(line_events, key=lambda i: (events[i].start, -events[i].end))
   segments, stack, cursor = [], [], 0.0
   for index in order:
@@ -517,11 +520,14 @@ def _innermost_segments(line_events: list[int], events: list[OpEvent]) -> list[t
       if top_end > cursor:
         segments.append((cursor, top_end, top))
       cursor = max(cursor, top_end)
+    while stack and stack[-1][1] < end:  # overlapping, not nested: ends here
+      top, _ = stack.pop()
+      if start > cursor:
+        segments.append((cursor, start, top))
+      cursor = max(cursor, start)
     if stack and start > cursor:
       segments.append((cursor, start, stack[-1][0]))
     cursor = start
-    if stack:
-      end = min(end, stack[-1][1])  # overlapping but not nested: clip to the parent
     stack.append((index, end))
   while stack:
     top, top_end = stack.pop()

@@ -34,6 +34,20 @@ def test_nested_and_overlapping_ops_split_the_busy_time_between_them():
   assert attributed[3:] == pytest.approx([1, 1])
 
 
+def test_ops_of_one_line_that_overlap_without_nesting_keep_all_their_time():
+  # Kernels of one CUDA stream whose timestamps overlap by a little: [0, 4)
+  # then [3.9, 9); inside a loop [10, 30): [11, 15) then [14.5, 20), and
+  # [19, 31) running past the loop's end. Before, each later op was clipped
+  # to the earlier one's end, and the time it ran after that went missing.
+  events = [event(0, 4, hlo_op="a"), event(3.9, 9, hlo_op="b"), event(10, 30, hlo_op="loop"),
+            event(11, 15, hlo_op="c"), event(14.5, 20, hlo_op="d"), event(19, 31, hlo_op="e")]
+  attributed, own, busy = ps.attribute(events)
+  assert busy == pytest.approx({"d0": 9 + 21})  # the union of the intervals
+  assert sum(attributed) == pytest.approx(30) and sum(own) == pytest.approx(30)
+  # each earlier op ends where the later starts; the loop owns its gaps
+  assert own == pytest.approx([3.9, 5.1, 1, 3.5, 4.5, 12])
+
+
 # A hand-written compiled program: each instruction's expected classification
 # is written beside it (category, pass, what a remat recompute recomputes).
 HLO = """HloModule jit_step, is_scheduled=true
