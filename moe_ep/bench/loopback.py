@@ -20,8 +20,6 @@ FP8 slabs' padding is left unwritten).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 
@@ -133,7 +131,8 @@ def _decode_concurrent(ep_size: int, tokens: int, num_experts: int, hidden: int,
   dispatch = peer.dispatch_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows)
   combine = peer.combine_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows,
                                ep_size=ep_size)
-  in_order = dataclasses.replace(combine, function=combine.function.replace("own_first_", ""))
+  in_order = peer.combine_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows,
+                                ep_size=ep_size, own_first=False)
   one = peer.dispatch_layout_kernel("bfloat16", tokens, hidden, *sizes)
   layout = dispatch.layout(ep_size)
   meta_layout = peer.meta_channel_layout(ep_size, ranks[0]["meta"].shape[1])

@@ -1326,11 +1326,13 @@ def combine_own_first(num_tokens: int, hidden: int, dtype, ep_size: int) -> bool
 
 
 def combine_kernel(dtype, num_tokens: int, hidden: int, send_capacity: int, top_k: int,
-                   num_slab_rows: int, *, ep_size: int) -> RowKernel:
+                   num_slab_rows: int, *, ep_size: int, own_first: bool | None = None) -> RowKernel:
   """:func:`combine_rows`' kernel at EP size ``ep_size`` for slab rows of
-  ``hidden`` elements of ``dtype`` (``peer_combine_own_first_*`` where
-  :func:`combine_own_first`)."""
-  first = "own_first_" if combine_own_first(num_tokens, hidden, dtype, ep_size) else ""
+  ``hidden`` elements of ``dtype``: ``peer_combine_own_first_*`` if
+  ``own_first`` (None: where :func:`combine_own_first`), else in rank order."""
+  if own_first is None:
+    own_first = combine_own_first(num_tokens, hidden, dtype, ep_size)
+  first = "own_first_" if own_first else ""
   return RowKernel("combine", f"combine_{first}{_SUM_SUFFIX[np.dtype(dtype).name]}",
                    "combine_rows", np.dtype(dtype).name, hidden, num_tokens, send_capacity,
                    (send_capacity, top_k, num_slab_rows, hidden))

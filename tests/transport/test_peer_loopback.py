@@ -498,7 +498,6 @@ def test_combine_own_members_first_or_after_the_wait_give_the_pure_jax_bits(ep_s
   waiting for the other ranks (own_first, which these decode-sized shapes
   pick) or in rank order after it (larger sizes): every rank's rows equal
   the pure-JAX combine's bit for bit either way, float32 and bf16."""
-  import dataclasses
   assert peer.combine_own_first(TOKENS, HIDDEN, np.float32, ep_size)
   assert not peer.combine_own_first(8192, 7168, jnp.bfloat16, 2)
   for dtype in (np.float32, jnp.bfloat16):
@@ -508,8 +507,8 @@ def test_combine_own_members_first_or_after_the_wait_give_the_pure_jax_bits(ep_s
     kernel = peer.combine_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows,
                                  ep_size=ep_size)
     assert "own_first_" in kernel.function
-    if not own_first:
-      kernel = dataclasses.replace(kernel, function=kernel.function.replace("own_first_", ""))
+    kernel = peer.combine_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows,
+                                 ep_size=ep_size, own_first=bool(own_first))
     inputs = [(r["expert_out"].reshape(slab_rows, HIDDEN), r["recv_pos"].reshape(-1, top_k),
                r["send_slot"]) for r in ranks]
     for rank in range(ep_size):
