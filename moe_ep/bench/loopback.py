@@ -157,10 +157,9 @@ def _decode_concurrent(ep_size: int, tokens: int, num_experts: int, hidden: int,
           (slab_rows, hidden), np.uint16)
     if name == "one_launch":
       outs = fresh(shapes)
-      return (peer.dispatch_layout_launch(
-          one, grids[one], layout, meta_layout, peer._kernels(0)["dispatch_layout"], peers[0],
-          peers[1], q, tail), (r["rows"], r["send_token"], r["send_slot"], r["meta"], *outs),
-          outs)
+      job = peer.dispatch_layout_launch(one, grids[one], layout, meta_layout, 0, peers[0],
+                                        peers[1], q, tail)
+      return job, (r["rows"], r["send_token"], r["send_slot"], r["meta"], *outs), outs
     kernel = in_order if name == "combine_in_order" else combine
     return peer_loopback.row_job(
         kernel, grids[combine], layout, peers[0], q, tail,

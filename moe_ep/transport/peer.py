@@ -1407,11 +1407,11 @@ def dispatch_layout_kernel(dtype, num_tokens: int, hidden: int, send_capacity: i
 
 
 def dispatch_layout_launch(kernel: RowKernel, grid: RowGrid, layout: ChannelLayout,
-                           meta_layout: ChannelLayout, function, peers: int, meta_peers: int,
+                           meta_layout: ChannelLayout, ordinal: int, peers: int, meta_peers: int,
                            rank: int, tail: tuple) -> _Kernel:
   """Rank ``rank``'s launch of ``kernel`` (:func:`dispatch_layout_kernel`) on
-  its rows channel (``layout``, bases at ``peers``) and metadata channel
-  (``meta_layout``, ``meta_peers``). Buffers: rows 0, send_token 1,
+  GPU ``ordinal``, on its rows channel (``layout``, bases at ``peers``) and
+  metadata channel (``meta_layout``, ``meta_peers``). Buffers: rows 0, send_token 1,
   send_slot 2, meta 3; slabs 4, recv_pos 5, slab_row 6, slab_weights 7,
   counts 8, demand 9, tile_counts scratch 10 (:func:`dispatch_layout_tiles`
   ``* L`` ints). The metadata rows are pushed by up to a block per 32 KiB
@@ -1428,7 +1428,8 @@ def dispatch_layout_launch(kernel: RowKernel, grid: RowGrid, layout: ChannelLayo
   args = sized.args(grid, layout, peers, rank, tail) + (
       np.uint64(meta_peers), np.int64(meta_layout.slot_bytes), np.int64(meta_layout.data_offset),
       np.int32(meta_blocks), np.int32(counted))
-  return _Kernel(function, grid.blocks, tuple(range(11)), args, threads=_ROW_THREADS,
+  return _Kernel(_kernels(ordinal)[kernel.function], grid.blocks, tuple(range(11)), args,
+                 threads=_ROW_THREADS,
                  shared_bytes=4 * _dispatch_layout_shared_ints(tiles, local_experts, counted))
 
 
@@ -1462,8 +1463,8 @@ def _fused_dispatch_layout(rows, send_token, send_slot, meta, *, top_k: int, loc
   launches = {}
   for ordinal, state in (channel.on_device.items() if channel is not None else ()):
     launches[ordinal] = [dispatch_layout_launch(
-        kernel, kernel.grid(ep_size, _multiprocessors(ordinal)), layout, meta_layout,
-        _kernels(ordinal)["dispatch_layout"], state.peers.data.ptr,
+        kernel, kernel.grid(ep_size, _multiprocessors(ordinal)), layout, meta_layout, ordinal,
+        state.peers.data.ptr,
         meta_channel.on_device[ordinal].peers.data.ptr, state.rank,
         _device_tail(ordinal, site, timeout_ns))]
   shapes = dispatch_layout_shapes(kernel, ep_size, rows.dtype, hidden)

@@ -227,14 +227,13 @@ def dispatch_layout_rank(kernel: peer.RowKernel, inputs: list[tuple], *, rank: i
   meta_layout = peer.meta_channel_layout(ep_size, width)
   shapes = peer.dispatch_layout_shapes(kernel, ep_size, np.uint8, kernel.row_vecs * 16)
   with cupy.cuda.Device(ordinal):
-    function = peer._kernels(ordinal)[kernel.function]
     grid = kernel.grid(ep_size, peer._multiprocessors(ordinal))
     meta_channels, meta_peers = _channels(meta_layout, rank)
     launched = {}
 
     def launch(q, peers, tail):
       outs = [_unwritten(cupy, shape.shape, shape.dtype) for shape in shapes]
-      job = peer.dispatch_layout_launch(kernel, grid, layout, meta_layout, function, peers,
+      job = peer.dispatch_layout_launch(kernel, grid, layout, meta_layout, ordinal, peers,
                                         meta_peers.data.ptr, q, tail)
       buffers = (*(cupy.asarray(a) for a in inputs[q]), *outs)
       job.launch(buffers)

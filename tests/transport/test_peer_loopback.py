@@ -434,7 +434,6 @@ def test_ranks_at_once_fused_layouts_then_combine_over_steps_match_pure_jax(ep_s
       r["recv_pos_rows"] = r["recv_pos"].reshape(-1, top_k)
   inputs = [_on_device(step_refs, ("rows", "send_token", "send_slot", "meta", "expert_rows",
                                    "recv_pos_rows")) for step_refs in refs]
-  function = peer._kernels(0)["dispatch_layout"]
 
   def launches(step, q, peers, tail):
     import cupy
@@ -442,8 +441,8 @@ def test_ranks_at_once_fused_layouts_then_combine_over_steps_match_pure_jax(ep_s
     maps = [peer_loopback._unwritten(cupy, s.shape, s.dtype) for s in layout_shapes]
     fused = peer.slab_layout_kernel(meta_layout, 0, peers[1], q, sizes, tail)
     outs = [peer_loopback._unwritten(cupy, s.shape, s.dtype) for s in shapes]
-    one = peer.dispatch_layout_launch(kernel, grid, layout, meta_layout, function, peers[0],
-                                      peers[1], q, tail)
+    one = peer.dispatch_layout_launch(kernel, grid, layout, meta_layout, 0, peers[0], peers[1],
+                                      q, tail)
     return [(fused, (meta, *maps), maps),
             (one, (rows, send_token, send_slot, meta, *outs), outs[:6]),
             peer_loopback.row_job(combine_kernel, combine_grid, layout, peers[0], q, tail,
