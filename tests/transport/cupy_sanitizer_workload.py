@@ -2,8 +2,8 @@
 
 Not a pytest module: run it under the sanitizer on a GPU machine,
 
-    compute-sanitizer --tool memcheck --error-exitcode 7 \\
-        python tests/transport/cupy_sanitizer_workload.py
+    compute-sanitizer --tool memcheck --target-processes application-only \\
+        --error-exitcode 7 python tests/transport/cupy_sanitizer_workload.py
 
 It drives every kernel through dispatch/combine forward and backward on the
 edge cases (invalid ids, slab overflow, wire overflow, K=1, odd row widths
@@ -17,8 +17,12 @@ GPUs wait for each other, so run it as one process per GPU, each under the
 sanitizer (which serializes the kernels of its own process only):
 
     python -m moe_ep.launch --num-processes 2 --gpus-per-process 1 -- \\
-        compute-sanitizer --tool memcheck --error-exitcode 7 \\
-        python tests/transport/cupy_sanitizer_workload.py
+        compute-sanitizer --tool memcheck --target-processes application-only \\
+        --error-exitcode 7 python tests/transport/cupy_sanitizer_workload.py
+
+(``application-only``: following the workload's child processes, its
+default, the sanitizer's front end segfaulted at start-up in a third of the
+runs, benchmarks/gpu_peer_check.sh.)
 """
 
 import jax
