@@ -117,6 +117,42 @@ extern "C" __global__ void route_count(const int* __restrict__ topk_idx, int num
     tile_expert_counts[(i64)blockIdx.x * num_experts + e] = expert_hist[e];
 }
 
+// Routes a thread stages per batch: all of a batch's loads are issued before
+// any is used, so a tile waits for one round trip to memory per batch, not
+// one per route (a tile of T * K routes over blockDim threads: 8 each at P2's
+// T=8192 with 128-thread tiles, 4 at decode).
+#define MOE_EP_STAGE_BATCH 8
+
+// Tile routes [first, first + items) of topk_idx/topk_weights into shared
+// memory as (destination rank or -1, local expert, weight), each id divided
+// once; no barrier.
+__device__ __forceinline__ void stage_routes(const int* __restrict__ topk_idx,
+                                             const float* __restrict__ topk_weights, i64 first,
+                                             int items, int num_experts, int local_experts,
+                                             int* tile_dest, int* tile_local,
+                                             float* tile_weights) {
+  for (int base = threadIdx.x; base < items; base += MOE_EP_STAGE_BATCH * blockDim.x) {
+    int ids[MOE_EP_STAGE_BATCH];
+    float weights[MOE_EP_STAGE_BATCH];
+#pragma unroll
+    for (int j = 0; j < MOE_EP_STAGE_BATCH; ++j) {
+      const int i = base + j * blockDim.x;
+      ids[j] = i < items ? __ldg(topk_idx + first + i) : -1;
+      weights[j] = i < items ? __ldg(topk_weights + first + i) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < MOE_EP_STAGE_BATCH; ++j) {
+      const int i = base + j * blockDim.x;
+      if (i >= items) break;
+      const int e = ids[j];
+      const int d = valid_expert(e, num_experts) ? e / local_experts : -1;
+      tile_dest[i] = d;
+      tile_local[i] = e - d * local_experts;
+      tile_weights[i] = weights[j];
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // route_rank: each token's slot in its chunk to every rank it routes to, the
 // route slots and metadata words of the tile, and (all blocks, grid-stride)
@@ -128,12 +164,12 @@ extern "C" __global__ void route_count(const int* __restrict__ topk_idx, int num
 //   inputs: topk_idx [T, K], topk_weights [T, K] float32, route_count's
 //   tile_dest_counts [tiles, R] and tile_expert_counts [tiles, E]; or, in
 //   route_rank_own_count (one tile), no route_count launch: every block
-//   counts the tile itself (at decode sizes a launch costs more than that).
+//   counts the tile itself from its staged routes (at decode sizes a launch
+//   costs more than that).
 //   outputs: send_slot [T, R] (-1: no route or beyond S), send_token [R, S]
 //   (-1 past the fill), route_slot [T, K], meta [R, meta_width].
 //   bounds: a slot >= S is dropped on the wire (written as -1).
-// The tile's routes are staged in shared memory by one coalesced load, as
-// (destination rank, local expert, weight), each id divided once.
+// The tile's routes are staged in shared memory (stage_routes) first.
 // A tile's kept slots to rank d are one run [tile_offset[d], +kept), so the
 // tile writes its [T, K] and metadata words as contiguous runs, consecutive
 // threads on consecutive words (a thread per token would stride K words).
@@ -158,33 +194,40 @@ __device__ __forceinline__ void route_rank_body(
   float* tile_weights = (float*)(tile_local + blockDim.x * top_k);  // [blockDim, K]
   const int* dest_counts = tile_dest_counts;
   const int* expert_counts = tile_expert_counts;
+  // Without route_count there is one tile, which every block stages.
+  const i64 tile_first = kCounted ? (i64)blockIdx.x * blockDim.x : 0;
+  const bool stages = !kCounted || (int)blockIdx.x < num_tiles;
+  const int tile_tokens = stages ? (int)min((i64)blockDim.x, num_tokens - tile_first) : 0;
+  if (stages)
+    stage_routes(topk_idx, topk_weights, tile_first * top_k, tile_tokens * top_k, num_experts,
+                 local_experts, tile_dest, tile_local, tile_weights);
   if (!kCounted) {  // one tile, no route_count launch: every block counts it here
     int* own_dest_counts = (int*)(tile_weights + blockDim.x * top_k);  // [R]
     int* own_expert_counts = own_dest_counts + ep_size;               // [E]
-    count_tile(topk_idx, 0, num_tokens, top_k, num_experts, local_experts, ep_size, warp_counts,
-               own_expert_counts, own_dest_counts);  // sum_tiles' first barrier orders these
-    dest_counts = own_dest_counts;
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) own_expert_counts[e] = 0;
+    __syncthreads();  // the staged routes and the zeroed counts
+    for (int i = threadIdx.x; i < tile_tokens * top_k; i += blockDim.x) {
+      const int d = tile_dest[i];
+      if (d >= 0) atomicAdd(&own_expert_counts[d * local_experts + tile_local[i]], 1);  // exact
+    }
+    const bool active = (int)threadIdx.x < tile_tokens;
+    count_warp_dests(tile_dest + (active ? threadIdx.x : 0) * top_k, top_k, 1, active, ep_size,
+                     warp_counts);
+    for (int d = threadIdx.x; d < ep_size; d += blockDim.x)
+      own_dest_counts[d] = tile_total(warp_counts, warps, ep_size, d);
+    dest_counts = own_dest_counts;  // sum_tiles' first barrier orders these
     expert_counts = own_expert_counts;
   }
   sum_tiles(dest_counts, num_tiles, ep_size, min((int)blockIdx.x, num_tiles), tile_offset,
             dest_total);
   const i64 members = (i64)send_capacity * top_k;
-  const i64 tile_first = (i64)blockIdx.x * blockDim.x;
-  const i64 t = tile_first + threadIdx.x;
+  const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   if (blockIdx.x < num_tiles) {  // whole block: the ballots need every lane
-    const int tile_tokens = (int)min((i64)blockDim.x, num_tokens - tile_first);
-#pragma unroll 4
-    for (int i = threadIdx.x; i < tile_tokens * top_k; i += blockDim.x) {
-      const int e = topk_idx[tile_first * top_k + i];
-      const int d = valid_expert(e, num_experts) ? e / local_experts : -1;
-      tile_dest[i] = d;
-      tile_local[i] = e - d * local_experts;
-      tile_weights[i] = topk_weights[tile_first * top_k + i];
-    }
-    __syncthreads();
     const bool active = t < num_tokens;
     const int* dests = tile_dest + (active ? threadIdx.x : 0) * top_k;  // ranks: 1-wide ranges
-    count_warp_dests(dests, top_k, 1, active, ep_size, warp_counts);
+    // sum_tiles' barriers ordered the staged routes; without route_count the
+    // warp counts are the ones the block counted the tile with.
+    if (kCounted) count_warp_dests(dests, top_k, 1, active, ep_size, warp_counts);
     for (int d = threadIdx.x; d < ep_size; d += blockDim.x)
       tile_count[d] = tile_total(warp_counts, warps, ep_size, d);
     for (int d = 0; d < ep_size; ++d) {

@@ -42,7 +42,9 @@ def routing(rng, tokens, top_k, num_experts, invalid_share=0.1):
 @pytest.mark.parametrize("tokens, top_k, num_experts, ep_size, send_capacity", [
     (1, 1, 4, 1, 1), (37, 3, 16, 1, 37), (300, 8, 64, 4, 300), (300, 8, 64, 4, 40),
     (2500, 4, 32, 8, 2500), (2048, 8, 256, 8, 700),
-    (200, 8, 64, 8, 200)])  # one token tile, several route_rank blocks
+    (200, 8, 64, 8, 200),  # one token tile, several route_rank blocks
+    (128, 8, 256, 2, 128),  # decode
+    (96, 32, 64, 2, 96), (256, 16, 64, 2, 100)])  # routes staged in several batches a thread
 def test_route_matches_xla_exactly(tokens, top_k, num_experts, ep_size, send_capacity):
   cupy_backend, reference = backends()
   idx, weights = routing(np.random.default_rng(tokens), tokens, top_k, num_experts)
