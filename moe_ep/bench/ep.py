@@ -263,7 +263,7 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
           timings["dispatch_rows"]["ms"] / timings["dispatch_rows_fp8"]["ms"])
 
       # What the layer's named FP8 dispatch produces and saves: the FP8 slabs
-      # (codes and scales), which XLA dequantizes where the expert GEMM reads them.
+      # (codes and scales), dequantized row for row before the expert GEMM reads them.
       fp8_routing = _routing_only(fp8_spec, num_experts)
 
       def fp8_slabs_fn(x, idx, weights):

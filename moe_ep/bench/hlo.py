@@ -52,7 +52,8 @@ def fp8_consumers(hlo_text: str) -> list[dict]:
   """The fusions of a compiled module that read FP8 (``f8e4m3fn``) values:
   for each, its output shape, fusion kind, whether it is a GEMM (a dot
   inside) and its op_name. Tells whether XLA dequantizes FP8 slabs inside
-  the expert GEMM's fusion or in a pass of its own that writes them out."""
+  the expert GEMM's fusion or in a pass of its own that writes them out
+  (on the CuPy backend a kernel dequantizes them: no such fusion)."""
   bodies, current = {}, None
   for line in hlo_text.splitlines():
     header = _COMPUTATION.match(line)

@@ -265,7 +265,8 @@ def _rows_to_slabs_fp8(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> j
   exchange's drop-in. With one, the receiver only expands the wire rows into
   FP8 slabs ``[L, C, W]`` (:func:`_rows_to_fp8_slabs`: on the peer path one
   fused kernel quantizes, moves and places them), which carry the name
-  ``"{checkpoint_name}.tokens"``, and XLA dequantizes them: a remat policy
+  ``"{checkpoint_name}.tokens"``, and the backend's ``dequantize_filled_rows``
+  dequantizes them: a remat policy
   that saves the dispatch then keeps the FP8 slabs (about half the bf16
   residual) and backward recomputes only the dequantize, never the exchange.
   The dequantize zeroes every slab row no member fills (the FP8 slabs' own
@@ -277,8 +278,8 @@ def _rows_to_slabs_fp8(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> j
     fp8_slabs = _name(spec, "tokens", _rows_to_fp8_slabs(spec, rows, handle))
     slab_row = handle.slab_row.reshape(-1)
     filled = (slab_row >= 0) & (slab_row < handle.send_token.size)
-    return _fp8().dequantize_wire_rows(fp8_slabs.reshape(-1, fp8_slabs.shape[-1]), hidden,
-                                       rows.dtype, filled).reshape(slab_shape)
+    return spec.ops.dequantize_filled_rows(fp8_slabs.reshape(-1, fp8_slabs.shape[-1]), filled,
+                                           hidden=hidden, dtype=rows.dtype).reshape(slab_shape)
   ops = spec.ops
   slab_row = handle.slab_row.reshape(-1)
   if spec.ep_size == 1:

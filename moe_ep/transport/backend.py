@@ -3,8 +3,8 @@
 A backend is a module (or an object) with the functions of
 :mod:`moe_ep.transport.xla` named in :data:`_FUNCTIONS`: ``route``,
 ``slab_layout``, ``expand_rows``, ``gather_sum_rows``, and the FP8 dispatch's
-``quantize_pack_expand``, ``unpack_dequantize_expand`` (whose CUDA kernels
-need compute capability 8.9+). Exchanges, custom_vjp rules and
+``quantize_pack_expand``, ``unpack_dequantize_expand`` and
+``dequantize_filled_rows`` (whose CUDA kernels need compute capability 8.9+). Exchanges, custom_vjp rules and
 checkpoint names live above the backends, in :mod:`moe_ep.transport`.
 """
 
@@ -18,7 +18,7 @@ from moe_ep.transport import xla
 
 BACKENDS = ("auto", "xla", "cupy")
 _FUNCTIONS = ("route", "slab_layout", "expand_rows", "gather_sum_rows",
-              "quantize_pack_expand", "unpack_dequantize_expand")
+              "quantize_pack_expand", "unpack_dequantize_expand", "dequantize_filled_rows")
 
 
 def check_name(backend: str) -> None:

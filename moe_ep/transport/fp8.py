@@ -134,6 +134,12 @@ def _check_wire(wire: jax.Array, hidden: int) -> None:
                      f"(wire_bytes); got {wire.dtype} {wire.shape}")
 
 
+def _check_filled(filled: jax.Array, wire: jax.Array) -> None:
+  if filled.shape != wire.shape[:1] or filled.dtype != jnp.bool_:
+    raise ValueError(f"filled must be [{wire.shape[0]}] bool for wire rows {wire.shape}; "
+                     f"got {filled.dtype} {filled.shape}")
+
+
 def _f32_bits(value: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(value, jnp.int32)
 
@@ -232,9 +238,7 @@ def dequantize_wire_rows(wire: jax.Array, hidden: int, dtype, filled: jax.Array)
   [N]`` (bool) is False whatever those rows' bytes hold: the FP8 slabs'
   padding rows, which the peer kernel leaves unwritten. One fused pass, as
   without the mask."""
-  if filled.shape != wire.shape[:1] or filled.dtype != jnp.bool_:
-    raise ValueError(f"filled must be [{wire.shape[0]}] bool for wire rows {wire.shape}; "
-                     f"got {filled.dtype} {filled.shape}")
+  _check_filled(filled, wire)
   rows = dequantize_rows(*unpack_wire(wire, hidden), dtype)
   return jnp.where(filled[:, None], rows, jnp.zeros((), rows.dtype))
 

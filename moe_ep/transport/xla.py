@@ -228,3 +228,22 @@ def unpack_dequantize_expand(wire: jax.Array, targets: jax.Array, sources: jax.A
   """
   from moe_ep.transport import fp8
   return fp8.unpack_dequantize_expand(wire, targets, sources, hidden=hidden, dtype=dtype)
+
+
+def dequantize_filled_rows(wire: jax.Array, filled: jax.Array, *, hidden: int,
+                           dtype) -> jax.Array:
+  """FP8 wire rows dequantized row for row, zero wherever ``filled`` is False
+  whatever those rows' bytes hold (the named FP8 slabs, whose padding rows
+  the peer dispatch leaves unwritten).
+
+  Args:
+    wire: ``[N, W]`` uint8 wire rows of ``hidden`` channels.
+    filled: ``[N]`` bool.
+    hidden: ``H``.
+    dtype: output dtype (float32, bfloat16 or float16).
+
+  Returns:
+    ``[N, H]`` in ``dtype``.
+  """
+  from moe_ep.transport import fp8
+  return fp8.dequantize_wire_rows(wire, hidden, dtype, filled)

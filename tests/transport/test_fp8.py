@@ -402,3 +402,25 @@ def test_cuda_unpack_dequantize_expand_equals_dequantize_then_expand(dtype, hidd
   plain = functools.partial(fp8.cuda_unpack_dequantize_expand, hidden=hidden, dtype=dtype)
   codes, scales = reference_quantize(x)
   assert_same_values(on_gpu(plain, wire), reference_dequantize(codes, scales, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", GPU_HIDDENS)
+def test_cuda_dequantize_filled_rows_equals_pure_jax(dtype, hidden):
+  """The named FP8 slabs' dequantize on the CuPy backend: filled rows the
+  same values as the pure-JAX one (NaN where the block was non-finite), the
+  others +0 whatever their bytes (here NaN codes and scales, 0xff)."""
+  from moe_ep.transport import cupy as cupy_backend
+  rng = np.random.default_rng(hidden + 9)
+  x = with_non_finite_rows(sample_rows(rng, 300, hidden, dtype))
+  wire = np.asarray(fp8.quantize_pack(x)).copy()
+  filled = rng.random(300) < 0.8
+  filled[2:5] = True  # the non-finite rows
+  wire[~filled] = 0xFF
+  ops = {name: functools.partial(backend.dequantize_filled_rows, hidden=hidden, dtype=dtype)
+         for name, backend in (("cupy", cupy_backend), ("xla", xla))}
+  got, want = (np.asarray(on_gpu(ops[name], wire, filled)) for name in ("cupy", "xla"))
+  assert_same_values(got[filled], want[filled])
+  assert np.isnan(np.asarray(got[2], np.float32)).any()
+  np.testing.assert_array_equal(got[~filled].view(f"u{got.itemsize}"), 0)

@@ -177,8 +177,9 @@ def test_token_gradient_is_straight_through(ep_size, dtype):
 @pytest.mark.parametrize("ep_size, dtype", CASES)
 def test_named_fp8_slabs_dequantize_to_the_fused_receive_bitwise(ep_size, dtype):
   """With a checkpoint_name the receiver expands FP8 slabs (the residual remat
-  can save) and XLA dequantizes them; without one the dequantize is fused
-  into the receive. Slabs, handle, weights and gradients are the same bits."""
+  can save) and a pass of their own dequantizes them; without one the
+  dequantize is fused into the receive. Slabs, handle, weights and gradients
+  are the same bits."""
   args = arguments(2, ep_size, dtype)
   fused = dispatch_with_grads(ep_size, FP8)(*args)
   named = dispatch_with_grads(ep_size, FP8, checkpoint_name="moe.dispatch")(*args)
@@ -327,8 +328,8 @@ def test_cuda_lowering_fuses_quantize_and_dequantize_into_the_row_passes(pretend
   """backend "auto" lowered for CUDA: the forward dispatch moves rows with one
   fused quantize-pack and one fused unpack-dequantize kernel (no plain
   expand_rows), and any row exchange carries uint8. With a checkpoint name
-  the receive is a plain expand of the uint8 rows into the FP8 slabs (XLA
-  dequantizes them)."""
+  the receive is a plain expand of the uint8 rows into the FP8 slabs, which
+  the unpack-dequantize kernel then dequantizes row for row."""
   tokens, idx, weights = problem(0, ep_size, jnp.bfloat16)
   mesh = make_mesh((ep_size,), ("ep",))
   body = lambda x, i, w: dispatch(
@@ -340,8 +341,9 @@ def test_cuda_lowering_fuses_quantize_and_dequantize_into_the_row_passes(pretend
       lowering_platforms=("cuda",)).as_text(debug_info=True)
   names = re.findall(r'loc\("([^"]*moe_cupy_\w+)/buffer_callback', text)
   kernels = sorted(re.search(r"moe_cupy_\w+$", name).group(0) for name in set(names))
-  receive = "moe_cupy_expand_rows" if named else "moe_cupy_fp8_unpack_dequantize_expand"
-  assert kernels == sorted(["moe_cupy_fp8_quantize_pack", receive, "moe_cupy_route",
+  receive = (["moe_cupy_expand_rows", "moe_cupy_fp8_unpack_dequantize_expand"] if named
+             else ["moe_cupy_fp8_unpack_dequantize_expand"])
+  assert kernels == sorted(["moe_cupy_fp8_quantize_pack", *receive, "moe_cupy_route",
                             "moe_cupy_slab_layout"])
   exchanges = re.findall(r'"stablehlo.all_to_all"\(.*', text)
   assert len(exchanges) == (2 if ep_size > 1 else 0)  # metadata, rows
