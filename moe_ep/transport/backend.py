@@ -4,8 +4,9 @@ A backend is a module (or an object) with the functions of
 :mod:`moe_ep.transport.xla` named in :data:`_FUNCTIONS`: ``route``,
 ``slab_layout``, ``expand_rows``, ``gather_sum_rows``, and the FP8 dispatch's
 ``quantize_pack_expand``, ``unpack_dequantize_expand`` and
-``dequantize_filled_rows`` (whose CUDA kernels need compute capability 8.9+). Exchanges, custom_vjp rules and
-checkpoint names live above the backends, in :mod:`moe_ep.transport`.
+``dequantize_filled_rows`` (whose CUDA kernels need compute capability
+8.9+). Exchanges, custom_vjp rules and checkpoint names live above the
+backends, in :mod:`moe_ep.transport`.
 """
 
 from __future__ import annotations
