@@ -3,10 +3,12 @@
 # from the repository root: P4 at the DeepSeek-like shape on both exchanges
 # (bf16 and FP8 dispatch), then compute-sanitizer memcheck and racecheck over
 # tests/transport/cupy_sanitizer_workload.py, one process per GPU. JSON goes to
-# $OUT/check-results.tar.gz, logs to $OUT. TOOLS: the sanitizer tools to run.
+# $OUT/check-results.tar.gz, logs to $OUT. TOOLS: the sanitizer tools to run;
+# LAYER=0 skips P4 (the sanitizer runs alone, about a minute a tool).
 source benchmarks/gpu_setup.sh
-start=$SECONDS
-XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" timeout "${LAYER_TIMEOUT:-240}" python - > "$OUT/layer.log" 2>&1 <<PY
+if [ "${LAYER:-1}" = 1 ]; then
+  start=$SECONDS
+  XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" timeout "${LAYER_TIMEOUT:-240}" python - > "$OUT/layer.log" 2>&1 <<PY
 import pathlib
 from moe_ep.bench import common, layer
 result = layer.run(hidden=7168, ffn=2048, num_experts=64, top_k=8, tokens=8192, seq=2048,
@@ -14,8 +16,9 @@ result = layer.run(hidden=7168, ffn=2048, num_experts=64, top_k=8, tokens=8192, 
 print(layer.summary(result))
 print(common.write_result("layer", result, pathlib.Path("$OUT/results")))
 PY
-echo "== layer rc=$? $((SECONDS - start))s"
-grep -E "^P4|^  " "$OUT/layer.log"
+  echo "== layer rc=$? $((SECONDS - start))s"
+  grep -E "^P4|^  " "$OUT/layer.log"
+fi
 # compute-sanitizer 2025.3.1's front end segfaults at start-up in about a
 # third of its runs when it follows the workload's child processes (its
 # default, --target-processes all): on one H200 on 2026-12-01, memcheck over
