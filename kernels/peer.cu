@@ -973,8 +973,8 @@ __device__ __forceinline__ TokenWires token_wires(const int* __restrict__ send_s
 // kZeroesPadding: whether the receivers zero the slabs' padding rows. Slabs
 // of copied rows feed the expert GEMMs, whose weight gradients multiply
 // every row (stale bits could make 0 * NaN); FP8 slabs' one reader is the
-// dequantize, which zeroes every row no member fills (moe_ep.transport.fp8
-// dequantize_wire_rows), so their padding is left unwritten.
+// dequantize, which zeroes every row no member fills (the backends'
+// dequantize_filled_rows), so their padding is left unwritten.
 struct CopyRows {
   static constexpr bool kVectorUnits = true;
   static constexpr bool kZeroesPadding = true;

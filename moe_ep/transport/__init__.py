@@ -296,8 +296,8 @@ def _rows_to_slabs_fp8(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> j
 def _rows_to_fp8_slabs(spec: _Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
   """``rows [T, H]`` -> FP8 slabs ``[L, C, W]`` uint8 (the wire rows of the
   slab rows; padding rows all-zero bytes, or unwritten where the peer kernel
-  quantizes: read them only through
-  :func:`moe_ep.transport.fp8.dequantize_wire_rows`). On the peer path one fused
+  quantizes: read them only through a backend's ``dequantize_filled_rows``,
+  :func:`moe_ep.transport.xla.dequantize_filled_rows`). On the peer path one fused
   kernel quantizes each token as it sends it or places it (H % 16 == 0), or
   else, where the fused kernels take rows of ``W`` bytes, each token is
   quantized once and its wire row moved like a bf16 row

@@ -1569,8 +1569,8 @@ def dispatch_rows(rows: jax.Array, send_token: jax.Array, send_slot: jax.Array,
   rows travel and land as FP8 wire rows (:mod:`~moe_ep.transport.fp8`), each
   quantized by the warp that sends it or places it in this rank's slabs: no
   quantize pass before the exchange. Its receivers leave the padding rows
-  unwritten: the FP8 slabs' reader,
-  :func:`moe_ep.transport.fp8.dequantize_wire_rows`, zeroes them.
+  unwritten: the FP8 slabs' reader, the backend's ``dequantize_filled_rows``
+  (:func:`moe_ep.transport.xla.dequantize_filled_rows`), zeroes them.
 
   Args:
     rows: ``[T, H]`` one row per token.
