@@ -150,7 +150,8 @@ DEFINE_QUANTIZE_PACK(quantize_pack_f16, F16)
 // identity (a plain dequantize, num_out_rows == num_wire_rows).
 //   grid:   num_wire_rows blocks, plus ceil(num_out_rows / 8) zero-fill
 //           blocks when the maps are given; block b < num_wire_rows reads wire
-//           row b once.
+//           row b once, and not at all where no target of it is in range
+//           (dequantize_filled_rows: the unfilled rows of FP8 slabs).
 //   block:  a multiple of 32 threads; each thread takes 16 channels at a time
 //           (one 16-byte load of codes, all inside one scale block).
 //   inputs: wire [num_wire_rows, wire_bytes] uint8, targets [num_wire_rows,
@@ -195,9 +196,17 @@ __device__ __forceinline__ void unpack_dequantize_expand(
       fp8_zero_rows(sources, out, block - num_wire_rows, num_wire_rows, num_out_rows, hidden);
     return;
   }
+  const int copies = targets != nullptr ? fanout : 1;
+  if (targets != nullptr) {  // a row no target takes is not read (its codes may be unwritten)
+    bool taken = false;
+    for (int j = 0; j < copies; ++j) {
+      const i64 n = __ldg(targets + block * fanout + j);
+      taken = taken || (n >= 0 && n < num_out_rows);
+    }
+    if (!taken) return;  // block-uniform: every thread reads the same targets
+  }
   const u8* src = wire + block * wire_bytes;
   const float* scales = reinterpret_cast<const float*>(src + fp8_code_bytes(hidden));
-  const int copies = targets != nullptr ? fanout : 1;
   for (int c = FP8_CODES_PER_THREAD * threadIdx.x; c < hidden;
        c += FP8_CODES_PER_THREAD * blockDim.x) {
     const uint4 codes = *reinterpret_cast<const uint4*>(src + c);  // c + 16 <= code_bytes
