@@ -314,10 +314,11 @@ def test_fp8_dispatch_takes_the_wire_width_it_is_given(monkeypatch, zero_vectors
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float32])
 def test_fp8_padding_rows_are_left_unwritten_and_dequantize_to_zero(dtype):
   """The FP8 dispatch kernel leaves the slabs' padding rows as it found them
-  (0xAB poison here, which dequantizes to small nonzero values), and
-  fp8.dequantize_wire_rows, the FP8 slabs' reader, zeroes them: its slabs are
-  bitwise the pure-JAX FP8 slabs' (all-zero padding) dequantized, every rank
-  of EP=2."""
+  (0xAB poison here, which dequantizes to small nonzero values), and both
+  backends' dequantize_filled_rows, the FP8 slabs' reader, zero them: their
+  slabs are bitwise the pure-JAX FP8 slabs' (all-zero padding) dequantized by
+  pure JAX, every rank of EP=2."""
+  from moe_ep.transport import cupy as cupy_backend
   from moe_ep.transport import fp8
   ranks = _reference(2, dtype, seed=31)
   send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
@@ -334,11 +335,14 @@ def test_fp8_padding_rows_are_left_unwritten_and_dequantize_to_zero(dtype):
     raw = np.asarray(fp8.dequantize_rows(*fp8.unpack_wire(jnp.asarray(got), HIDDEN), dtype),
                      np.float32)
     assert (raw[~filled] != 0).all()  # the mask, not the bytes, zeroes the padding
-    got_rows, want_rows = (np.asarray(fp8.dequantize_wire_rows(
-        jnp.asarray(w), HIDDEN, dtype, jnp.asarray(filled))) for w in (got, want))
-    np.testing.assert_array_equal(got_rows.view(np.uint8), want_rows.view(np.uint8),
-                                  err_msg=f"rank {rank}")
-    assert (got_rows[~filled] == 0).all() and (got_rows[filled] != 0).any()
+    want_rows = np.asarray(xla_backend.dequantize_filled_rows(
+        jnp.asarray(want), jnp.asarray(filled), hidden=HIDDEN, dtype=dtype))
+    for reader in (xla_backend, cupy_backend):
+      got_rows = np.asarray(reader.dequantize_filled_rows(
+          jnp.asarray(got), jnp.asarray(filled), hidden=HIDDEN, dtype=dtype))
+      np.testing.assert_array_equal(got_rows.view(np.uint8), want_rows.view(np.uint8),
+                                    err_msg=f"rank {rank}, {reader.__name__}")
+      assert (got_rows[~filled] == 0).all() and (got_rows[filled] != 0).any()
 
 
 def _multiprocessors() -> int:
