@@ -105,3 +105,23 @@ def like_input(rows: jax.Array, x: jax.Array, mesh) -> jax.Array:
   if spec is None:
     return unflatten(rows)
   return _on_mesh(mesh, unflatten, spec, rows)
+
+
+def varying_axes(x) -> frozenset:
+  """The ``shard_map`` axes ``x`` varies over (``aval.mat.varying`` in newer
+  JAX, ``aval.vma`` in older); empty outside ``shard_map``."""
+  aval = jax.typeof(x)
+  manual_axis_type = getattr(aval, "mat", None)
+  if manual_axis_type is not None:
+    return frozenset(manual_axis_type.varying)
+  return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def vary_like(x: jax.Array, *others: jax.Array) -> jax.Array:
+  """``x`` marked varying over every ``shard_map`` axis that any of ``others``
+  varies over: what a custom rule or a kernel call needs where its inputs
+  mix replicated and varying values (its transpose sums over the added axes)."""
+  missing = frozenset().union(*(varying_axes(o) for o in others)) - varying_axes(x)
+  if not missing:
+    return x
+  return jax.lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")

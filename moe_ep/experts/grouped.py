@@ -1,0 +1,221 @@
+"""The expert bank over the grouped layout: one ``[M, H]`` buffer of rows in
+which each local expert's rows are contiguous.
+
+Group ``l`` holds ``counts[l]`` rows from row ``start[l]`` on, where the
+starts are the exclusive running sum of the counts rounded up to
+``ROW_TILE`` (its padding rows are zero); rows past the last group belong to
+none. So every GEMM costs the routed rows plus at most ``ROW_TILE - 1`` rows
+per expert, whatever the worst case the static ``M`` must hold.
+
+:func:`grouped_matmul` is a ``custom_vjp`` product with two implementations
+of the same three passes (forward, input gradient, weight gradient over the
+ragged rows): the Hopper kernels of :mod:`moe_ep.experts.hopper` where they
+apply (a CUDA device of compute capability 9.0, 16-bit operands, sizes that
+are multiples of the tiles), ``jax.lax.ragged_dot`` elsewhere. Both
+accumulate in float32 and round once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moe_ep import sharding
+from moe_ep.experts import hopper
+from moe_ep.experts.slabs import Namer, _no_name, activate
+
+ROW_TILE = hopper.ROW_TILE
+IMPLEMENTATIONS = ("auto", "hopper", "xla")
+
+
+class GroupTiles(NamedTuple):
+  """Where each group sits in the row buffer: int32 data derived from the counts.
+
+  Attributes:
+    group_start: ``[G]`` first row of each group (a multiple of ``ROW_TILE``).
+    group_rows: ``[G]`` the group's rows rounded up to ``ROW_TILE`` (its
+      padding rows are zero); a group that would run past the buffer is cut
+      at its end.
+    tile_group: ``[M // ROW_TILE]`` the group of each row tile, -1 for none.
+  """
+
+  group_start: jax.Array
+  group_rows: jax.Array
+  tile_group: jax.Array
+
+
+def _round_up(value, multiple: int):
+  return -(-value // multiple) * multiple
+
+
+def group_tiles(counts: jax.Array, num_rows: int) -> GroupTiles:
+  """The :class:`GroupTiles` of groups of ``counts [G]`` rows in ``num_rows``
+  (a multiple of ``ROW_TILE``) rows."""
+  padded = _round_up(counts.astype(jnp.int32), ROW_TILE)
+  ends = jnp.minimum(jnp.cumsum(padded), num_rows)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  tile_rows = jnp.arange(num_rows // ROW_TILE, dtype=jnp.int32) * ROW_TILE
+  tile_group = jnp.searchsorted(ends, tile_rows, side="right").astype(jnp.int32)
+  tile_group = jnp.where(tile_group < counts.shape[0], tile_group, -1)
+  return GroupTiles(starts, ends - starts, tile_group)
+
+
+def check_implementation(implementation: str) -> None:
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
+
+
+@functools.cache
+def hopper_available() -> bool:
+  """Whether the default backend is a CUDA GPU of compute capability 9.0."""
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:
+    return False
+  return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
+
+
+def kernels_apply(dtype, hidden: int, ffn: int) -> bool:
+  """Whether every GEMM of a bank of ``hidden`` and ``ffn`` sizes in
+  ``dtype`` runs on the Hopper kernels here (what ``expert_layout="auto"``
+  asks)."""
+  tile = 2 * hopper.TileConfig().tile_n
+  return (hopper_available() and jnp.dtype(dtype).name in hopper.DTYPES
+          and hidden % tile == 0 and ffn % tile == 0)
+
+
+def _uses_hopper(implementation: str, dtype, rows: int, contraction: int, columns: int) -> bool:
+  if implementation == "xla":
+    return False
+  fits = hopper.supports(dtype, rows=rows, contraction=contraction, columns=columns)
+  if implementation == "hopper":
+    if not hopper_available():
+      raise ValueError("implementation='hopper' needs a CUDA GPU of compute capability 9.0 "
+                       "(H100, H200); use 'auto' or 'xla'")
+    if not fits:
+      raise ValueError(
+          f"implementation='hopper' needs bfloat16/float16 operands and sizes that are "
+          f"multiples of the tiles; got {jnp.dtype(dtype).name} rows={rows} "
+          f"contraction={contraction} columns={columns}: use 'auto' or 'xla'")
+    return True
+  return fits and hopper_available()
+
+
+# --- the three passes, per implementation -----------------------------------
+
+
+def _forward_xla(lhs, rhs, tiles: GroupTiles, transpose_rhs: bool):
+  if transpose_rhs:
+    rhs = jnp.swapaxes(rhs, 1, 2)
+  out = jax.lax.ragged_dot(lhs, rhs, tiles.group_rows, preferred_element_type=jnp.float32)
+  return out.astype(lhs.dtype)
+
+
+def _wgrad_xla(lhs, rhs, tiles: GroupTiles):
+  numbers = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=[])
+  out = jax.lax.ragged_dot_general(lhs, rhs, tiles.group_rows, numbers,
+                                   preferred_element_type=jnp.float32)
+  return out.astype(lhs.dtype)
+
+
+def _forward(implementation, lhs, rhs, tiles, transpose_rhs):
+  columns = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  if _uses_hopper(implementation, lhs.dtype, lhs.shape[0], lhs.shape[1], columns):
+    return jax.lax.platform_dependent(
+        lhs, rhs, tiles,
+        cuda=lambda a, b, t: hopper.grouped_matmul(a, b, t.tile_group,
+                                                   transpose_rhs=transpose_rhs),
+        default=lambda a, b, t: _forward_xla(a, b, t, transpose_rhs))
+  return _forward_xla(lhs, rhs, tiles, transpose_rhs)
+
+
+def _wgrad(implementation, lhs, rhs, tiles):
+  if _uses_hopper(implementation, lhs.dtype, lhs.shape[0], lhs.shape[1], rhs.shape[1]):
+    steps_per_tile = ROW_TILE // hopper.TileConfig().tile_k
+    return jax.lax.platform_dependent(
+        lhs, rhs, tiles,
+        cuda=lambda a, b, t: hopper.grouped_matmul_wgrad(
+            a, b, t.group_start, t.group_rows // ROW_TILE * steps_per_tile,
+            t.group_start.shape[0]),
+        default=_wgrad_xla)
+  return _wgrad_xla(lhs, rhs, tiles)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _grouped_matmul(implementation, lhs, rhs, tiles):
+  return _forward(implementation, lhs, rhs, tiles, False)
+
+
+def _grouped_matmul_fwd(implementation, lhs, rhs, tiles):
+  return _forward(implementation, lhs, rhs, tiles, False), (lhs, rhs, tiles)
+
+
+def _grouped_matmul_bwd(implementation, residuals, out_grad):
+  lhs, rhs, tiles = residuals
+  out_grad = out_grad.astype(lhs.dtype)
+  lhs_grad = _forward(implementation, out_grad, rhs, tiles, True)
+  rhs_grad = _wgrad(implementation, lhs, out_grad, tiles)
+  tiles_grad = jax.tree.map(lambda t: jnp.zeros(t.shape, jax.dtypes.float0), tiles)
+  return lhs_grad, rhs_grad, tiles_grad
+
+
+_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tiles: GroupTiles,
+                   implementation: str = "auto") -> jax.Array:
+  """``out[rows_g] = lhs[rows_g] @ rhs[g]`` for every group ``g``, differentiable
+  in ``lhs`` and ``rhs``.
+
+  Args:
+    lhs: ``[M, K]`` rows in the grouped layout (``M % ROW_TILE == 0``).
+    rhs: ``[G, K, N]``, cast to ``lhs.dtype``.
+    tiles: the :class:`GroupTiles` of the layout (:func:`group_tiles`).
+    implementation: ``"auto"`` (the Hopper kernels where they apply),
+      ``"hopper"`` or ``"xla"``.
+
+  Returns:
+    ``[M, N]`` in ``lhs.dtype``. Rows of no group are unspecified (zero with
+    ``"xla"``); padding rows of a group, zero in ``lhs``, are zero.
+  """
+  check_implementation(implementation)
+  if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+    raise ValueError(f"grouped_matmul needs lhs [M, K] and rhs [G, K, N]; got {lhs.shape} "
+                     f"and {rhs.shape}")
+  if lhs.shape[0] % ROW_TILE or tiles.tile_group.shape[0] * ROW_TILE != lhs.shape[0]:
+    raise ValueError(f"lhs has {lhs.shape[0]} rows: the grouped layout needs a multiple of "
+                     f"{ROW_TILE} matching tiles.tile_group {tiles.tile_group.shape}")
+  # The custom rule's weight gradient varies like the rows (over the batch
+  # axes too): the weights must enter varying alike, and the transpose of
+  # that cast sums the gradient over those axes.
+  rhs = sharding.vary_like(rhs.astype(lhs.dtype), lhs)
+  return _grouped_matmul(implementation, lhs, rhs, tiles)
+
+
+def grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array, w_out: jax.Array,
+                       activation: str, name: Namer = _no_name,
+                       implementation: str = "auto") -> jax.Array:
+  """Applies expert ``l``'s MLP to the rows of group ``l``.
+
+  Args:
+    rows: ``[M, H]`` in the grouped layout, compute dtype.
+    counts: ``[L]`` int32 rows of each group.
+    w_in: ``[L, H, n*F]``; w_out: ``[L, F, H]`` (as :func:`moe_ep.experts.expert_mlp`).
+    activation, name: as :func:`moe_ep.experts.expert_mlp`.
+    implementation: as :func:`grouped_matmul`.
+
+  Returns:
+    ``[M, H]`` in ``rows.dtype``, zero on rows of no group.
+  """
+  tiles = group_tiles(counts, rows.shape[0])
+  hidden = name("expert_hidden", grouped_matmul(rows, w_in, tiles, implementation))
+  out = grouped_matmul(activate(hidden, activation), w_out, tiles, implementation)
+  # The kernels leave rows of no group unwritten; zero them in the pass that
+  # already reads the output, so what the bank returns is fully defined.
+  in_group = jnp.repeat(tiles.tile_group >= 0, ROW_TILE)[:, None]
+  return name("expert_output", jnp.where(in_group, out, jnp.zeros((), out.dtype)))

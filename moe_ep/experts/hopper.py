@@ -1,0 +1,279 @@
+"""Grouped GEMMs on Hopper tensor cores (Pallas Mosaic GPU: TMA + wgmma).
+
+Rows come in groups of whole ``ROW_TILE``-row tiles: group ``g`` owns rows
+``[start_g, start_g + size_g)`` with ``start_g`` a multiple of ``ROW_TILE`` and
+its padding rows (up to the next multiple) zero, so every tile of rows
+belongs to one group or to none. Two kernels cover the three products of a
+linear layer's forward and backward:
+
+* :func:`grouped_matmul`: ``out[rows_g] = lhs[rows_g] @ rhs[g]`` (or
+  ``@ rhs[g].T``), the forward and the input gradient; ``tile_group [M /
+  ROW_TILE]`` names each tile's group, -1 for a tile of no group, which is
+  skipped (its output rows are left unwritten).
+* :func:`grouped_matmul_wgrad`: ``out[g] = lhs[rows_g].T @ rhs[rows_g]``, the
+  weight gradient, contracting over the group's rows only (zero for an empty
+  group).
+
+Both are persistent, warp-specialized kernels after JAX's Hopper matmul
+(``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``): one memory
+warpgroup streams ``[128, tile_k]`` and ``[tile_k, 2 * tile_n]`` blocks by TMA
+through ``max_concurrent_steps`` shared-memory stages, two compute warpgroups
+each accumulate a ``[128, tile_n]`` float32 tile with wgmma, and the
+epilogue stores ``[64, 64]`` pieces by TMA. They run inside XLA's program as
+custom calls, on its stream, and need 16-bit inputs (bfloat16, float16) and
+sizes that are multiples of the tiles (:func:`supports`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# Rows per tile of the row dimension: a group's rows start at a multiple of it.
+ROW_TILE = 128
+DTYPES = ("bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """Tile sizes and scheduling of one kernel.
+
+  Attributes:
+    tile_n: output columns per compute warpgroup (the CTA's are ``2 * tile_n``).
+    tile_k: contraction depth of one pipeline stage.
+    max_concurrent_steps: shared-memory pipeline stages.
+    grid_tile_width: width of the snake order over output tiles (L2 reuse).
+    grid_minor_dim: 0: the snake walks along rows; 1: along columns.
+    epi_tile: side of the square pieces the epilogue stores.
+  """
+
+  tile_n: int = 128
+  tile_k: int = 64
+  max_concurrent_steps: int = 4
+  grid_tile_width: int = 8
+  grid_minor_dim: int = 1
+  epi_tile: int = 64
+
+
+def supports(dtype, *, rows: int, contraction: int, columns: int,
+             config: TileConfig = TileConfig()) -> bool:
+  """Whether the kernels take these operands: 16-bit floats, ``rows`` a
+  multiple of ``ROW_TILE``, ``contraction`` of ``tile_k`` (and of
+  ``ROW_TILE`` where it is the output's row count in the weight gradient),
+  ``columns`` of ``2 * tile_n``."""
+  return (jnp.dtype(dtype).name in DTYPES and rows % ROW_TILE == 0
+          and contraction % config.tile_k == 0 and contraction % ROW_TILE == 0
+          and columns % (2 * config.tile_n) == 0)
+
+
+def _transforms(dtype, minor: int):
+  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def _num_sms() -> int:
+  return jax.devices()[0].core_count
+
+
+def _store_tile(acc, out_smem, out_ref, wg_idx, epi_tile: int):
+  """Stores one warpgroup's ``[128, tile_n]`` float32 accumulator into
+  ``out_ref`` (a ``[128, tile_n]`` view of the output) by TMA, in
+  ``[epi_tile, epi_tile]`` pieces through two shared-memory slots."""
+  acc = acc.astype(out_smem.dtype)
+  rows, cols = acc.shape
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  for i in range(rows // epi_tile):
+    for j in range(cols // epi_tile):
+      piece = (slice(i * epi_tile, (i + 1) * epi_tile), slice(j * epi_tile, (j + 1) * epi_tile))
+      slot = (i * (cols // epi_tile) + j) % 2
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      out_smem[wg_idx, slot] = acc[piece]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], out_ref.at[piece])
+
+
+def _kernel_call(body, out_type, num_sms):
+  return plgpu.kernel(
+      body, out_type=out_type, grid=(num_sms,), grid_names=("sm",), num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
+                   transpose_rhs: bool = False, config: TileConfig = TileConfig(),
+                   num_sms: int | None = None) -> jax.Array:
+  """``out[rows_g] = lhs[rows_g] @ rhs[g]`` over the row tiles of each group.
+
+  Args:
+    lhs: ``[M, K]``, ``M % ROW_TILE == 0``.
+    rhs: ``[G, K, N]`` (``[G, N, K]`` with ``transpose_rhs``).
+    tile_group: ``[M // ROW_TILE]`` int32 group of each row tile, -1 for none.
+    transpose_rhs: multiply by ``rhs[g].T`` (the input gradient).
+    config: tiles and schedule.
+    num_sms: persistent CTAs (default: the device's multiprocessor count).
+
+  Returns:
+    ``[M, N]`` in ``lhs.dtype``; rows of tiles of no group are unspecified.
+  """
+  m, k = lhs.shape
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  tile_m, tile_n, tile_k = ROW_TILE, config.tile_n, config.tile_k
+  cta_tile_n = 2 * tile_n
+  m_iters, n_iters, k_iters = m // tile_m, n // cta_tile_n, k // tile_k
+  dtype = lhs.dtype
+  transforms = _transforms(dtype, tile_k)
+  epi = config.epi_tile
+  out_transforms = _transforms(dtype, epi)
+
+  def pipeline(body, compute_context):
+    rhs_spec = (plgpu.BlockSpec((cta_tile_n, tile_k), lambda ki: (0, ki), transforms=transforms,
+                                memory_space=plgpu.SMEM) if transpose_rhs else
+                plgpu.BlockSpec((tile_k, cta_tile_n), lambda ki: (ki, 0), transforms=transforms,
+                                memory_space=plgpu.SMEM))
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_iters,), memory_registers=40,
+        in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda ki: (0, ki), transforms=transforms,
+                                  memory_space=plgpu.SMEM), rhs_spec],
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
+        compute_context=compute_context)
+
+  def body(tile_group_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
+        out_smem=plgpu.SMEM((2, 2, epi, epi), dtype, transforms=out_transforms),
+        collective_axes="wg")
+    def scope(allocs, out_smem):
+      wg_idx = lax.axis_index("wg")
+
+      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+      def tile_loop(loop_info):
+        (index,) = loop_info.index
+        m_idx, n_idx = plgpu.planar_snake(index, (m_iters, n_iters), config.grid_minor_dim,
+                                          config.grid_tile_width)
+        group = tile_group_gmem[m_idx]
+        m_slice = pl.ds(m_idx * tile_m, tile_m)
+        n_slice = pl.ds(n_idx * cta_tile_n, cta_tile_n)
+        wg_n_slice = pl.ds(wg_idx * tile_n, tile_n)
+
+        @pl.when(group >= 0)
+        def _():
+          def compute_context(eval_pipeline):
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+            def _(acc_ref):
+              eval_pipeline(acc_ref)
+              _store_tile(acc_ref[...], out_smem,
+                          out_gmem.at[m_slice, n_slice].at[:, wg_n_slice], wg_idx, epi)
+
+          def mma(_, lhs_smem, rhs_smem, acc_ref):
+            if transpose_rhs:
+              rhs_block = plgpu.transpose_ref(rhs_smem.at[wg_n_slice, :], (1, 0))
+            else:
+              rhs_block = rhs_smem.at[:, wg_n_slice]
+            plgpu.wgmma(acc_ref, lhs_smem, rhs_block)
+            plgpu.wgmma_wait(0)
+            return acc_ref
+
+          rhs_view = (rhs_gmem.at[group].at[n_slice, :] if transpose_rhs
+                      else rhs_gmem.at[group].at[:, n_slice])
+          pipeline(mma, compute_context)(lhs_gmem.at[m_slice, :], rhs_view, allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  call = _kernel_call(body, jax.ShapeDtypeStruct((m, n), dtype), num_sms or _num_sms())
+  return call(tile_group, lhs, rhs)
+
+
+def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
+                         group_steps: jax.Array, num_groups: int, *,
+                         config: TileConfig = TileConfig(),
+                         num_sms: int | None = None) -> jax.Array:
+  """``out[g] = lhs[rows_g].T @ rhs[rows_g]``: the weight gradient.
+
+  Args:
+    lhs: ``[M, K]`` (the layer's input rows), ``K % ROW_TILE == 0``.
+    rhs: ``[M, N]`` (the output gradient rows).
+    group_start: ``[G]`` int32 first row of each group, a multiple of ``ROW_TILE``.
+    group_steps: ``[G]`` int32 ``tile_k``-row blocks of each group (0: empty).
+    num_groups: ``G``.
+
+  Returns:
+    ``[G, K, N]`` in ``lhs.dtype``, zero for an empty group.
+  """
+  m, k = lhs.shape
+  n = rhs.shape[1]
+  tile_m, tile_n, tile_c = ROW_TILE, config.tile_n, config.tile_k
+  cta_tile_n = 2 * tile_n
+  k_iters, n_iters = k // tile_m, n // cta_tile_n
+  dtype = lhs.dtype
+  lhs_transforms = _transforms(dtype, tile_m)
+  rhs_transforms = _transforms(dtype, cta_tile_n)
+  epi = config.epi_tile
+  out_transforms = _transforms(dtype, epi)
+
+  def pipeline(body, compute_context, steps, first_block):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(steps,), memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((tile_c, tile_m), lambda ci: (first_block + ci, 0),
+                            transforms=lhs_transforms, memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((tile_c, cta_tile_n), lambda ci: (first_block + ci, 0),
+                            transforms=rhs_transforms, memory_space=plgpu.SMEM)],
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
+        compute_context=compute_context)
+
+  def body(group_start_gmem, group_steps_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    ignore = lambda *_, **__: None
+    # A traced step count, as in the loop: a static one would shrink the stages.
+    dynamic_one = jnp.int32(1)
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore, dynamic_one, dynamic_one).get_allocations(lhs_gmem,
+                                                                                rhs_gmem),
+        out_smem=plgpu.SMEM((2, 2, epi, epi), dtype, transforms=out_transforms),
+        collective_axes="wg")
+    def scope(allocs, out_smem):
+      wg_idx = lax.axis_index("wg")
+
+      @plgpu.nd_loop((num_groups, k_iters * n_iters), collective_axes="sm")
+      def tile_loop(loop_info):
+        group, index = loop_info.index
+        k_idx, n_idx = plgpu.planar_snake(index, (k_iters, n_iters), config.grid_minor_dim,
+                                          config.grid_tile_width)
+        steps = group_steps_gmem[group]
+        first_block = group_start_gmem[group] // tile_c
+        k_slice = pl.ds(k_idx * tile_m, tile_m)
+        n_slice = pl.ds(n_idx * cta_tile_n, cta_tile_n)
+        wg_n_slice = pl.ds(wg_idx * tile_n, tile_n)
+
+        def compute_context(eval_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+          def _(acc_ref):
+            eval_pipeline(acc_ref)
+            _store_tile(acc_ref[...], out_smem,
+                        out_gmem.at[group].at[k_slice, n_slice].at[:, wg_n_slice], wg_idx, epi)
+
+        def mma(_, lhs_smem, rhs_smem, acc_ref):
+          plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_smem.at[:, wg_n_slice])
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        pipeline(mma, compute_context, steps, first_block)(
+            lhs_gmem.at[:, k_slice], rhs_gmem.at[:, n_slice], allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  call = _kernel_call(body, jax.ShapeDtypeStruct((num_groups, k, n), dtype),
+                      num_sms or _num_sms())
+  return call(group_start, group_steps, lhs, rhs)

@@ -1,0 +1,149 @@
+"""The grouped expert bank's pure-JAX path against float64 numpy, and
+against the slab bank."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_ep.experts import grouped, slabs
+from moe_ep.experts.grouped import ROW_TILE
+
+# Sizes that exercise empty groups, a group of one row, sizes that are not
+# multiples of the row tile and one that is, and a group holding every row.
+SIZE_CASES = {
+    "mixed": [300, 0, 1, 129, 128, 64],
+    "one_group_holds_all": [0, 0, 517, 0],
+    "all_empty_but_first": [5, 0, 0],
+}
+
+
+def _grouped_rows(sizes, num_rows, hidden, rng):
+  """``(rows [M, H] float64 with zero padding, group id per row or -1)``."""
+  starts = np.concatenate([[0], np.cumsum(-(-np.asarray(sizes) // ROW_TILE) * ROW_TILE)])[:-1]
+  rows = np.zeros((num_rows, hidden))
+  group_of_row = np.full(num_rows, -1)
+  for g, size in enumerate(sizes):
+    rows[starts[g]:starts[g] + size] = rng.normal(size=(size, hidden))
+    group_of_row[starts[g]:starts[g] + size] = g
+  return rows, group_of_row
+
+
+def _layout_rows(sizes):
+  padded = sum(-(-s // ROW_TILE) * ROW_TILE for s in sizes)
+  return padded + 2 * ROW_TILE  # spare tiles of no group
+
+
+# The Hopper kernels take 16-bit operands on whole tiles: 128 | K, 256 | N.
+IMPLEMENTATION_CASES = [
+    pytest.param("xla", dtype, 16, 24, id=f"xla-{dtype}")
+    for dtype in ("float32", "bfloat16", "float16")] + [
+    pytest.param("hopper", dtype, 256, 512, id=f"hopper-{dtype}", marks=pytest.mark.gpu)
+    for dtype in ("bfloat16", "float16")]
+
+
+@pytest.mark.parametrize("case", list(SIZE_CASES))
+@pytest.mark.parametrize("implementation, dtype, hidden, columns", IMPLEMENTATION_CASES)
+def test_grouped_matmul_and_its_gradients_match_float64(case, implementation, dtype, hidden,
+                                                        columns):
+  if implementation == "hopper" and not grouped.hopper_available():
+    pytest.skip("needs a GPU of compute capability 9.0")
+  sizes = SIZE_CASES[case]
+  rng = np.random.default_rng(len(sizes))
+  groups = len(sizes)
+  num_rows = _layout_rows(sizes)
+  lhs, group_of_row = _grouped_rows(sizes, num_rows, hidden, rng)
+  rhs = rng.normal(size=(groups, hidden, columns)) / hidden ** 0.5
+  cotangent = rng.normal(size=(num_rows, columns)) * (group_of_row >= 0)[:, None]
+  # References from the inputs as rounded to the dtype, in float64.
+  cast = lambda v: np.asarray(jnp.asarray(v, dtype).astype(jnp.float32), np.float64)
+  lhs, rhs, cotangent = cast(lhs), cast(rhs), cast(cotangent)
+  member = [(group_of_row == g)[:, None] for g in range(groups)]
+
+  def products(a, b, c):  # (out, lhs grad, rhs grad) of the grouped layer
+    return (sum(m * (a @ b[g]) for g, m in enumerate(member)),
+            sum(m * (c @ b[g].T) for g, m in enumerate(member)),
+            np.stack([(a * m).T @ c for m in member]))
+
+  wants = products(lhs, rhs, cotangent)
+  # Each value of the sums of |terms| bounds its float32 accumulation error.
+  magnitudes = products(np.abs(lhs), np.abs(rhs), np.abs(cotangent))
+  contraction = (hidden, columns, max(sizes))
+
+  tiles = grouped.group_tiles(jnp.asarray(sizes, jnp.int32), num_rows)
+  args = (jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype))
+  out, vjp = jax.vjp(lambda a, b: grouped.grouped_matmul(a, b, tiles, implementation), *args)
+  lhs_grad, rhs_grad = vjp(jnp.asarray(cotangent, dtype))
+  # Rows of no group are unspecified; a group's padding rows are zero.
+  in_a_group = np.asarray(tiles.tile_group).repeat(ROW_TILE)[:, None] >= 0
+  out, lhs_grad = (jnp.where(in_a_group, v, 0) for v in (out, lhs_grad))
+
+  # A float32 sum of n terms is within n * 2^-24 of the sum of their
+  # magnitudes (Higham's gamma_n); the one rounding to the dtype then adds
+  # its unit roundoff relative to each value: 2^-8 bfloat16, 2^-11 float16,
+  # 2^-24 float32.
+  roundoff = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}[dtype]
+  for got, want, magnitude, n in zip((out, lhs_grad, rhs_grad), wants, magnitudes, contraction):
+    assert got.dtype == jnp.dtype(dtype)
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    bound = n * 2.0 ** -24 * magnitude + roundoff * np.abs(want) * (1 + 2.0 ** -8) + 1e-30
+    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+
+
+def test_group_tiles_places_groups_on_whole_tiles():
+  sizes = jnp.asarray([300, 0, 1, 129], jnp.int32)
+  tiles = grouped.group_tiles(sizes, 10 * ROW_TILE)
+  np.testing.assert_array_equal(tiles.group_start, [0, 384, 384, 512])
+  np.testing.assert_array_equal(tiles.group_rows, [384, 0, 128, 256])
+  np.testing.assert_array_equal(tiles.tile_group, [0, 0, 0, 2, 3, 3, -1, -1, -1, -1])
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_grouped_bank_equals_slab_bank_with_its_gradients(activation):
+  rng = np.random.default_rng(3)
+  sizes = [5, 0, 130, 17]
+  groups, hidden, ffn = len(sizes), 8, 12
+  n_in = 1 if activation == "gelu" else 2
+  num_rows = _layout_rows(sizes)
+  rows, group_of_row = _grouped_rows(sizes, num_rows, hidden, rng)
+  capacity = max(sizes)
+  slab = np.zeros((groups, capacity, hidden))
+  for g in range(groups):
+    slab[g, :sizes[g]] = rows[group_of_row == g]
+  w_in = rng.normal(size=(groups, hidden, n_in * ffn)) / hidden ** 0.5
+  w_out = rng.normal(size=(groups, ffn, hidden)) / ffn ** 0.5
+  counts = jnp.asarray(sizes, jnp.int32)
+
+  def grouped_loss(r, a, b):
+    y = grouped.grouped_expert_mlp(r, counts, a, b, activation, implementation="xla")
+    return jnp.sum(jnp.sin(y)), y
+
+  def slab_loss(s, a, b):
+    y = slabs.expert_mlp(s, a, b, activation)
+    return jnp.sum(jnp.sin(y)), y
+
+  f32 = lambda v: jnp.asarray(v, jnp.float32)
+  (_, y_g), (dr, dwi_g, dwo_g) = jax.value_and_grad(grouped_loss, (0, 1, 2), has_aux=True)(
+      f32(rows), f32(w_in), f32(w_out))
+  (_, y_s), (ds, dwi_s, dwo_s) = jax.value_and_grad(slab_loss, (0, 1, 2), has_aux=True)(
+      f32(slab), f32(w_in), f32(w_out))
+  # The same float32 products summed in another order: within n * 2^-24 of
+  # the sum of magnitudes (n <= 2F + H = 32 terms of up to ~10), so 1e-5 of
+  # each output's scale.
+  def close(got, want):
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5 * np.abs(want).max(initial=0))
+  for g in range(groups):
+    close(y_g[group_of_row == g], y_s[g, :sizes[g]])
+    close(dr[group_of_row == g], ds[g, :sizes[g]])
+  close(dwi_g, dwi_s)
+  close(dwo_g, dwo_s)
+  padding = (group_of_row < 0) & (np.arange(num_rows) < 3 * ROW_TILE + 128)
+  assert not np.any(np.asarray(y_g)[padding]), "a group's padding rows must stay zero"
+
+
+def test_grouped_matmul_refuses_rows_off_the_tile():
+  tiles = grouped.group_tiles(jnp.asarray([3], jnp.int32), ROW_TILE)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    grouped.grouped_matmul(jnp.zeros((100, 4)), jnp.zeros((1, 4, 4)), tiles)
+  with pytest.raises(ValueError, match="implementation="):
+    grouped.grouped_matmul(jnp.zeros((128, 4)), jnp.zeros((1, 4, 4)), tiles, "cuda")
