@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name as _attach_name
 
 from moe_ep.transport import backend as _backend
+from moe_ep.transport.grouped_layout import ROW_TILE, grouped_from_slabs, grouped_rows_for
 from moe_ep.transport.layout import (
     Dispatched,
     RoutingHandle,
@@ -56,6 +57,7 @@ __all__ = [
     "combine",
     "dispatch",
     "expert_capacity_for",
+    "grouped_rows_for",
     "send_capacity_for",
     "CHECKPOINT_FIELDS",
     "EXCHANGES",
@@ -152,6 +154,7 @@ class _Spec:
   exchange: str = "all_to_all"  # resolved: "all_to_all" or "peer"
   mesh: object = None
   wire_dtype: str | None = None  # dispatch rows on the wire: None (as-is) or "float8_e4m3fn"
+  grouped_rows: int | None = None  # None: [L, C] slabs; M: the grouped layout's rows
 
   @property
   def ops(self):
@@ -381,6 +384,9 @@ def _routing(spec: _Spec, topk_idx, topk_weights):
   else:
     layout = _exchanged_layout(spec, meta, top_k)
   recv_pos, slab_row, slab_weights, counts, demand = layout
+  if spec.grouped_rows is not None:
+    recv_pos, slab_row, slab_weights, counts = grouped_from_slabs(
+        recv_pos, slab_row, slab_weights, counts, spec.grouped_rows)
   return (RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row), slab_weights,
           counts, demand)
 
@@ -415,7 +421,8 @@ def _dispatch_with_layout(spec: _Spec, tokens, topk_idx, topk_weights):
 
 def _dispatch_forward(spec: _Spec, tokens, topk_idx, topk_weights) -> Dispatched:
   with jax.named_scope(NAMED_SCOPES["dispatch"]):
-    if (spec.exchange == "peer" and not spec.wire_dtype and _peer().dispatch_layout_enabled()
+    if (spec.exchange == "peer" and not spec.wire_dtype and spec.grouped_rows is None
+        and _peer().dispatch_layout_enabled()
         and _peer().dispatch_layout_fits(tokens.dtype, tokens.shape[-1], spec.ep_size,
                                          spec.send_capacity, topk_idx.shape[1],
                                          spec.num_experts // spec.ep_size,
@@ -535,7 +542,7 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
              num_experts: int, expert_capacity: int, axis_name=None,
              send_capacity: int | None = None, checkpoint_name: str | None = None,
              backend: str = "auto", exchange: str = "auto", mesh=None,
-             wire_dtype: str | None = None) -> Dispatched:
+             wire_dtype: str | None = None, grouped_rows: int | None = None) -> Dispatched:
   """Sends each token's rows to the experts it is routed to.
 
   Call it per rank inside ``shard_map`` over the EP mesh axis ``axis_name``
@@ -585,10 +592,17 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
       which the slabs are dequantized from: saved by remat it is about half
       the bf16 residual, at the cost of one more pass over the slabs in the
       forward (without a name the dequantize is fused into the receive).
+    grouped_rows: None: the rows land in ``[L, C, H]`` slabs. ``M`` (a
+      multiple of ``ROW_TILE``, :func:`grouped_rows_for`): in the grouped
+      layout, ``[M, H]`` with each local expert's kept rows contiguous from a
+      multiple of ``ROW_TILE`` on (:mod:`~moe_ep.transport.grouped_layout`);
+      ``expert_capacity`` still caps each expert, and rows past ``M`` are
+      dropped (and counted) like capacity drops.
 
   Returns:
-    :class:`Dispatched`: ``tokens [L, C, H]``, ``weights [L, C]`` float32,
-    ``handle``, ``counts [L]``, ``demand [L]``.
+    :class:`Dispatched`: ``tokens [L, C, H]`` (``[M, H]`` grouped),
+    ``weights [L, C]`` (``[M]``) float32, ``handle``, ``counts [L]``,
+    ``demand [L]``.
   """
   _backend.check_name(backend)
   wire_dtype = check_wire_dtype(wire_dtype)
@@ -618,6 +632,9 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
   expert_capacity = min(positive_int("expert_capacity", expert_capacity), dropless_capacity)
   send_capacity = (num_tokens if send_capacity is None
                    else min(positive_int("send_capacity", send_capacity), num_tokens))
+  if grouped_rows is not None and positive_int("grouped_rows", grouped_rows) % ROW_TILE:
+    raise ValueError(f"grouped_rows={grouped_rows} must be a multiple of {ROW_TILE} (the "
+                     "grouped GEMM's row tile); see grouped_rows_for")
   topk_idx, topk_weights = _merge_duplicate_routes(_valid_ids(topk_idx, num_experts),
                                                    topk_weights)
   spec = _Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=expert_capacity,
@@ -625,7 +642,8 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
                backend=backend, checkpoint_name=checkpoint_name,
                weight_dtype=jnp.dtype(topk_weights.dtype).name,
                exchange=_resolve_exchange(exchange, backend, axis_name, ep_size, mesh),
-               mesh=mesh, wire_dtype=wire_dtype)
+               mesh=mesh, wire_dtype=wire_dtype,
+               grouped_rows=None if grouped_rows is None else int(grouped_rows))
   spec.ops  # resolves the backend now: a missing CuPy fails at trace time
   return _dispatch(spec, tokens, topk_idx, topk_weights)
 
@@ -660,7 +678,8 @@ def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int
 
   Args:
     expert_outputs: ``[L, C, H]`` in the slab layout of the dispatch that made
-      ``handle``. Unweighted: multiply by ``Dispatched.weights`` first.
+      ``handle`` (``[M, H]`` in its grouped layout). Unweighted: multiply by
+      ``Dispatched.weights`` first.
     handle: the dispatch's :class:`RoutingHandle`.
     num_tokens: ``T >= 1``, this rank's token count.
     axis_name: the EP mesh axis the dispatch used, or None.
@@ -673,12 +692,13 @@ def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int
     token's experts on one rank first, on that rank, then over ranks).
   """
   _backend.check_name(backend)
-  _check_rank("expert_outputs", expert_outputs, 3, "[L, C, H]")
   if not isinstance(handle, RoutingHandle):
     raise ValueError(f"handle must be the RoutingHandle from dispatch; got {type(handle)}")
-  if expert_outputs.shape[:2] != handle.slab_row.shape:
-    raise ValueError(f"expert_outputs shape {expert_outputs.shape} must be [L, C, H] with "
-                     f"[L, C] = {handle.slab_row.shape} from the handle")
+  shape_doc = "[M, H]" if handle.grouped else "[L, C, H]"
+  _check_rank("expert_outputs", expert_outputs, handle.slab_row.ndim + 1, shape_doc)
+  if expert_outputs.shape[:-1] != handle.slab_row.shape:
+    raise ValueError(f"expert_outputs shape {expert_outputs.shape} must be {shape_doc} with "
+                     f"{shape_doc[:-4]}] = {handle.slab_row.shape} from the handle")
   num_tokens = check_num_tokens(num_tokens, "combine")
   if num_tokens != handle.num_tokens:
     raise ValueError(f"num_tokens={num_tokens} does not match the handle's "
@@ -687,8 +707,9 @@ def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int
   if ep_size != handle.ep_size:
     raise ValueError(f"axis_name={axis_name!r} has size {ep_size} but the handle was "
                      f"made for {handle.ep_size} ranks")
-  spec = _Spec(num_experts=handle.num_local_experts * ep_size, ep_size=ep_size,
-               expert_capacity=handle.expert_capacity, send_capacity=handle.send_capacity,
+  # Combine needs no expert count or capacity: its passes read the handle's flat rows.
+  spec = _Spec(num_experts=ep_size, ep_size=ep_size,
+               expert_capacity=handle.slab_row.size, send_capacity=handle.send_capacity,
                axis_name=axis_name, backend=backend,
                exchange=_resolve_exchange(exchange, backend, axis_name, ep_size, mesh),
                mesh=mesh)

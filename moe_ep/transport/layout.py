@@ -156,7 +156,9 @@ class RoutingHandle(NamedTuple):
       for capacity. So a slot held a row exactly where some member is not
       -1 (combine then sends back only those rows).
     slab_row: ``[L, C]`` flat received row ``src * S + s`` feeding slab row
-      ``(l, c)``, or -1 on padding rows.
+      ``(l, c)``, or -1 on padding rows. In the grouped layout
+      (:mod:`~moe_ep.transport.grouped_layout`) ``[M]``, per buffer row, and
+      ``recv_pos`` holds buffer rows.
   """
 
   send_slot: jax.Array
@@ -182,12 +184,9 @@ class RoutingHandle(NamedTuple):
     return self.route_slot.shape[1]
 
   @property
-  def num_local_experts(self) -> int:
-    return self.slab_row.shape[0]
-
-  @property
-  def expert_capacity(self) -> int:
-    return self.slab_row.shape[1]
+  def grouped(self) -> bool:
+    """Whether the rows sit in the grouped layout (else in slabs)."""
+    return self.slab_row.ndim == 1
 
 
 class Dispatched(NamedTuple):
@@ -196,8 +195,10 @@ class Dispatched(NamedTuple):
   Attributes:
     tokens: ``[L, C, H]`` slab ``l`` holds the rows routed to global expert
       ``r*L + l``, in the order (source rank, source token index, k); rows
-      ``>= counts[l]`` are zero.
-    weights: ``[L, C]`` float32 routing weight of each row, 0 on padding.
+      ``>= counts[l]`` are zero. Grouped: ``[M, H]``, the same rows of
+      expert ``l`` contiguous from its group's start, other rows zero.
+    weights: ``[L, C]`` (grouped ``[M]``) float32 routing weight of each
+      row, 0 on padding.
     handle: the :class:`RoutingHandle`.
     counts: ``[L]`` int32 rows kept per local expert.
     demand: ``[L]`` int32 rows routed to each local expert before any drop,

@@ -209,7 +209,8 @@ def test_config_dispatch_dtype_is_validated_by_name(monkeypatch):
   assert MoEConfig(**BASE).dispatch_dtype is None
   assert MoEConfig(**BASE, dispatch_dtype=jnp.float8_e4m3fn).dispatch_dtype == FP8
   assert from_dict(MoEConfig, {**BASE, "dispatch_dtype": FP8}).dispatch_dtype == FP8
-  assert [f.name for f in dataclasses.fields(MoEConfig)][-1] == "dispatch_dtype"
+  names = [f.name for f in dataclasses.fields(MoEConfig)]
+  assert names.index("dispatch_dtype") > names.index("return_aux")  # appended: positions kept
   for bad in ("bfloat16", "float8_e5m2", "fp8", 8):
     with pytest.raises(ValueError, match=rf"MoEConfig.dispatch_dtype={bad!r} must be None or "):
       MoEConfig(**BASE, dispatch_dtype=bad)
