@@ -24,6 +24,8 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("swiglu", "geglu", "gelu")
 # Floating dtypes the layer computes exactly; float64 is refused (see _check_dtype).
 DTYPES = ("bfloat16", "float16", "float32")
+# Where the expert bank's rows sit (MoEConfig.expert_layout).
+EXPERT_LAYOUTS = ("auto", "slabs", "grouped")
 
 # Checkpoint-name groups of RematConfig.save, each expanding to named values.
 REMAT_GROUPS = {
@@ -227,6 +229,20 @@ class MoEConfig:
       every gradient stay in ``dtype`` (straight-through). Needs a JAX with
       ``jnp.float8_e4m3fn``, and with the CuPy kernels a GPU of compute
       capability 8.9+ (``transport="xla"`` runs it in pure JAX anywhere).
+    expert_layout: where the expert bank's rows sit: ``"slabs"``, ``[L, C,
+      H]`` of capacity ``C`` each (batched GEMMs: padding costs FLOPs, so
+      dropless ``C = R * T`` is slow); ``"grouped"``, each local expert's
+      rows contiguous in one ``[M, H]`` buffer (grouped GEMMs over the rows
+      routed, plus at most 127 padding rows per expert: dropless at the cost
+      of the routed rows); ``"auto"`` (the default), grouped wherever its
+      Hopper kernels run (a GPU of compute capability 9.0, 16-bit ``dtype``,
+      ``hidden_size`` and ``ffn_size`` multiples of 256), slabs elsewhere.
+      ``capacity_factor`` still caps each expert in either layout.
+    receive_factor: grouped layout across EP ranks: None sizes each rank's
+      buffer for the worst case, ``R * T * min(K, L)`` rows; a float for
+      ``receive_factor * T * K`` rows (the balanced load times the factor),
+      whose overflow is dropped and counted in ``MoEAux.dropped_fraction``.
+      One rank always holds every routed row.
   """
 
   hidden_size: int
@@ -255,6 +271,8 @@ class MoEConfig:
   remat: RematConfig = dataclasses.field(default_factory=RematConfig)
   return_aux: bool = True
   dispatch_dtype: str | None = None
+  expert_layout: str = "auto"
+  receive_factor: float | None = None
 
   def __post_init__(self):
     cls = type(self)
@@ -276,6 +294,9 @@ class MoEConfig:
       _check_number(self, "capacity_factor", 0.0, strict=True)
     if self.expert_capacity is not None:
       _check_int(self, "expert_capacity", 1)
+    _check_choice(self, "expert_layout", EXPERT_LAYOUTS)
+    if self.receive_factor is not None:
+      _check_number(self, "receive_factor", 0.0, strict=True)
     self._check_groups()
     if not isinstance(self.ep_axis, str) or not self.ep_axis:
       _fail(cls, "ep_axis", self.ep_axis, "must be a non-empty string")

@@ -21,8 +21,9 @@ from jax.sharding import PartitionSpec as P
 from moe_ep import router
 from moe_ep import sharding
 from moe_ep.config import DTYPES, MoEConfig
-from moe_ep.experts import expert_mlp
-from moe_ep.transport import combine, dispatch, expert_capacity_for, send_capacity_for
+from moe_ep.experts import expert_mlp, grouped_expert_mlp, kernels_apply
+from moe_ep.transport import (combine, dispatch, expert_capacity_for, grouped_rows_for,
+                              send_capacity_for)
 
 # jax.named_scope names of the layer's parts (the transport's are
 # moe_ep.transport.NAMED_SCOPES): they reach the compiled HLO's op_name
@@ -127,17 +128,24 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, mesh, dtype, num_valid: 
   capacity_args = (num_tokens, config.top_k, config.num_experts, layout.ep_size)
   expert_capacity = config.expert_capacity or expert_capacity_for(
       *capacity_args, config.capacity_factor)
+  grouped_rows = (grouped_rows_for(*capacity_args, config.receive_factor)
+                  if _grouped_layout(config, dtype) else None)
   dispatched = dispatch(
       tokens, routing.topk_idx, routing.topk_weights, num_experts=config.num_experts,
       expert_capacity=expert_capacity, axis_name=layout.ep_axis,
       send_capacity=send_capacity_for(*capacity_args, config.capacity_factor),
       checkpoint_name=remat.name("dispatch"), backend=config.transport,
-      exchange=config.exchange, mesh=mesh, wire_dtype=config.dispatch_dtype)
+      exchange=config.exchange, mesh=mesh, wire_dtype=config.dispatch_dtype,
+      grouped_rows=grouped_rows)
 
   # Experts, weighted in float32 before the unweighted combine.
   with jax.named_scope(NAMED_SCOPES["experts"]):
-    out = expert_mlp(dispatched.tokens, params["w_in"], params["w_out"], config.activation,
-                     name)
+    if grouped_rows is None:
+      out = expert_mlp(dispatched.tokens, params["w_in"], params["w_out"], config.activation,
+                       name)
+    else:
+      out = grouped_expert_mlp(dispatched.tokens, dispatched.counts, params["w_in"],
+                               params["w_out"], config.activation, name)
     out = (out.astype(jnp.float32) * dispatched.weights[..., None]).astype(dtype)
 
   # Combine.
@@ -152,6 +160,13 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, mesh, dtype, num_valid: 
   aux = _aux(config, layout, routing, logits, kept=dispatched.counts.sum(), real=real,
              num_valid=num_valid)
   return y, aux
+
+
+def _grouped_layout(config: MoEConfig, dtype) -> bool:
+  """Whether the expert bank runs on the grouped layout (``expert_layout``)."""
+  if config.expert_layout == "auto":
+    return kernels_apply(dtype, config.hidden_size, config.ffn_size)
+  return config.expert_layout == "grouped"
 
 
 def _real_rows(layout: _ShardLayout, num_tokens: int, num_valid: int) -> jax.Array | None:
