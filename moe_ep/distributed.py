@@ -169,15 +169,18 @@ def node_name() -> str:
   return os.environ.get(ENV_SLURM_NODE) or socket.gethostname()
 
 
-def _node_key() -> str:
-  """:func:`node_name` and the boot id: two containers of one hostname on two
-  machines differ."""
+def boot_id() -> str:
+  """This machine's boot id ("" where the kernel does not give one): with the
+  hostname it tells two containers of one hostname on two machines apart."""
   try:
     with open("/proc/sys/kernel/random/boot_id") as f:
-      boot = f.read().strip()
+      return f.read().strip()
   except OSError:
-    boot = ""
-  return f"{node_name()}/{boot}"
+    return ""
+
+
+def _node_key() -> str:
+  return f"{node_name()}/{boot_id()}"
 
 
 @functools.cache
