@@ -59,6 +59,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from examples import flops, plots  # noqa: E402
+from examples import mesh as device_mesh  # noqa: E402
 from examples.checkpoints import (RunCheckpoints, abstract_like, held_steps,  # noqa: E402
                                   latest_link, latest_run_dir, new_run_dir)
 from examples.data import make_corpus  # noqa: E402
@@ -109,12 +110,9 @@ class Interrupted(KeyboardInterrupt):
 
 def make_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
   """The ``("dp", "ep")`` mesh over all (global) devices, shaped by
-  :meth:`Config.mesh_shape` (errors say how to fit another device count)."""
-  devices = jax.devices() if devices is None else devices
-  dp, ep = config.mesh_shape(len(devices))
-  # Auto axes: XLA propagates the batch sharding through the attention blocks
-  # (the MoE layers take any mesh; tests/test_dropin.py covers jax.make_mesh's).
-  return jax.sharding.Mesh(np.array(devices).reshape(dp, ep), MESH_AXES)
+  :meth:`Config.mesh_shape` (errors say how to fit another device count),
+  ``ep`` inside a node and ``dp`` across nodes (:mod:`examples.mesh`)."""
+  return device_mesh.make_mesh(config, devices)
 
 
 def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
@@ -421,7 +419,7 @@ def _is_intact(state) -> bool:
 
 
 def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
-          progress: bool = True, name: str = "run") -> RunResult:
+          progress: bool = True, name: str = "run", devices=None) -> RunResult:
   """Runs (or resumes) training as ``config`` says.
 
   Args:
@@ -434,6 +432,8 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
     name: names a new run directory, ``runs/<name>-<YYYYmmdd-HHMMSS>``,
       when ``train.run_dir`` is null (the command line passes the config
       file's stem).
+    devices: the devices to train on (None: all of the job's). A run resumes
+      onto any device count and mesh its batch and experts divide.
 
   Raises:
     FileExistsError: a fresh run's explicit ``train.run_dir`` holds another run.
@@ -446,8 +446,9 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
   wall_start = time.perf_counter()
   is_main = jax.process_index() == 0
   say = functools.partial(print, flush=True) if progress and is_main else lambda *_: None
-  devices = jax.devices()
-  mesh_shape = config.mesh_shape(len(devices))  # device-count errors before anything is written
+  devices = jax.devices() if devices is None else list(devices)
+  # Device-count errors before anything is written.
+  mesh_shape = device_mesh.mesh_shape(config, devices)
   run_dir, created = choose_run_dir(config.train.run_dir, name, resume=resume)
   config = dataclasses.replace(config, train=dataclasses.replace(config.train,
                                                                  run_dir=str(run_dir)))
@@ -482,6 +483,9 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
   setup, train_step = build_program(program_config(config), tuple(devices))
   compile_s = time.perf_counter() - compile_start
   mesh = setup.mesh
+  ep_note = device_mesh.ep_span_note(mesh, config)
+  if ep_note:
+    say(ep_note)
   flops_per_token = flops.training_flops_per_token(config)
   peak = device_peak_tflops(config, devices[0])
   say(f"model: {_si(parameter_count(setup.abstract_state))} parameters, "
@@ -623,7 +627,9 @@ def interrupted_line(stop: Interrupted, argv: list[str]) -> str:
 
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
-  distributed.initialize_from_env()  # before any JAX computation
+  job = distributed.initialize_from_env()  # before any JAX computation
+  if job.cluster:
+    print(job.describe(), flush=True)
   config, resume, name = parse_args(argv)
   is_main = jax.process_index() == 0
 

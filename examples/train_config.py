@@ -243,8 +243,9 @@ class MeshConfig:
     dp: data-parallel size (None: the devices left after ``ep``).
     ep: expert-parallel size (None: the devices left after ``dp``). With
       both None the mesh adapts to the devices present: ``ep`` is the largest
-      divisor of the device count that also divides ``moe.num_experts``, and
-      ``dp`` the rest.
+      divisor of the devices of one node that also divides
+      ``moe.num_experts``, and ``dp`` the rest (across nodes; see
+      ``examples/mesh.py``). An ``ep`` larger than a node spans nodes.
   """
 
   dp: int | None = None
@@ -254,14 +255,18 @@ class MeshConfig:
     _check_int(self, "dp", 1, optional=True)
     _check_int(self, "ep", 1, optional=True)
 
-  def shape(self, num_devices: int, *, num_experts: int, batch_size: int) -> tuple[int, int]:
+  def shape(self, num_devices: int, *, num_experts: int, batch_size: int,
+            devices_per_node: int | None = None) -> tuple[int, int]:
     """``(dp, ep)`` over ``num_devices`` devices for ``num_experts`` experts
-    and a global batch of ``batch_size`` sequences (split over all devices).
+    and a global batch of ``batch_size`` sequences (split over all devices);
+    ``devices_per_node`` (None: all on one) bounds the automatic ``ep``.
 
     >>> MeshConfig().shape(8, num_experts=8, batch_size=32)
     (1, 8)
     >>> MeshConfig().shape(6, num_experts=8, batch_size=48)
     (3, 2)
+    >>> MeshConfig().shape(16, num_experts=64, batch_size=32, devices_per_node=8)
+    (2, 8)
     """
     if batch_size % num_devices:
       raise ValueError(
@@ -270,8 +275,9 @@ class MeshConfig:
           f"to a multiple of {num_devices}, or use another device count ({_CPU_DEVICES_HINT})")
     dp, ep = self.dp, self.ep
     if dp is None and ep is None:
-      ep = max(d for d in range(1, num_devices + 1)
-               if num_devices % d == 0 and num_experts % d == 0)
+      node = num_devices if devices_per_node is None else devices_per_node
+      ep = max(d for d in range(1, node + 1)
+               if node % d == 0 and num_devices % d == 0 and num_experts % d == 0)
     if ep is None:
       ep = num_devices // dp
     elif dp is None:
@@ -321,10 +327,10 @@ class Config:
       raise ValueError(f"ModelConfig.vocab_size={self.model.vocab_size} must be >= 256 "
                        "for byte-level data")
 
-  def mesh_shape(self, num_devices: int) -> tuple[int, int]:
+  def mesh_shape(self, num_devices: int, devices_per_node: int | None = None) -> tuple[int, int]:
     """``(dp, ep)`` of this run on ``num_devices`` devices (:meth:`MeshConfig.shape`)."""
     return self.mesh.shape(num_devices, num_experts=self.moe.num_experts,
-                           batch_size=self.train.batch_size)
+                           batch_size=self.train.batch_size, devices_per_node=devices_per_node)
 
 
 # --- YAML and overrides --------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import errors, nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
@@ -240,6 +240,20 @@ def _layer_mesh(config: MoEConfig, mesh):
   return ambient
 
 
+def _check_no_ep_mesh(config: MoEConfig) -> None:
+  """Raises where a layer built without a mesh is called under ``jax.set_mesh``
+  with an ``config.ep_axis`` of size > 1: it would run unsharded, without EP."""
+  ambient = sharding.ambient_mesh()
+  if ambient is None or ambient.shape.get(config.ep_axis, 1) == 1:
+    return
+  raise ValueError(
+      f"ExpertParallelMoE was built without a mesh (no mesh= and no jax.set_mesh around its "
+      f"construction), so its experts are not sharded, but it is called under jax.set_mesh "
+      f"with axis {config.ep_axis!r} of size {ambient.shape[config.ep_axis]}: it would run "
+      f"without expert parallelism. Build the layer (the model) inside "
+      f"`with jax.set_mesh(mesh):` or pass mesh=mesh; or call it outside the mesh")
+
+
 def _compute_dtype(config: MoEConfig, x: jax.Array):
   if config.dtype is not None:
     return jnp.dtype(config.dtype)
@@ -266,7 +280,8 @@ class ExpertParallelMoE(nnx.Module):
     mesh: a ``jax.sharding.Mesh`` containing ``config.ep_axis`` (and any of
       ``config.batch_axes``). None: the ambient mesh of ``jax.set_mesh`` if it
       has ``config.ep_axis`` (a warning once if it has not), else one device
-      without EP.
+      without EP (then a call under ``jax.set_mesh`` with an ``ep`` axis of
+      size > 1 is an error: the layer was built outside the mesh).
     rngs: parameter initialisation keys (``rngs.params()``).
 
   Calling ``layer(x)`` with ``x [..., H]`` of any leading shape and sharding
@@ -354,8 +369,16 @@ class ExpertParallelMoE(nnx.Module):
       params["shared_w_out"] = self.shared_w_out[...]
     return params
 
-  def __call__(self, x: jax.Array) -> jax.Array | tuple[jax.Array, MoEAux]:
+  def __call__(self, x: jax.Array, *, rngs: nnx.Rngs | None = None,
+               deterministic: bool | None = None) -> jax.Array | tuple[jax.Array, MoEAux]:
+    """``x [..., H]`` -> ``y [..., H]`` (and the :class:`MoEAux` with
+    ``config.return_aux``). ``rngs`` and ``deterministic`` are the keywords
+    an NNX feed-forward's call site often passes; the layer has no dropout,
+    so they change nothing."""
+    del rngs, deterministic
     config, mesh = self.config, self.mesh
+    if mesh is None:
+      _check_no_ep_mesh(config)
     layout = self._shard_layout(config, mesh)
     if x.ndim < 1 or x.shape[-1] != config.hidden_size:
       raise ValueError(f"x must be [..., hidden_size={config.hidden_size}]; got shape {x.shape}")
@@ -385,5 +408,13 @@ class ExpertParallelMoE(nnx.Module):
   def _output(self, y: jax.Array, aux: MoEAux):
     if self.config.return_aux:
       return y, aux
-    self.latest_aux.set(aux)
+    try:
+      self.latest_aux.set(aux)
+    except errors.TraceContextError as error:
+      raise errors.TraceContextError(
+          "ExpertParallelMoE with MoEConfig.return_aux=False keeps its MoEAux in layer."
+          "latest_aux, which a JAX transform over a closure of the model (jax.grad, jax.jit, "
+          "jax.vmap of `lambda x: model(x)`) cannot update: use the NNX transforms with the "
+          "model as an argument (nnx.grad(loss_fn)(model, x), nnx.value_and_grad, nnx.jit), "
+          "or set MoEConfig.return_aux=True and use the (y, aux) it returns") from error
     return y

@@ -1,5 +1,7 @@
 """The layer as a one-line drop-in: ambient mesh, any input shape and sharding,
-sown aux with the model-wide helpers, compute in the input's dtype.
+sown aux with the model-wide helpers, compute in the input's dtype, an NNX
+feed-forward's call keywords, clear errors where a mesh or a transform would
+silently lose EP or the aux, and its state restored onto another mesh.
 
 Every result is checked against the explicit-mesh path with ``return_aux=True``
 (which the dense-reference tests in test_layer.py pin down) or a one-device
@@ -13,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
+from flax import errors, nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -285,3 +288,100 @@ def test_bad_input_shapes_and_dtypes_are_named():
     layer(np.zeros((2, 8), np.float32))
   with pytest.raises(ValueError, match="x has dtype int32"):
     layer(np.zeros((2, HIDDEN), np.int32))
+
+
+def test_call_takes_the_keywords_of_an_nnx_feed_forward():
+  """``mlp(x, rngs=..., deterministic=...)``, as Gemma's and nanoGPT-style
+  blocks call their feed-forward, runs unchanged and gives ``mlp(x)``."""
+  layer = ExpertParallelMoE(moe_config(return_aux=True), rngs=nnx.Rngs(0))
+  x = np.random.default_rng(8).normal(size=(2, 3, HIDDEN)).astype(np.float32)
+
+  @nnx.jit
+  def calls(layer, x):
+    return (layer(x), layer(x, deterministic=True),
+            layer(x, rngs=nnx.Rngs(dropout=1), deterministic=False))
+
+  (want_y, want_aux), *others = calls(layer, x)
+  for y, aux in others:
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))
+    np.testing.assert_array_equal(np.asarray(aux.tokens_per_expert),
+                                  np.asarray(want_aux.tokens_per_expert))
+
+
+def test_layer_built_outside_a_mesh_refuses_a_call_under_an_ep_mesh():
+  """Built with no mesh, its experts are whole on one device; called under
+  jax.set_mesh with an "ep" axis (eagerly or jitted) it would silently run
+  without EP."""
+  layer = ExpertParallelMoE(moe_config(return_aux=True), rngs=nnx.Rngs(0))
+  x = np.ones((8, HIDDEN), np.float32)
+  call = nnx.jit(lambda m, v: m(v))
+  for run in (lambda m, v: m(v), call):
+    with on(cpu_mesh("Mesh")), pytest.raises(
+        ValueError, match=r"built without a mesh .* axis 'ep' of size 4: .* jax.set_mesh\(mesh\)"):
+      run(layer, x)
+  # No ep axis, or one of size 1: nothing to shard, so it runs as built.
+  for mesh in (jax.sharding.Mesh(np.array(jax.devices("cpu")[:2]), ("data",)),
+               cpu_mesh("Mesh", shape=(2, 1))):
+    with on(mesh):
+      y, _ = call(layer, x)
+    assert y.shape == x.shape
+
+
+def test_plain_jax_grad_over_a_closure_says_to_use_nnx_grad():
+  """return_aux=False keeps the aux in the layer, which a JAX transform of a
+  closure cannot update: the error names the NNX transforms. The same
+  closure works with return_aux=True, and nnx.grad with either, to the same
+  input gradient."""
+  x = np.random.default_rng(9).normal(size=(4, HIDDEN)).astype(np.float32)
+  sown = ExpertParallelMoE(moe_config(), rngs=nnx.Rngs(0))
+  with pytest.raises(errors.TraceContextError,
+                     match=r"cannot update: use the NNX transforms .*nnx\.grad\(loss_fn\)"):
+    jax.grad(lambda v: sown(v).sum())(x)
+  returned = ExpertParallelMoE(moe_config(return_aux=True), rngs=nnx.Rngs(0))
+  want = jax.jit(jax.grad(lambda v: returned(v)[0].sum()))(x)
+  got = nnx.jit(nnx.grad(lambda model, v: model(v).sum(), argnums=1))(sown, x)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **GRAD_TOL)
+
+
+def restore_target(create, mesh):
+  """``(graphdef, target)``: the module ``create()`` builds, traced under
+  ``mesh``, with restore targets placed by its partition specs on ``mesh``
+  (docs/multinode.md's pattern: nnx.eval_shape's own shardings name an
+  AbstractMesh, which Orbax cannot place arrays on)."""
+  with jax.set_mesh(mesh):
+    graphdef, abstract = nnx.split(nnx.eval_shape(create))
+  specs = nnx.get_partition_spec(abstract)
+  target = jax.tree.map(
+      lambda value, spec: jax.ShapeDtypeStruct(value.shape, value.dtype,
+                                               sharding=NamedSharding(mesh, spec)),
+      abstract, specs, is_leaf=lambda x: isinstance(x, P))
+  return graphdef, target
+
+
+def test_layer_state_restores_onto_another_mesh_bitwise(tmp_path):
+  """Saved from a 2x4 mesh, the layer's state (experts, bias, kept aux)
+  restores onto 1x2, 1x1 and 1x8 meshes bit for bit, experts split over the
+  new ep axis, and the restored layer computes what the saved one does."""
+  config = moe_config()
+  x = np.random.default_rng(10).normal(size=(8, HIDDEN)).astype(np.float32)
+  forward = nnx.jit(lambda layer, v: layer(v))
+  with on(cpu_mesh("Mesh")):
+    layer = ExpertParallelMoE(config, rngs=nnx.Rngs(11))
+    layer.expert_bias[...] = jnp.arange(8, dtype=jnp.float32) / 10
+    want_y = np.asarray(forward(layer, x))
+  saved = nnx.state(layer)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "layer", saved)
+  checkpointer.wait_until_finished()
+  for shape in ((1, 2), (1, 1), (1, 8)):
+    mesh = cpu_mesh("Mesh", shape)
+    graphdef, target = restore_target(lambda: ExpertParallelMoE(config, rngs=nnx.Rngs(0)), mesh)
+    restored = checkpointer.restore(tmp_path / "layer", target)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)):
+      assert got.sharding.mesh == mesh
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert restored["w_in"][...].addressable_shards[0].data.shape[0] == 8 // shape[1]
+    with on(mesh):
+      moved = nnx.merge(graphdef, restored)
+      assert moved.mesh == mesh
+      np.testing.assert_allclose(np.asarray(forward(moved, x)), want_y, **TOL)

@@ -74,6 +74,7 @@ import jax
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
+from moe_ep import distributed
 from moe_ep.transport import cupy as cupy_backend
 from moe_ep.transport import meta as meta_format
 
@@ -429,12 +430,7 @@ def reachability_problem(groups: list[tuple[int, ...]], facts: list[ProcessFacts
 
 def _host_id() -> str:
   """Hostname plus boot id: two containers of one name on two machines differ."""
-  try:
-    with open("/proc/sys/kernel/random/boot_id") as f:
-      boot = f.read().strip()
-  except OSError:
-    boot = ""
-  return f"{socket.gethostname()}/{boot}"
+  return f"{socket.gethostname()}/{distributed.boot_id()}"
 
 
 @functools.cache

@@ -1,0 +1,113 @@
+"""moe_ep.distributed: which job a process joins, through JAX's own cluster
+detection, without starting one (``jax.distributed.initialize`` is replaced
+by a recorder; tests/multiprocess/test_multinode.py starts a real one)."""
+
+import os
+
+import jax
+import pytest
+
+from moe_ep import distributed
+
+# The variables JAX's cluster environments look for (jax._src.clusters of
+# 0.10.2 and 0.11): each test starts from an environment without them.
+CLUSTER_PREFIXES = ("SLURM", "OMPI_", "PMIX", "KUBERNETES_", "TPU_", "MEGASCALE_", "CLOUD_TPU",
+                    "MOE_EP_", "JAX_COORDINATOR", "JAX_LOCAL_DEVICE_IDS")
+SLURM_TASK = {  # task 1 of a 2-node srun step, one task per node
+    "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[007-008]", "SLURM_NTASKS": "2",
+    "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
+    "SLURMD_NODENAME": "gpu008", "SLURM_STEP_NUM_NODES": "2",
+}
+OMPI_RANK = {  # rank 3 of `mpirun -np 4` (Open MPI 4)
+    "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911",
+    "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+}
+
+
+@pytest.fixture
+def calls(monkeypatch):
+  """A clean environment; ``jax.distributed.initialize`` records its
+  keyword arguments instead of joining anything."""
+  for name in list(os.environ):
+    if name.startswith(CLUSTER_PREFIXES):
+      monkeypatch.delenv(name)
+  recorded = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: recorded.append(kwargs))
+  monkeypatch.setattr(jax.config, "update", lambda *args: None)  # gloo stays unset here
+  return recorded
+
+
+def test_no_cluster_stays_a_single_process_without_initializing(calls):
+  assert distributed.detect_cluster() is None
+  job = distributed.initialize_from_env()
+  assert job == distributed.Job(None, 0, 1) and calls == []
+  assert job.describe().startswith(f"single process: process 0 of 1, {jax.local_device_count()} "
+                                   f"local devices of {jax.device_count()} (cpu)")
+
+
+def test_slurm_task_is_found_by_jax_and_joined_with_jax_s_own_parameters(calls, monkeypatch):
+  for name, value in SLURM_TASK.items():
+    monkeypatch.setenv(name, value)
+  cluster = distributed.detect_cluster()
+  assert cluster.__name__ == "SlurmCluster"
+  # JAX's rules, read back: coordinator on the first node, port from the job id.
+  assert cluster.get_coordinator_address(None, None) == f"gpu007:{4242 % 4096 + 61440}"
+  job = distributed.initialize_from_env(timeout_s=7)
+  assert calls == [{"cluster_detection_method": None, "initialization_timeout": 7}]
+  assert job.cluster == "SlurmCluster"
+  assert distributed.node_name() == "gpu008"
+
+
+def test_open_mpi_rank_is_found(calls, monkeypatch):
+  for name, value in OMPI_RANK.items():
+    monkeypatch.setenv(name, value)
+  cluster = distributed.detect_cluster()
+  assert cluster.__name__ == "OmpiCluster"
+  assert (cluster.get_process_count(), cluster.get_process_id()) == (4, 3)
+  assert distributed.initialize_from_env().cluster == "OmpiCluster"
+  assert len(calls) == 1
+
+
+def test_one_task_job_stays_single(calls, monkeypatch):
+  """``srun -n 1 python ...``: a cluster of one process joins nothing."""
+  for name, value in {**SLURM_TASK, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}.items():
+    monkeypatch.setenv(name, value)
+  assert distributed.detect_cluster().__name__ == "SlurmCluster"
+  assert distributed.initialize_from_env() == distributed.Job(None) and calls == []
+
+
+def test_launch_variables_win_and_switch_jax_detection_off(calls, monkeypatch):
+  """Inside a SLURM allocation, moe_ep.launch's children must not take
+  SLURM_LOCALID for their GPU: detection is deactivated."""
+  for name, value in SLURM_TASK.items():
+    monkeypatch.setenv(name, value)
+  monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
+  monkeypatch.setenv(distributed.ENV_PROCESS_ID, "1")
+  monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:1234")
+  monkeypatch.setenv(distributed.ENV_LOCAL_DEVICE_IDS, "2,3")
+  job = distributed.initialize_from_env(timeout_s=9)
+  assert job == distributed.Job("moe_ep.launch", 1, 2)
+  assert calls == [dict(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=1,
+                        local_device_ids=[2, 3], cluster_detection_method="deactivate",
+                        initialization_timeout=9)]
+
+
+def test_cluster_variable_chooses_or_refuses_a_detection_method(calls, monkeypatch):
+  for name, value in SLURM_TASK.items():
+    monkeypatch.setenv(name, value)
+  monkeypatch.setenv(distributed.ENV_CLUSTER, "deactivate")
+  assert distributed.initialize_from_env() == distributed.Job(None) and calls == []
+  monkeypatch.setenv(distributed.ENV_CLUSTER, "slurm")
+  assert distributed.initialize_from_env().cluster == "SlurmCluster"
+  assert calls[-1]["cluster_detection_method"] == "slurm"
+  monkeypatch.setenv(distributed.ENV_CLUSTER, "ompi")  # known, but not present here
+  with pytest.raises(ValueError, match="MOE_EP_CLUSTER='ompi': JAX finds no such environment"):
+    distributed.initialize_from_env()
+  monkeypatch.setenv(distributed.ENV_CLUSTER, "pbs")
+  with pytest.raises(ValueError, match=r"MOE_EP_CLUSTER='pbs' is not a cluster_detection_method"
+                                       r" of this JAX .*'slurm'"):
+    distributed.initialize_from_env()
+
+
+def test_single_process_knows_its_node(calls):
+  assert distributed.process_nodes() == (distributed._node_key(),)  # noqa: SLF001
