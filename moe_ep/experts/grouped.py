@@ -128,8 +128,8 @@ def _forward(implementation, lhs, rhs, tiles, transpose_rhs):
   if _uses_hopper(implementation, lhs.dtype, lhs.shape[0], lhs.shape[1], columns):
     return jax.lax.platform_dependent(
         lhs, rhs, tiles,
-        cuda=lambda a, b, t: hopper.grouped_matmul(a, b, t.tile_group,
-                                                   transpose_rhs=transpose_rhs),
+        cuda=lambda a, b, t: sharding.vary_like(
+            hopper.grouped_matmul(a, b, t.tile_group, transpose_rhs=transpose_rhs), a, b),
         default=lambda a, b, t: _forward_xla(a, b, t, transpose_rhs))
   return _forward_xla(lhs, rhs, tiles, transpose_rhs)
 
@@ -139,9 +139,9 @@ def _wgrad(implementation, lhs, rhs, tiles):
     steps_per_tile = ROW_TILE // hopper.TileConfig().tile_k
     return jax.lax.platform_dependent(
         lhs, rhs, tiles,
-        cuda=lambda a, b, t: hopper.grouped_matmul_wgrad(
+        cuda=lambda a, b, t: sharding.vary_like(hopper.grouped_matmul_wgrad(
             a, b, t.group_start, t.group_rows // ROW_TILE * steps_per_tile,
-            t.group_start.shape[0]),
+            t.group_start.shape[0]), a, b),
         default=_wgrad_xla)
   return _wgrad_xla(lhs, rhs, tiles)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -51,14 +52,17 @@ class TileConfig:
     grid_tile_width: width of the snake order over output tiles (L2 reuse).
     grid_minor_dim: 0: the snake walks along rows; 1: along columns.
     epi_tile: side of the square pieces the epilogue stores.
+    delay_release: wgmma groups a compute warpgroup keeps in flight before it
+      releases their stage (0: each product completes before the next).
   """
 
   tile_n: int = 128
   tile_k: int = 64
   max_concurrent_steps: int = 4
   grid_tile_width: int = 8
-  grid_minor_dim: int = 1
+  grid_minor_dim: int = 0
   epi_tile: int = 64
+  delay_release: int = 0
 
 
 def supports(dtype, *, rows: int, contraction: int, columns: int,
@@ -76,6 +80,13 @@ def _transforms(dtype, minor: int):
   swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
   return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
           plgpu.SwizzleTransform(swizzle))
+
+
+def _transposed(ref):
+  """``ref`` viewed transposed, for a wgmma operand read the other way round."""
+  with warnings.catch_warnings():  # renamed in newer JAX; the same view in both
+    warnings.simplefilter("ignore", DeprecationWarning)
+    return plgpu.transpose_ref(ref, (1, 0))
 
 
 def _num_sms() -> int:
@@ -135,13 +146,15 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
 
   def pipeline(body, compute_context):
     rhs_spec = (plgpu.BlockSpec((cta_tile_n, tile_k), lambda ki: (0, ki), transforms=transforms,
-                                memory_space=plgpu.SMEM) if transpose_rhs else
+                                memory_space=plgpu.SMEM, delay_release=config.delay_release)
+                if transpose_rhs else
                 plgpu.BlockSpec((tile_k, cta_tile_n), lambda ki: (ki, 0), transforms=transforms,
-                                memory_space=plgpu.SMEM))
+                                memory_space=plgpu.SMEM, delay_release=config.delay_release))
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_iters,), memory_registers=40,
         in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda ki: (0, ki), transforms=transforms,
-                                  memory_space=plgpu.SMEM), rhs_spec],
+                                  memory_space=plgpu.SMEM, delay_release=config.delay_release),
+                  rhs_spec],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context)
 
@@ -177,11 +190,11 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
 
           def mma(_, lhs_smem, rhs_smem, acc_ref):
             if transpose_rhs:
-              rhs_block = plgpu.transpose_ref(rhs_smem.at[wg_n_slice, :], (1, 0))
+              rhs_block = _transposed(rhs_smem.at[wg_n_slice, :])
             else:
               rhs_block = rhs_smem.at[:, wg_n_slice]
             plgpu.wgmma(acc_ref, lhs_smem, rhs_block)
-            plgpu.wgmma_wait(0)
+            plgpu.wgmma_wait(config.delay_release)
             return acc_ref
 
           rhs_view = (rhs_gmem.at[group].at[n_slice, :] if transpose_rhs
@@ -226,9 +239,11 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
         body, grid=(steps,), memory_registers=40,
         in_specs=[
             plgpu.BlockSpec((tile_c, tile_m), lambda ci: (first_block + ci, 0),
-                            transforms=lhs_transforms, memory_space=plgpu.SMEM),
+                            transforms=lhs_transforms, memory_space=plgpu.SMEM,
+                            delay_release=config.delay_release),
             plgpu.BlockSpec((tile_c, cta_tile_n), lambda ci: (first_block + ci, 0),
-                            transforms=rhs_transforms, memory_space=plgpu.SMEM)],
+                            transforms=rhs_transforms, memory_space=plgpu.SMEM,
+                            delay_release=config.delay_release)],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context)
 
@@ -265,8 +280,8 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
                         out_gmem.at[group].at[k_slice, n_slice].at[:, wg_n_slice], wg_idx, epi)
 
         def mma(_, lhs_smem, rhs_smem, acc_ref):
-          plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_smem.at[:, wg_n_slice])
-          plgpu.wgmma_wait(0)
+          plgpu.wgmma(acc_ref, _transposed(lhs_smem), rhs_smem.at[:, wg_n_slice])
+          plgpu.wgmma_wait(config.delay_release)
           return acc_ref
 
         pipeline(mma, compute_context, steps, first_block)(

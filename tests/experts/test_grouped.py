@@ -147,3 +147,23 @@ def test_grouped_matmul_refuses_rows_off_the_tile():
     grouped.grouped_matmul(jnp.zeros((100, 4)), jnp.zeros((1, 4, 4)), tiles)
   with pytest.raises(ValueError, match="implementation="):
     grouped.grouped_matmul(jnp.zeros((128, 4)), jnp.zeros((1, 4, 4)), tiles, "cuda")
+
+
+def test_hopper_branch_traces_inside_shard_map_with_the_types_of_the_jax_branch(monkeypatch):
+  """Both platform branches must agree in type, shard_map's varying axes
+  included (a kernel call drops them): checked by tracing the layer's
+  gradient with the Hopper kernels pretended present, lowered for CPU."""
+  from flax import nnx
+
+  from conftest import make_mesh
+  from moe_ep import ExpertParallelMoE, MoEConfig
+  from moe_ep.experts import hopper
+  monkeypatch.setattr(grouped, "hopper_available", lambda: True)
+  monkeypatch.setattr(hopper, "_num_sms", lambda: 132)
+  cfg = MoEConfig(hidden_size=256, ffn_size=256, num_experts=8, top_k=2, dtype="bfloat16",
+                  transport="xla", expert_layout="grouped")
+  layer = ExpertParallelMoE(cfg, mesh=make_mesh((2, 4), ("dp", "ep")), rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  loss = lambda p, x: jnp.sum(nnx.merge(graphdef, p, rest)(x)[0].astype(jnp.float32))
+  text = jax.jit(jax.grad(loss)).trace(params, jnp.ones((8, 64, 256))).lower().as_text()
+  assert "mosaic_gpu" not in text  # the CPU lowering took the pure-JAX branch
