@@ -87,6 +87,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
+  # Under pytest-xdist every worker collects every item: each test then runs
+  # its own job when it needs it, rather than every worker starting them all.
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    return
   import background
   background.start_for(session.items)
 
