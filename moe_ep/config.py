@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_ep.transport import CHECKPOINT_FIELDS, EXCHANGES, check_wire_dtype
-from moe_ep.transport.backend import BACKENDS
+from moe_ep.transport.names import BACKENDS, CHECKPOINT_FIELDS, EXCHANGES, check_wire_dtype
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("swiglu", "geglu", "gelu")

@@ -26,9 +26,9 @@ import tempfile
 import jax
 import numpy as np
 
-from moe_ep import transport
 from moe_ep.bench import ep
-from moe_ep.transport import combine, dispatch
+from moe_ep.transport import combine, dispatch, row_paths
+from moe_ep.transport.exchange import Spec, resolve_exchange
 
 
 def _is_cpu_op(name: str) -> bool:
@@ -146,10 +146,10 @@ def _case(mesh, tokens, hidden, num_experts, top_k, capacity_factor, backend, ex
                send_capacity=send_capacity)
   # The spec's exchange is the resolved one, as dispatch resolves it: a spec
   # holding "auto" would take neither path's fused kernels.
-  resolved = transport._resolve_exchange(exchange, backend, "ep", mesh.shape["ep"], mesh)
+  resolved = resolve_exchange(exchange, backend, "ep", mesh.shape["ep"], mesh)
   return dict(args=tuple(args), paths=paths, shape=shape,
-              spec=transport._Spec(ep_size=mesh.shape["ep"], **shape,
-                                   **dict(paths, exchange=resolved)))
+              spec=Spec(ep_size=mesh.shape["ep"], **shape,
+                        **dict(paths, exchange=resolved)))
 
 
 def run(tokens=8192, num_experts=64, decode_tokens=128, decode_experts=256, hidden=7168,
@@ -172,7 +172,7 @@ def run(tokens=8192, num_experts=64, decode_tokens=128, decode_experts=256, hidd
 
   programs = {
       "dispatch": (lambda x, idx, w: dispatch(x, idx, w, **big["shape"], **big["paths"]), big),
-      "dispatch_fp8_slabs": (lambda x, idx, w: transport._rows_to_fp8_slabs(
+      "dispatch_fp8_slabs": (lambda x, idx, w: row_paths.rows_to_fp8_slabs(
           fp8_spec, x, fp8_routing(idx, w)), big),
       "decode_round_trip": (round_trip, small)}
   result = {"ep_size": mesh.shape["ep"], "processes": jax.process_count(), "hidden": hidden,

@@ -32,7 +32,7 @@ _SMALL_SLAB_MULTIPLE = 8
 DROPPED_MEMBER = -2
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
   return -(-value // multiple) * multiple
 
 
@@ -108,13 +108,13 @@ def expert_capacity_for(num_tokens: int, top_k: int, num_experts: int,
   num_tokens = check_num_tokens(num_tokens, "expert_capacity_for")
   num_experts, top_k, ep_size = check_experts(num_experts, top_k, ep_size)
   check_capacity_factor(capacity_factor)
-  dropless = _round_up(ep_size * num_tokens, _SMALL_SLAB_MULTIPLE)
+  dropless = round_up(ep_size * num_tokens, _SMALL_SLAB_MULTIPLE)
   if capacity_factor is None:
     rows = ep_size * num_tokens
   else:
     rows = math.ceil(capacity_factor * ep_size * num_tokens * top_k / num_experts)
   multiple = _LARGE_SLAB_MULTIPLE if rows >= _LARGE_SLAB_ROWS else _SMALL_SLAB_MULTIPLE
-  return max(1, min(_round_up(rows, multiple), dropless))
+  return max(1, min(round_up(rows, multiple), dropless))
 
 
 def send_capacity_for(num_tokens: int, top_k: int, num_experts: int,
@@ -132,7 +132,7 @@ def send_capacity_for(num_tokens: int, top_k: int, num_experts: int,
   if capacity_factor is None:
     return num_tokens
   rows = math.ceil(capacity_factor * num_tokens * top_k / ep_size)
-  return max(1, min(_round_up(rows, _SMALL_SLAB_MULTIPLE), num_tokens))
+  return max(1, min(round_up(rows, _SMALL_SLAB_MULTIPLE), num_tokens))
 
 
 class RoutingHandle(NamedTuple):

@@ -28,7 +28,14 @@ import dataclasses
 
 import numpy as np
 
-from moe_ep.transport import peer
+from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport.peer.channel import ChannelLayout, meta_channel_layout
+from moe_ep.transport.peer.dispatch_layout import dispatch_layout_launch, dispatch_layout_shapes
+from moe_ep.transport.peer.dropin import exchange_launch
+from moe_ep.transport.peer.failures import WAIT_KINDS
+from moe_ep.transport.peer.fused_layout import slab_layout_kernel
+from moe_ep.transport.peer.kernels import multiprocessors
+from moe_ep.transport.peer.rows import RowGrid, RowKernel
 
 _RAISED = 0x3F  # every byte of a raised flag: a step no exchange reaches
 
@@ -42,7 +49,7 @@ class Launch:
 
   run: object
   out: object
-  grid: peer.RowGrid
+  grid: RowGrid
   held: tuple
 
 
@@ -58,7 +65,7 @@ def _ranks_first(rank: int, ep_size: int) -> list[int]:
   return [q for q in range(ep_size) if q != rank] + [rank]
 
 
-def _channels(layout: peer.ChannelLayout, rank: int) -> tuple:
+def _channels(layout: ChannelLayout, rank: int) -> tuple:
   """Fresh channels of every rank, every rank's but ``rank``'s flags raised;
   ``(channels, peers)``, ``peers`` their bases as a device array."""
   import cupy
@@ -83,10 +90,10 @@ def _checked(failed, record, what: str) -> None:
   if int(failed[0]) != 0:
     kind, peer_rank, _, rank = (int(v) for v in record.view(np.uint32)[:4])
     raise RuntimeError(f"loopback {what}: rank {rank} waited in vain for rank {peer_rank} "
-                       f"(wait kind {kind}: {peer._WAIT_KINDS.get(kind, '?')})")
+                       f"(wait kind {kind}: {WAIT_KINDS.get(kind, '?')})")
 
 
-def _in_turn(layout: peer.ChannelLayout, rank: int, absent: tuple, timeout_s: float,
+def _in_turn(layout: ChannelLayout, rank: int, absent: tuple, timeout_s: float,
              what: str, launch) -> tuple:
   """``launch(q, peers, tail)`` (rank ``q``'s kernel launched; returns its
   output buffer) for every rank but ``rank``, then ``rank``, skipping
@@ -104,7 +111,7 @@ def _in_turn(layout: peer.ChannelLayout, rank: int, absent: tuple, timeout_s: fl
   return out, (channels, peers, failed, record)
 
 
-def run_rank(kernel: peer.RowKernel, inputs: list[tuple], out_shape: tuple, out_dtype, *,
+def run_rank(kernel: RowKernel, inputs: list[tuple], out_shape: tuple, out_dtype, *,
              rank: int, absent: tuple = (), ordinal: int = 0, timeout_s: float = 10.0,
              keep: bool = False):
   """Rank ``rank``'s output of ``kernel`` (:func:`peer.dispatch_kernel`,
@@ -129,7 +136,7 @@ def run_rank(kernel: peer.RowKernel, inputs: list[tuple], out_shape: tuple, out_
   ep_size = len(inputs)
   layout = kernel.layout(ep_size)
   with cupy.cuda.Device(ordinal):
-    grid = kernel.grid(ep_size, peer._multiprocessors(ordinal))
+    grid = kernel.grid(ep_size, multiprocessors(ordinal))
     launched = {}
 
     def launch(q, peers, tail):
@@ -163,12 +170,11 @@ def exchange_rank(chunks: list, *, rank: int, absent: tuple = (), ordinal: int =
   ep_size = len(chunks)
   with cupy.cuda.Device(ordinal):
     inputs = [cupy.ascontiguousarray(cupy.asarray(c)) for c in chunks]
-    layout = peer.ChannelLayout(ep_size, inputs[0].nbytes // ep_size)
+    layout = ChannelLayout(ep_size, inputs[0].nbytes // ep_size)
 
     def launch(q, peers, tail):
       out = cupy.zeros_like(inputs[q])
-      kernel = peer.exchange_launch(layout, ordinal, peers, q, tail)
-      kernel.function((kernel.blocks,), (peer._THREADS,), (inputs[q], out, *kernel.args))
+      exchange_launch(layout, ordinal, peers, q, tail).launch((inputs[q], out))
       return out
 
     out, _ = _in_turn(layout, rank, absent, timeout_s, "exchange", launch)
@@ -184,23 +190,22 @@ def slab_layout_rank(metas: list, sizes: tuple, *, rank: int, absent: tuple = ()
   slab_weights [L * C], counts [L], demand [L])``. ``absent``,
   ``timeout_s``: as :func:`run_rank`."""
   import cupy
-  from moe_ep.transport import cupy as cupy_backend
   ep_size = len(metas)
   shapes = cupy_backend.slab_layout_shapes(ep_size, *sizes)
   with cupy.cuda.Device(ordinal):
     inputs = [cupy.ascontiguousarray(cupy.asarray(m, dtype=np.int32)) for m in metas]
-    layout = peer.meta_channel_layout(ep_size, inputs[0].shape[1])
+    layout = meta_channel_layout(ep_size, inputs[0].shape[1])
 
     def launch(q, peers, tail):
       outs = [_unwritten(cupy, shape.shape, shape.dtype) for shape in shapes]
-      peer.slab_layout_kernel(layout, ordinal, peers, q, sizes, tail).launch((inputs[q], *outs))
+      slab_layout_kernel(layout, ordinal, peers, q, sizes, tail).launch((inputs[q], *outs))
       return outs
 
     outs, _ = _in_turn(layout, rank, absent, timeout_s, "slab layout", launch)
     return tuple(out.get().reshape(-1) for out in outs)
 
 
-def _replayable(channel, layout: peer.ChannelLayout) -> None:
+def _replayable(channel, layout: ChannelLayout) -> None:
   """Every flag and acknowledgement raised, and the slots of step 1's parity
   copied into the other's: a later launch finds everything arrived."""
   channel[:layout.step_offset] = _RAISED
@@ -209,7 +214,7 @@ def _replayable(channel, layout: peer.ChannelLayout) -> None:
   channel[first:first + parity_bytes] = channel[first + parity_bytes:first + 2 * parity_bytes]
 
 
-def dispatch_layout_rank(kernel: peer.RowKernel, inputs: list[tuple], *, rank: int,
+def dispatch_layout_rank(kernel: RowKernel, inputs: list[tuple], *, rank: int,
                          absent: tuple = (), ordinal: int = 0, timeout_s: float = 10.0,
                          keep: bool = False):
   """Rank ``rank``'s outputs of ``peer_dispatch_layout``
@@ -224,16 +229,16 @@ def dispatch_layout_rank(kernel: peer.RowKernel, inputs: list[tuple], *, rank: i
   ep_size = len(inputs)
   width = kernel.sizes[-1]
   layout = kernel.layout(ep_size)
-  meta_layout = peer.meta_channel_layout(ep_size, width)
-  shapes = peer.dispatch_layout_shapes(kernel, ep_size, np.uint8, kernel.row_vecs * 16)
+  meta_layout = meta_channel_layout(ep_size, width)
+  shapes = dispatch_layout_shapes(kernel, ep_size, np.uint8, kernel.row_vecs * 16)
   with cupy.cuda.Device(ordinal):
-    grid = kernel.grid(ep_size, peer._multiprocessors(ordinal))
+    grid = kernel.grid(ep_size, multiprocessors(ordinal))
     meta_channels, meta_peers = _channels(meta_layout, rank)
     launched = {}
 
     def launch(q, peers, tail):
       outs = [_unwritten(cupy, shape.shape, shape.dtype) for shape in shapes]
-      job = peer.dispatch_layout_launch(kernel, grid, layout, meta_layout, ordinal, peers,
+      job = dispatch_layout_launch(kernel, grid, layout, meta_layout, ordinal, peers,
                                         meta_peers.data.ptr, q, tail)
       buffers = (*(cupy.asarray(a) for a in inputs[q]), *outs)
       job.launch(buffers)
@@ -252,11 +257,11 @@ def dispatch_layout_rank(kernel: peer.RowKernel, inputs: list[tuple], *, rank: i
                           held=(*held, meta_channels, meta_peers, buffers))
 
 
-def row_job(kernel: peer.RowKernel, grid: peer.RowGrid, layout: peer.ChannelLayout, peers: int,
+def row_job(kernel: RowKernel, grid: RowGrid, layout: ChannelLayout, peers: int,
             rank: int, tail: tuple, inputs: tuple, out_shape: tuple, out_dtype,
             ordinal: int = 0) -> tuple:
   """Rank ``rank``'s launch of a fused row kernel for :func:`run_concurrently`:
-  ``(peer._Kernel, buffers, [out])``, ``inputs`` device arrays in the
+  ``(Kernel, buffers, [out])``, ``inputs`` device arrays in the
   kernel's order, ``out`` a fresh :func:`_unwritten` buffer."""
   import cupy
   out = _unwritten(cupy, out_shape, out_dtype)
@@ -273,8 +278,8 @@ def run_concurrently(layouts: list, launches, steps: int, *, ordinal: int = 0,
   acknowledgements, and alternate slot parity, as on R GPUs.
 
   Args:
-    layouts: the channels' :class:`peer.ChannelLayout`, every one of R ranks.
-    launches: ``(step, q, peers, tail) -> [(peer._Kernel, buffers,
+    layouts: the channels' :class:`ChannelLayout`, every one of R ranks.
+    launches: ``(step, q, peers, tail) -> [(Kernel, buffers,
       outputs)]``, rank ``q``'s launches of that step in order; ``peers``:
       per layout, the device pointer of the R channel bases; ``tail``: the
       arguments every peer kernel ends with (rank ``q``'s failure word). It
