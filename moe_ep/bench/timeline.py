@@ -288,7 +288,8 @@ def op_events(trace: dict) -> list[OpEvent]:
     if event.get("ph") == "M" and event.get("name") == "process_name":
       process_names[event.get("pid")] = str(event.get("args", {}).get("name", ""))
     elif event.get("ph") == "M" and event.get("name") == "thread_name":
-      thread_names[(event.get("pid"), event.get("tid"))] = str(event.get("args", {}).get("name", ""))
+      name = str(event.get("args", {}).get("name", ""))
+      thread_names[(event.get("pid"), event.get("tid"))] = name
   device_pids = {pid for pid, name in process_names.items() if "/device:" in name}
   stream_lines = {key for key, name in thread_names.items()
                   if key[0] in device_pids and name.lower().startswith("stream")}
