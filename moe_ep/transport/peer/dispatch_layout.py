@@ -26,7 +26,8 @@ from moe_ep.transport.peer.runtime import RUNTIME, timeout_s
 # barrier (tested), but they also place every own row, which the senders of
 # peer_dispatch place as they send: at P2's shape (T=8192, E=64, R=2) the
 # loopback took 526.5 us against 455-457 for the layout launches and
-# peer_dispatch (dispatch-layout-chain-loopback-1xH200-20261201.json).
+# peer_dispatch
+# (benchmarks/results/tuning/dispatch-layout-chain-loopback-1xH200-20261201.json).
 DISPATCH_LAYOUT_MAX_TILES = 4
 
 

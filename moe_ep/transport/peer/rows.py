@@ -53,7 +53,8 @@ SEND_SHARE = {"dispatch": 0.5, "combine": 0.5}
 # the other ranks' sending. With every rank at once on one H200 (H=7168 bf16,
 # E=256) own-first was 4% faster at EP=2 for 7.3 MB of output and 5% slower
 # for 14.7 MB; at EP=4, where a rank holds a quarter of the members, it was
-# no faster even at 3.7 MB (combine-own-first-sweep-1xH200-20261201.json).
+# no faster even at 3.7 MB
+# (benchmarks/results/tuning/combine-own-first-sweep-1xH200-20261201.json).
 _COMBINE_OWN_FIRST_BYTES = 8 << 20
 
 
