@@ -49,7 +49,7 @@ def _fused_on_cuda(scope: str, fused, unfused, *args):
     return jax.lax.platform_dependent(*args, cuda=fused, default=unfused)
 
 
-def lookup(table: jax.Array, index: jax.Array, fill) -> jax.Array:
+def _lookup(table: jax.Array, index: jax.Array, fill) -> jax.Array:
   """``table[index]`` for the small int/float tables of the handle side;
   ``fill`` where ``index`` is out of range (-1)."""
   valid = (index >= 0) & (index < table.shape[0])
@@ -66,7 +66,7 @@ def _wire_rows(handle: RoutingHandle) -> jax.Array:
 def _token_member_pos(handle: RoutingHandle) -> jax.Array:
   """One rank only: ``[T, K]`` output positions of each token's members,
   composed through its single wire slot."""
-  return lookup(handle.recv_pos.reshape(-1, handle.top_k), handle.send_slot[:, 0], -1)
+  return _lookup(handle.recv_pos.reshape(-1, handle.top_k), handle.send_slot[:, 0], -1)
 
 
 # --- the row paths ------------------------------------------------------------
@@ -79,7 +79,7 @@ def rows_to_slabs(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Arr
   shape = slabs.output_shape(handle, hidden)
   output_rows = slabs.output_rows(handle)
   if spec.ep_size == 1:
-    token_of_output_row = lookup(handle.send_token.reshape(-1), output_rows, -1)
+    token_of_output_row = _lookup(handle.send_token.reshape(-1), output_rows, -1)
     return ops.expand_rows(rows, _token_member_pos(handle), token_of_output_row).reshape(shape)
   if fused_rows(spec, rows.dtype, hidden, handle.top_k, sums=False):
     flat = _fused_on_cuda(
@@ -161,7 +161,7 @@ def rows_to_slabs_fp8(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax
   if spec.ep_size == 1:
     wire = ops.quantize_pack_expand(rows)
     targets = _token_member_pos(handle)
-    sources = lookup(handle.send_token.reshape(-1), output_rows, -1)
+    sources = _lookup(handle.send_token.reshape(-1), output_rows, -1)
   else:
     wire = _exchanged_wire_rows(spec, rows, handle)
     targets, sources = handle.recv_pos.reshape(-1, handle.top_k), output_rows
@@ -215,12 +215,12 @@ def weights_to_routes(spec: Spec, slab_values: jax.Array, handle: RoutingHandle)
   """``[L, C]`` per-output-row float32 values -> ``[T, K]`` per route (0 if
   dropped). Small: plain jnp on every backend."""
   top_k = handle.top_k
-  per_member = lookup(slab_values.reshape(-1), handle.recv_pos, 0.0)  # [R, S, K]
+  per_member = _lookup(slab_values.reshape(-1), handle.recv_pos, 0.0)  # [R, S, K]
   if spec.ep_size > 1:
     per_member = exchange(spec, per_member, "exchange_weights")
   member = jnp.where(handle.route_slot >= 0,
                      handle.route_slot * top_k + jnp.arange(top_k, dtype=jnp.int32), -1)
-  return lookup(per_member.reshape(-1), member, 0.0)
+  return _lookup(per_member.reshape(-1), member, 0.0)
 
 
 # --- routing: the metadata exchange and the receiver's layout ------------------
