@@ -135,6 +135,11 @@ def send_capacity_for(num_tokens: int, top_k: int, num_experts: int,
   return max(1, min(round_up(rows, _SMALL_SLAB_MULTIPLE), num_tokens))
 
 
+def _size(field: str, axis: int, doc: str) -> property:
+  """A read-only size: axis ``axis`` of the handle's array ``field``."""
+  return property(lambda handle: getattr(handle, field).shape[axis], doc=doc)
+
+
 class RoutingHandle(NamedTuple):
   """The complete routing state of one dispatch: plain int32 arrays.
 
@@ -165,29 +170,13 @@ class RoutingHandle(NamedTuple):
   recv_pos: jax.Array
   slab_row: jax.Array
 
-  @property
-  def num_tokens(self) -> int:
-    return self.send_slot.shape[0]
-
-  @property
-  def ep_size(self) -> int:
-    return self.send_slot.shape[1]
-
-  @property
-  def send_capacity(self) -> int:
-    return self.send_token.shape[1]
-
-  @property
-  def top_k(self) -> int:
-    return self.route_slot.shape[1]
-
-  @property
-  def num_local_experts(self) -> int:
-    return self.slab_row.shape[0]
-
-  @property
-  def expert_capacity(self) -> int:
-    return self.slab_row.shape[1]
+  # The sizes, each read from the map that holds it.
+  num_tokens = _size("send_slot", 0, "``T``: this rank's tokens.")
+  ep_size = _size("send_slot", 1, "``R``: ranks on the EP axis.")
+  send_capacity = _size("send_token", 1, "``S``: rows per destination send chunk.")
+  top_k = _size("route_slot", 1, "``K``: routes per token.")
+  num_local_experts = _size("slab_row", 0, "``L``: experts on this rank.")
+  expert_capacity = _size("slab_row", 1, "``C``: rows per expert slab.")
 
 
 class Dispatched(NamedTuple):
