@@ -7,12 +7,10 @@
 #   `moe_ep.bench timeline` (one process, every GPU's kernels per call),
 #   without and with the decode dispatch in one launch.
 source benchmarks/gpu_setup.sh
-start=$SECONDS
 if [ "${PEER_TESTS:-1}" = 1 ]; then
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-240}" python -m pytest -q -x -m gpu \
-    tests/transport/test_peer.py tests/test_exchange_paths.py tests/transport/test_fp8_dispatch.py \
-    > "$OUT/peer_tests.log" 2>&1
-  echo "== peer tests rc=$? $((SECONDS - start))s: $(tail -n 1 "$OUT/peer_tests.log")"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false step peer_tests "${TEST_TIMEOUT:-240}" \
+    python -m pytest -q -x -m gpu tests/transport/test_peer.py tests/test_exchange_paths.py \
+    tests/transport/test_fp8_dispatch.py
 fi
 EP_ARGS=${EP_ARGS:-"{}"}
 PROGRAM="
@@ -26,26 +24,22 @@ if jax.process_index() == 0:
   print(ep.summary(result))
   print(common.write_result('ep', result, pathlib.Path('$OUT/results')))
 "
-start=$SECONDS
 if [ "${PROCESSES:-1}" = 1 ]; then  # one process for both GPUs: CUDA graphs need the flag
-  XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" timeout "${BENCH_TIMEOUT:-400}" \
-    python -c "$PROGRAM" > "$OUT/ep.log" 2>&1
-else  # one process per GPU, every GPU visible to each
-  XLA_PYTHON_CLIENT_PREALLOCATE=false python -m moe_ep.launch --num-processes "$PROCESSES" \
-    --gpus-per-process 1 --timeout "${BENCH_TIMEOUT:-400}" -- python -c "$PROGRAM" \
-    > "$OUT/ep.log" 2>&1
+  XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" step ep "${BENCH_TIMEOUT:-400}" \
+    python -c "$PROGRAM"
+else  # one process per GPU, every GPU visible to each (the launcher's own limit ends it)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false step ep "$((${BENCH_TIMEOUT:-400} + 30))" \
+    python -m moe_ep.launch --num-processes "$PROCESSES" --gpus-per-process 1 \
+    --timeout "${BENCH_TIMEOUT:-400}" -- python -c "$PROGRAM"
 fi
-echo "== ep rc=$? $((SECONDS - start))s"
 grep -v -E "Warning|warn\(|^\s*$|Gloo" "$OUT/ep.log" | tail -n 40
 if [ "${TIMELINE:-0}" = 1 ]; then
   # twice: the decode dispatch as two launches (the default), then as one
   # (peer_dispatch_layout, $MOE_EP_PEER_DISPATCH_LAYOUT=1)
-  for fused in 0 1; do
-    start=$SECONDS
+  for fused in 0 1; do  # timeline-<fused>.log
     MOE_EP_PEER_DISPATCH_LAYOUT=$fused XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" \
-      timeout "${TIMELINE_TIMEOUT:-150}" python -m moe_ep.bench timeline --out "$OUT/results" \
-      > "$OUT/timeline-$fused.log" 2>&1
-    echo "== timeline (dispatch layout fused: $fused) rc=$? $((SECONDS - start))s"
+      step "timeline-$fused" "${TIMELINE_TIMEOUT:-150}" \
+      python -m moe_ep.bench timeline --out "$OUT/results"
     tail -n 30 "$OUT/timeline-$fused.log"
   done
 fi

@@ -7,16 +7,16 @@
 # LAYER=0 skips P4 (the sanitizer runs alone, about a minute a tool).
 source benchmarks/gpu_setup.sh
 if [ "${LAYER:-1}" = 1 ]; then
-  start=$SECONDS
-  XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" timeout "${LAYER_TIMEOUT:-240}" python - > "$OUT/layer.log" 2>&1 <<PY
+  PROGRAM="
 import pathlib
 from moe_ep.bench import common, layer
 result = layer.run(hidden=7168, ffn=2048, num_experts=64, top_k=8, tokens=8192, seq=2048,
                    capacity_factors=(1.25,))
 print(layer.summary(result))
-print(common.write_result("layer", result, pathlib.Path("$OUT/results")))
-PY
-  echo "== layer rc=$? $((SECONDS - start))s"
+print(common.write_result('layer', result, pathlib.Path('$OUT/results')))
+"
+  XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" step layer "${LAYER_TIMEOUT:-240}" \
+    python -c "$PROGRAM"
   grep -E "^P4|^  " "$OUT/layer.log"
 fi
 # compute-sanitizer 2025.3.1's front end segfaults at start-up in about a
@@ -28,13 +28,14 @@ fi
 # A run that printed no summary is still tried again.
 for tool in ${TOOLS:-memcheck racecheck}; do
   for attempt in 1 2 3 4 5; do
-    start=$SECONDS
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${SANITIZER_TIMEOUT:-150}" python -m moe_ep.launch \
-      --num-processes 2 --gpus-per-process 1 --timeout "${SANITIZER_TIMEOUT:-150}" -- \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false step "$tool" "${SANITIZER_TIMEOUT:-150}" \
+      python -m moe_ep.launch --num-processes 2 --gpus-per-process 1 \
+      --timeout "${SANITIZER_TIMEOUT:-150}" -- \
       compute-sanitizer --tool "$tool" --target-processes application-only \
         --report-api-errors no --error-exitcode 7 \
-      python tests/transport/cupy_sanitizer_workload.py > "$OUT/$tool.log" 2>&1
-    echo "== $tool (attempt $attempt) rc=$? $((SECONDS - start))s: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|workload done' "$OUT/$tool.log" | tr '\n' ' ')"
+      python tests/transport/cupy_sanitizer_workload.py
+    echo "   (attempt $attempt) $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|workload done' \
+      "$OUT/$tool.log" | tr '\n' ' ')"
     grep -q -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/$tool.log" && break
   done
 done

@@ -24,14 +24,37 @@ and the git commit); ``--trace-dir`` keeps the raw trace for Perfetto or XProf.
 
 from __future__ import annotations
 
+import argparse
+import collections
+import contextlib
+import dataclasses
+import datetime
+import json
 import os
 import pathlib
+import platform
+import re
 import sys
+import tempfile
+import time
+from typing import NamedTuple
 
 # `python examples/profile_step.py` puts examples/ on sys.path, not the repository.
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
   sys.path.insert(0, str(_REPO))
+
+import jax  # noqa: E402  (the examples' package is found through the line above)
+
+from examples import flops, pretrain  # noqa: E402
+from examples.data import make_corpus  # noqa: E402
+from examples.train_config import (DEFAULT_CONFIG, Config, config_to_yaml,  # noqa: E402
+                                   load_config, split_config_path)
+from moe_ep import distributed  # noqa: E402
+from moe_ep.bench import common  # noqa: E402
+from moe_ep.bench.hlo import Instruction, parse_hlo  # noqa: E402
+from moe_ep.bench.timeline import OpEvent, op_events, read_trace  # noqa: E402
+from moe_ep.transport import NAMED_SCOPES as TRANSPORT_SCOPES  # noqa: E402
 
 _COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
 
@@ -43,38 +66,19 @@ def command_buffers_off() -> bool:
   return any(flag == _COMMAND_BUFFERS_OFF for flag in os.environ.get("XLA_FLAGS", "").split())
 
 
-# Run as a program, profile without command buffers (before JAX starts) unless
-# asked to keep them or XLA_FLAGS sets them: the step's time changed by under
-# 1.5% on an H200 (configs/h200.yaml), and every kernel becomes visible.
-if (__name__ == "__main__" and "--keep-command-buffers" not in sys.argv
-    and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", "")):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_COMMAND_BUFFERS_OFF}".strip()
+def turn_command_buffers_off() -> None:
+  """Profiles without command buffers unless XLA_FLAGS sets them: the step's
+  time changed by under 1.5% on an H200 (configs/h200.yaml), and every
+  kernel becomes visible. Only before JAX starts its backends (run as a
+  program), when the flag still takes effect; a process that already uses
+  JAX keeps its flags."""
+  from jax._src import xla_bridge  # noqa: PLC0415 - the check jax.distributed makes
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_gpu_enable_command_buffer" not in flags and not xla_bridge.backends_are_initialized():
+    os.environ["XLA_FLAGS"] = f"{flags} {_COMMAND_BUFFERS_OFF}".strip()
 
-import argparse  # noqa: E402
-import collections  # noqa: E402
-import contextlib  # noqa: E402
-import dataclasses  # noqa: E402
-import datetime  # noqa: E402
-import gzip  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import re  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from typing import NamedTuple  # noqa: E402
 
-# Imported first: on a machine without accelerators it asks for the eight
-# virtual CPU devices before JAX starts its backends.
-from examples import flops, pretrain  # noqa: E402, I001
-import jax  # noqa: E402
-from examples.data import make_corpus  # noqa: E402
-from examples.train_config import (DEFAULT_CONFIG, Config, config_to_yaml,  # noqa: E402
-                                   load_config, split_config_path)
-from moe_ep import distributed  # noqa: E402
-from moe_ep.bench import common  # noqa: E402
-from moe_ep.transport import NAMED_SCOPES as TRANSPORT_SCOPES  # noqa: E402
-
-DEFAULT_OUT = _REPO / "benchmarks" / "results"
+DEFAULT_OUT = _REPO / "runs" / "profile"
 TOP_OPS = 20
 
 # Rows of the table, in order; they sum to the step.
@@ -122,90 +126,6 @@ TRANSPORT_KERNELS = re.compile(r"^(route_|slab_|peer_|expand_rows_|gather_sum_ro
 
 
 # --- the compiled program ------------------------------------------------------------------------
-
-class Instruction(NamedTuple):
-  """One instruction of the compiled HLO text.
-
-  Attributes:
-    name: e.g. ``"fusion.12"``: what the trace events name in ``hlo_op``.
-    opcode: e.g. ``"fusion"``, ``"all-to-all"``, ``"custom-call"``.
-    op_name: the ``metadata={op_name=...}`` JAX wrote (``""`` if none), e.g.
-      ``"jit(step)/transpose(jvp())/while/body/.../moe_dispatch_bwd/gather"``.
-    target: a custom call's ``custom_call_target``, else ``""``.
-    calls: the computations it calls (``calls=``), e.g. a fusion's body.
-    operands: the instructions it reads.
-  """
-
-  name: str
-  opcode: str
-  op_name: str
-  target: str
-  calls: tuple[str, ...]
-  operands: tuple[str, ...]
-
-
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_OPCODE = re.compile(r"([\w\-]+)\(")
-_OPERAND = re.compile(r"%?([A-Za-z_][\w.\-]*)")  # type names too: they match no instruction
-_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
-_TARGET = re.compile(r'custom_call_target="((?:[^"\\]|\\.)*)"')
-_CALLS = re.compile(r"\bcalls=([%\w.\-, ]+?)(?:,\s*\w+=|$|\})")
-
-
-def _parenthesised(text: str) -> tuple[str, str]:
-  """``("(a, (b))", rest)`` of ``text`` starting with ``(``."""
-  depth = 0
-  for index, char in enumerate(text):
-    depth += {"(": 1, ")": -1}.get(char, 0)
-    if depth == 0:
-      return text[:index + 1], text[index + 1:]
-  return text, ""
-
-
-def _opcode_and_operands(rest: str) -> tuple[str, tuple[str, ...]]:
-  """The opcode and operand names of an instruction's right-hand side
-  ``shape opcode(operands), attributes`` (a tuple shape is parenthesised and
-  may hold spaces)."""
-  if rest.startswith("("):
-    rest = _parenthesised(rest)[1]
-  else:
-    rest = rest.split(" ", 1)[-1]
-  rest = rest.lstrip()
-  match = _OPCODE.match(rest)
-  if match is None:
-    return "", ()
-  operands = _parenthesised(rest[match.end() - 1:])[0]
-  return match.group(1), tuple(_OPERAND.findall(operands))
-
-
-def parse_hlo(text: str) -> tuple[str, dict[str, Instruction], dict[str, list[str]]]:
-  """``(module name, {instruction name: Instruction}, {computation: its
-  instruction names})`` of ``compiled.as_text()``."""
-  module = re.search(r"^HloModule\s+([^\s,]+)", text, re.MULTILINE)
-  instructions, computations, current = {}, {}, None
-  for line in text.splitlines():
-    match = _INSTRUCTION.match(line)
-    if match is None:
-      computation = _COMPUTATION.match(line)
-      if computation is not None:
-        current = computation.group(1)
-        computations[current] = []
-      continue
-    name, rest = match.groups()
-    op_name = _OP_NAME.search(rest)
-    target = _TARGET.search(rest)
-    calls = _CALLS.search(rest)
-    opcode, operands = _opcode_and_operands(rest)
-    instructions[name] = Instruction(
-        name, opcode, op_name.group(1).replace("\\'", "'") if op_name else "",
-        target.group(1) if target else "",
-        tuple(c.strip().lstrip("%") for c in calls.group(1).split(",")) if calls else (),
-        operands)
-    if current is not None:
-      computations[current].append(name)
-  return (module.group(1) if module else ""), instructions, computations
-
 
 def _scope_tokens(op_name: str) -> set[str]:
   """The components of ``op_name`` a named scope can be: split at ``/``, at
@@ -368,21 +288,23 @@ class Classifier:
     for category in (ROUTER, EXPERTS):
       if tokens.intersection(SCOPES[category]):
         return category
-    if self.scopes_present[ATTENTION]:
-      if tokens.intersection(SCOPES[ATTENTION]):
-        return ATTENTION
-    elif ATTENTION_TARGETS.search(instruction.target) or ATTENTION_OP_NAMES.search(op_name):
+    if self._in_scope_or(ATTENTION, tokens, ATTENTION_TARGETS.search(instruction.target)
+                         or ATTENTION_OP_NAMES.search(op_name)):
       return ATTENTION
     for category in (DENSE_MLP, LOSS):
       if tokens.intersection(SCOPES[category]):
         return category
-    if self.scopes_present[OPTIMIZER]:
-      if tokens.intersection(SCOPES[OPTIMIZER]):
-        return OPTIMIZER
-    elif (op_name.startswith(self.entry_prefix) and "jvp(" not in op_name
-          and "transpose(" not in op_name):
+    if self._in_scope_or(OPTIMIZER, tokens, op_name.startswith(self.entry_prefix)
+                         and "jvp(" not in op_name and "transpose(" not in op_name):
       return OPTIMIZER
     return OTHER
+
+  def _in_scope_or(self, category: str, tokens: set[str], fallback) -> bool:
+    """Whether an op of these scope ``tokens`` is in ``category``'s scope
+    where the program has one, else whether ``fallback`` holds."""
+    if self.scopes_present[category]:
+      return bool(tokens.intersection(SCOPES[category]))
+    return bool(fallback)
 
   def classify(self, name: str) -> Classified | None:
     """The :class:`Classified` of the instruction ``name``; None where the
@@ -409,100 +331,6 @@ class Classifier:
 
 
 # --- the trace -----------------------------------------------------------------------------------
-
-class OpEvent(NamedTuple):
-  """A device op of the trace: ``[start, end)`` in microseconds."""
-
-  device: str
-  line: tuple
-  start: float
-  end: float
-  hlo_module: str
-  hlo_op: str
-  kernel: str  # the event's own name: a GPU kernel's, or the op's on CPU
-  run_id: str
-
-
-def read_trace(trace_dir: pathlib.Path) -> dict:
-  """The Chrome-trace JSON jax.profiler.trace wrote under ``trace_dir``
-  (``plugins/profile/<run>/*.trace.json.gz``, or the
-  ``perfetto_trace.json.gz`` copy), of the newest run."""
-  runs = sorted((trace_dir / "plugins" / "profile").glob("*"), key=os.path.getmtime)
-  for run in reversed(runs):
-    files = sorted(run.glob("*.trace.json.gz")) or sorted(run.glob("perfetto_trace.json.gz"))
-    if files:
-      with gzip.open(files[0], "rt") as stream:
-        return json.load(stream)
-  raise FileNotFoundError(f"no *.trace.json.gz or perfetto_trace.json.gz under "
-                          f"{trace_dir}/plugins/profile/")
-
-
-_ANNOTATED = {key: re.compile(rf"\b{key}=([^,#\s]+)") for key in ("hlo_op", "hlo_module")}
-
-
-def _hlo_names(args: dict) -> tuple[str, str]:
-  """``(hlo_op, hlo_module)`` of an event: its args of those names, else
-  parsed from an annotation arg (XLA's ``"fusion.3:#hlo_op=fusion.3,
-  hlo_module=jit_step,program_id=7#"``); ``""`` where absent. A module name's
-  appended program id (``"jit_step(42)"``) is dropped."""
-  names = {}
-  for key, pattern in _ANNOTATED.items():
-    value = args.get(key)
-    if value is None:
-      for text in args.values():
-        match = pattern.search(text) if isinstance(text, str) else None
-        if match:
-          value = match.group(1)
-          break
-    names[key] = re.sub(r"\(\d+\)$", "", str(value or "").strip())
-  return names["hlo_op"], names["hlo_module"]
-
-
-def op_events(trace: dict) -> list[OpEvent]:
-  """The device op events of a Chrome trace from jax.profiler.
-
-  GPU: the events of a ``/device:...`` process's CUDA stream lines
-  (``thread_name`` starting with "Stream"), every kernel and memcpy of them,
-  with ``args.hlo_op`` where XLA annotated the launch; where a device has no
-  stream lines, its lines whose events carry ``hlo_op`` (e.g. "XLA Ops").
-  CPU: the host events carrying ``args.hlo_op`` and ``args.device_ordinal``
-  (the thunk executor's, on its worker threads; a while loop's event
-  encloses its body's). See :func:`_hlo_names` for where the op comes from.
-  """
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  process_names, thread_names = {}, {}
-  for event in events:
-    if event.get("ph") == "M" and event.get("name") == "process_name":
-      process_names[event.get("pid")] = str(event.get("args", {}).get("name", ""))
-    elif event.get("ph") == "M" and event.get("name") == "thread_name":
-      thread_names[(event.get("pid"), event.get("tid"))] = str(event.get("args", {}).get("name", ""))
-  device_pids = {pid for pid, name in process_names.items() if "/device:" in name}
-  stream_lines = {key for key, name in thread_names.items()
-                  if key[0] in device_pids and name.lower().startswith("stream")}
-  pids_with_streams = {pid for pid, _ in stream_lines}
-  found = []
-  for event in events:
-    if event.get("ph") != "X" or "dur" not in event:
-      continue
-    args = event.get("args") or {}
-    pid, line = event.get("pid"), (event.get("pid"), event.get("tid"))
-    hlo_op, hlo_module = _hlo_names(args)
-    if pid in device_pids:
-      if pid in pids_with_streams:
-        if line not in stream_lines:
-          continue
-      elif not hlo_op:
-        continue
-      device = process_names[pid]
-    elif hlo_op and "device_ordinal" in args:
-      device = f"{process_names.get(pid, pid)} device_ordinal {args['device_ordinal']}"
-    else:
-      continue
-    start = float(event["ts"])
-    found.append(OpEvent(device, line, start, start + float(event["dur"]), hlo_module, hlo_op,
-                         str(event.get("name", "")), str(args.get("run_id", ""))))
-  return found
-
 
 def _innermost_segments(line_events: list[int], events: list[OpEvent]) -> list[tuple]:
   """``(start, end, event index)`` pieces of one line's time, each owned by
@@ -943,7 +771,7 @@ def parse_args(argv=None) -> tuple[Config, argparse.Namespace, str, list[str]]:
   parser.add_argument("--steps", type=int, default=5, help="steps timed and traced (default 5)")
   parser.add_argument("--warmup", type=int, default=3, help="steps run first (default 3)")
   parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT,
-                      help="where the .md and .json go (default benchmarks/results/)")
+                      help="where the .md and .json go (default runs/profile/, ignored by git)")
   parser.add_argument("--keep-command-buffers", action="store_true",
                       help="keep XLA's command buffers (CUDA graphs) on: their kernels are "
                            "then not attributed to ops (turned off by default)")
@@ -963,8 +791,10 @@ def parse_args(argv=None) -> tuple[Config, argparse.Namespace, str, list[str]]:
 
 
 def main(argv=None) -> int:
-  distributed.initialize_from_env()  # before any JAX computation (moe_ep.launch jobs)
   config, args, name, overrides = parse_args(argv)
+  if not args.keep_command_buffers:
+    turn_command_buffers_off()  # before JAX starts its backends
+  distributed.initialize_from_env()  # before any JAX computation (moe_ep.launch jobs)
   try:
     config.mesh_shape(jax.device_count())
   except ValueError as error:

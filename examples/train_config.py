@@ -19,6 +19,11 @@ import jax.numpy as jnp
 import yaml
 
 from moe_ep import MoEConfig
+from moe_ep.config import check_bool as _check_bool
+from moe_ep.config import check_choice as _check_choice
+from moe_ep.config import check_int as _check_int
+from moe_ep.config import check_number as _check_number
+from moe_ep.config import fail as _fail
 from moe_ep.config import from_dict, to_dict
 
 MESH_AXES = ("dp", "ep")
@@ -27,26 +32,6 @@ ATTENTION_IMPLEMENTATIONS = {"auto": None, "xla": "xla", "cudnn": "cudnn"}
 # ModelConfig.remat_policy values (examples/model.py maps them to policies).
 REMAT_POLICIES = ("moe", "save_dots", "full")
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
-
-
-def _fail(obj, field: str, rule: str):
-  raise ValueError(f"{type(obj).__name__}.{field}={getattr(obj, field)!r} {rule}")
-
-
-def _check_int(obj, field: str, minimum: int, optional: bool = False) -> None:
-  value = getattr(obj, field)
-  if optional and value is None:
-    return
-  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-    _fail(obj, field, f"must be an integer >= {minimum}")
-
-
-def _check_number(obj, field: str, minimum: float, optional: bool = False) -> None:
-  value = getattr(obj, field)
-  if optional and value is None:
-    return
-  if not isinstance(value, (int, float)) or isinstance(value, bool) or value < minimum:
-    _fail(obj, field, f"must be a number >= {minimum}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,17 +90,14 @@ class ModelConfig:
     if self.num_layers % self.moe_every:
       _fail(self, "num_layers", f"must be a multiple of moe_every={self.moe_every}")
     for field in ("scan_layers", "remat_blocks"):
-      if not isinstance(getattr(self, field), bool):
-        _fail(self, field, "must be a bool")
+      _check_bool(self, field)
     _check_number(self, "rope_base", 1.0)
-    if self.remat_policy not in REMAT_POLICIES:
-      _fail(self, "remat_policy", f"must be one of {REMAT_POLICIES}")
+    _check_choice(self, "remat_policy", REMAT_POLICIES)
     try:
       dtype = jnp.dtype(self.dtype).name
     except TypeError:
       _fail(self, "dtype", "is not a dtype name")
-    if self.attention not in tuple(ATTENTION_IMPLEMENTATIONS):
-      _fail(self, "attention", f"must be one of {tuple(ATTENTION_IMPLEMENTATIONS)}")
+    _check_choice(self, "attention", ATTENTION_IMPLEMENTATIONS)
     if self.attention == "cudnn":
       if dtype not in ("bfloat16", "float16"):
         _fail(self, "attention", "needs dtype bfloat16 or float16 (cuDNN flash "

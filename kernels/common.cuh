@@ -48,7 +48,7 @@ __device__ __forceinline__ u32 dynamic_shared_bytes() {
 }
 
 // Element types of 16-bit and 32-bit float rows: load to float32, store with
-// one rounding (round to nearest even). Shared by the sums (rows.cu, peer.cu)
+// one rounding (round to nearest even). Shared by the sums (rows.cu, peer_combine.cu)
 // and the FP8 passes (fp8.cu), so all of them round alike.
 struct F32 {
   typedef float Elem;

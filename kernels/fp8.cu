@@ -98,20 +98,11 @@ __device__ __forceinline__ void quantize_pack(const typename T::Elem* __restrict
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1)
       amax = fp8_max_nan(amax, __shfl_xor_sync(MOE_EP_FULL_MASK, amax, offset));
-    const bool finite = fp8_is_finite(amax);
-    float scale;
-    u32 codes;
-    if (finite) {
-      const int exponent = fp8_scale_exponent(amax);
-      scale = fp8_pow2(exponent);
-      codes = fp8_codes4(v, fp8_pow2(-exponent));
-    } else {
-      scale = __uint_as_float(FP8_CANONICAL_NAN);
-      codes = 0u;
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (c + i < hidden) codes |= FP8_NAN_CODE << (8 * i);
-    }
+    u32 words[1];
+    const float scale = __uint_as_float(fp8_quantize_block(v, amax, words));
+    const int in_row = hidden - c;  // channels past the row keep code 0 (the code padding)
+    const u32 codes = in_row >= 4 ? words[0] : in_row > 0 ? words[0] & ((1u << (8 * in_row)) - 1u)
+                                                          : 0u;
     for (int j = 0; j < copies; ++j) {
       const i64 n = targets != nullptr ? __ldg(targets + block * fanout + j) : block;
       if (n < 0 || n >= num_out_rows) continue;

@@ -1,5 +1,5 @@
 // The FP8 wire format's element rules, shared by fp8.cu (quantize / dequantize
-// fused with the row expansions) and peer.cu (the quantize fused with the peer
+// fused with the row expansions) and peer_dispatch.cu (the quantize fused with the peer
 // dispatch). Prepended after common.cuh to the files that use it
 // (moe_ep/transport/kernel_source.py). The format and its rules (power-of-two
 // scales, scale floor, NaN/inf blocks) are documented in
@@ -12,7 +12,7 @@
 //
 // The e4m3 conversions use the sm_89+ PTX cvt instructions (the ones
 // <cuda_fp8.h>'s __nv_cvt_float2_to_fp8x2 emits there). Compiled for an older
-// GPU they are left out, so that peer.cu still builds there; Python never
+// GPU they are left out, so that peer_dispatch.cu still builds there; Python never
 // launches an FP8 kernel on such a GPU (fp8.check_compute_capability).
 
 #define FP8_BLOCK 128
@@ -101,6 +101,32 @@ __device__ __forceinline__ u32 fp8_codes4(const float* v, float inverse) {
          (f32x2_to_e4m3x2(v[2] * inverse, v[3] * inverse) << 16);
 }
 
+// The block-scale and NaN rule, the one place the kernels state it (the
+// pure-JAX one: moe_ep/transport/fp8.py): quantizes 4 * W values of one scale
+// block whose amax, reduced with fp8_max_nan, is NaN or inf exactly when the
+// block holds a NaN or an inf. A finite block: scale 2^e with e =
+// fp8_scale_exponent(amax), each value's code e4m3(value * 2^-e). A
+// non-finite block ("non-finite in, NaN out"): scale NaN, every code
+// FP8_NAN_CODE. Writes the codes four to a word (byte i of word w for
+// v[4 * w + i]); returns the scale's float32 bits.
+template <int W>
+__device__ __forceinline__ u32 fp8_quantize_block(const float* v, float amax, u32 (&words)[W]) {
+  const bool finite = fp8_is_finite(amax);
+  u32 scale;
+  if (finite) {
+    const int exponent = fp8_scale_exponent(amax);
+    scale = __float_as_uint(fp8_pow2(exponent));
+    const float inverse = fp8_pow2(-exponent);
+#pragma unroll
+    for (int w = 0; w < W; ++w) words[w] = fp8_codes4(v + 4 * w, inverse);
+  } else {
+    scale = FP8_CANONICAL_NAN;
+#pragma unroll
+    for (int w = 0; w < W; ++w) words[w] = FP8_NAN_CODE * 0x01010101u;
+  }
+  return scale;
+}
+
 // --- one warp step of the quantize fused with the peer dispatch's senders ----
 // Rows with hidden % 16 == 0: lane l takes channels c = 512 * step + 16 * l +
 // [0, 16) (all in the row or all past it), so lanes 8j .. 8j + 7 hold scale
@@ -147,20 +173,9 @@ __device__ __forceinline__ uint4 fp8_quantize_sixteen(const float (&v)[16], int 
 #pragma unroll
   for (int offset = 4; offset > 0; offset >>= 1)  // over the block's 8 lanes
     amax = fp8_max_nan(amax, __shfl_xor_sync(MOE_EP_FULL_MASK, amax, offset));
-  const bool finite = fp8_is_finite(amax);
-  uint4 codes;
-  u32 scale;
-  if (finite) {
-    const int exponent = fp8_scale_exponent(amax);
-    scale = __float_as_uint(fp8_pow2(exponent));
-    const float inverse = fp8_pow2(-exponent);
-    codes = make_uint4(fp8_codes4(v, inverse), fp8_codes4(v + 4, inverse),
-                       fp8_codes4(v + 8, inverse), fp8_codes4(v + 12, inverse));
-  } else {
-    scale = FP8_CANONICAL_NAN;
-    const u32 nan = FP8_NAN_CODE * 0x01010101u;
-    codes = make_uint4(nan, nan, nan, nan);
-  }
+  u32 words[4];
+  const u32 scale = fp8_quantize_block(v, amax, words);
+  const uint4 codes = make_uint4(words[0], words[1], words[2], words[3]);
   const int blocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK;
   u32 s[4];
 #pragma unroll

@@ -18,7 +18,7 @@
 // every rank one of its K experts lives on) and received members (src, slot,
 // k) on the receiver (key: local expert), so ranks follow token order, which
 // is the slab order the transport promises. The receiver's rank pass and the
-// tile sums are in slab_layout.cuh (peer.cu fuses them with the exchange).
+// tile sums are in slab_layout.cuh (peer_layout.cuh fuses them with the exchange).
 //
 // Metadata layout (moe_ep/transport/meta.py): one int32 row of
 // meta_width = 2*S*K + L words per destination rank:

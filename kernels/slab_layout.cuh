@@ -1,5 +1,5 @@
 // Tile sums and the receiver's slab layout, shared by layout.cu (the slab_*
-// kernels) and peer.cu (the metadata exchange fused with the layout).
+// kernels) and peer_layout.cuh (the metadata exchange fused with the layout).
 // Needs common.cuh.
 
 // Every kernel's dynamic shared memory (one declaration: the kernels' bodies
@@ -45,7 +45,7 @@ __device__ void sum_tiles(const int* __restrict__ tile_counts, int num_tiles, in
 // N or L * C >= 2**31): 64-bit division is a long subroutine on the GPU.
 // The receiver reads source src's metadata row (meta_width words) through
 // `Meta::word(src, i)`: MetaRows, the rows of one [R, meta_width] buffer
-// (the slab_* kernels, after the exchange), or peer.cu's rows where they
+// (the slab_* kernels, after the exchange), or the peer kernels' rows where they
 // landed in the peer channel.
 // ---------------------------------------------------------------------------
 // Source src's row: S * K local expert ids, S * K weights (float32 bits),

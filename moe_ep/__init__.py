@@ -1,8 +1,11 @@
-"""moe_ep: a Flax NNX Mixture-of-Experts layer with expert parallelism."""
+"""moe_ep: a Flax NNX Mixture-of-Experts layer with expert parallelism.
 
-from moe_ep.config import MoEConfig, RematConfig
-from moe_ep.layer import ExpertBias, ExpertParallelMoE, MoEAux, SownAux
-from moe_ep.model_aux import collect_aux, moe_layers, total_aux_loss, update_expert_biases
+The public names below, imported from their modules on first use."""
 
-__all__ = ["ExpertBias", "ExpertParallelMoE", "MoEAux", "MoEConfig", "RematConfig", "SownAux",
-           "collect_aux", "moe_layers", "total_aux_loss", "update_expert_biases"]
+from moe_ep.lazy import exports
+
+__all__, __getattr__, __dir__ = exports(__name__, {
+    "config": ("MoEConfig", "RematConfig"),
+    "layer": ("ExpertBias", "ExpertParallelMoE", "MoEAux", "SownAux"),
+    "model_aux": ("collect_aux", "moe_layers", "total_aux_loss", "update_expert_biases"),
+})

@@ -2,7 +2,9 @@
 their 1:1 mapping to and from plain dicts (YAML).
 
 Validation messages name the field and the rule, e.g.
-``MoEConfig.top_k=9 must be <= num_experts=8``.
+``MoEConfig.top_k=9 must be <= num_experts=8``; the validators (:func:`fail`,
+:func:`check_int`, :func:`check_number`, :func:`check_bool`,
+:func:`check_choice`) serve every config dataclass, the examples' too.
 """
 
 from __future__ import annotations
@@ -17,8 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_ep.transport import CHECKPOINT_FIELDS, EXCHANGES, check_wire_dtype
-from moe_ep.transport.backend import BACKENDS
+from moe_ep.transport.names import BACKENDS, CHECKPOINT_FIELDS, EXCHANGES, check_wire_dtype
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("swiglu", "geglu", "gelu")
@@ -38,43 +39,54 @@ REMAT_GROUPS = {
 REMAT_NAMES = tuple(name for group in REMAT_GROUPS.values() for name in group)
 
 
-def _fail(cls, field: str, value, rule: str):
-  raise ValueError(f"{cls.__name__}.{field}={value!r} {rule}")
+_UNSET = object()
+
+
+def fail(obj, field: str, rule: str, value=_UNSET):
+  """ValueError ``"<Class>.<field>=<value> <rule>"`` (``value``: the field's own)."""
+  value = getattr(obj, field) if value is _UNSET else value
+  raise ValueError(f"{type(obj).__name__}.{field}={value!r} {rule}")
 
 
 def _is_bool(value) -> bool:
   return isinstance(value, (bool, np.bool_))
 
 
-def _check_int(obj, field: str, minimum: int) -> None:
-  """Python and NumPy integers (not bools) >= minimum, stored as Python int."""
+def check_int(obj, field: str, minimum: int, optional: bool = False) -> None:
+  """Python and NumPy integers (not bools) >= minimum, stored as Python int
+  (``optional``: None too)."""
   value = getattr(obj, field)
+  if optional and value is None:
+    return
   try:
     number = None if _is_bool(value) else operator.index(value)
   except TypeError:
     number = None
   if number is None or number < minimum:
-    _fail(type(obj), field, value, f"must be an integer >= {minimum}")
+    fail(obj, field, f"must be an integer >= {minimum}")
   object.__setattr__(obj, field, number)
 
 
-def _check_number(obj, field: str, minimum: float, strict: bool = False) -> None:
-  """Finite Python or NumPy reals (not bools), stored as Python float."""
+def check_number(obj, field: str, minimum: float, strict: bool = False,
+                 optional: bool = False) -> None:
+  """Finite Python or NumPy reals (not bools) >= minimum (``strict``: >),
+  stored as Python float (``optional``: None too)."""
   value = getattr(obj, field)
+  if optional and value is None:
+    return
   ok = (isinstance(value, (int, float, np.integer, np.floating)) and not _is_bool(value)
         and math.isfinite(value) and (value > minimum if strict else value >= minimum))
   if not ok:
-    _fail(type(obj), field, value,
-          f"must be a finite number {'>' if strict else '>='} {minimum}")
+    fail(obj, field, f"must be a finite number {'>' if strict else '>='} {minimum}")
   object.__setattr__(obj, field, float(value))
 
 
-def _check_bool(obj, field: str) -> None:
+def check_bool(obj, field: str) -> None:
   """A real bool (NumPy's included, stored as bool): strings like "False"
   would be truthy."""
   value = getattr(obj, field)
   if not _is_bool(value):
-    _fail(type(obj), field, value, "must be a bool (True or False)")
+    fail(obj, field, "must be a bool (True or False)")
   object.__setattr__(obj, field, bool(value))
 
 
@@ -83,26 +95,25 @@ def _check_dtype(obj, field: str, allow_none: bool) -> None:
   value = getattr(obj, field)
   if value is None:
     if not allow_none:
-      _fail(type(obj), field, value, f"must be one of {DTYPES}")
+      fail(obj, field, f"must be one of {DTYPES}")
     return
   try:
     name = jnp.dtype(value).name
   except (TypeError, ValueError):
-    _fail(type(obj), field, value, "is not a dtype name")
+    fail(obj, field, "is not a dtype name")
   if name == "float64":
-    _fail(type(obj), field, value,
-          "is refused: the transport sums and routing weights are float32, so float64 "
-          "would silently lose precision; use float32")
+    fail(obj, field, "is refused: the transport sums and routing weights are float32, so "
+         "float64 would silently lose precision; use float32")
   if name not in DTYPES:
-    _fail(type(obj), field, value,
-          f"must be one of the floating dtypes the layer computes exactly, {DTYPES}; got {name}")
+    fail(obj, field,
+         f"must be one of the floating dtypes the layer computes exactly, {DTYPES}; got {name}")
   object.__setattr__(obj, field, name)
 
 
-def _check_choice(obj, field: str, choices) -> None:
+def check_choice(obj, field: str, choices) -> None:
   value = getattr(obj, field)
   if value not in choices:
-    _fail(type(obj), field, value, f"must be one of {tuple(choices)}")
+    fail(obj, field, f"must be one of {tuple(choices)}")
 
 
 def _as_tuple_of_str(obj, field: str) -> None:
@@ -113,9 +124,9 @@ def _as_tuple_of_str(obj, field: str) -> None:
   try:
     value = tuple(value)
   except TypeError:
-    _fail(type(obj), field, value, "must be a string or a sequence of strings")
+    fail(obj, field, "must be a string or a sequence of strings")
   if not all(isinstance(entry, str) for entry in value):
-    _fail(type(obj), field, value, "must be a string or a sequence of strings")
+    fail(obj, field, "must be a string or a sequence of strings", value)
   object.__setattr__(obj, field, value)
 
 
@@ -149,12 +160,11 @@ class RematConfig:
     _as_tuple_of_str(self, "save")
     for entry in self.save:
       if entry not in REMAT_GROUPS and entry not in REMAT_NAMES:
-        _fail(type(self), "save", self.save,
-              f"contains unknown name {entry!r}; known groups {tuple(REMAT_GROUPS)} "
-              f"and names {REMAT_NAMES}")
+        fail(self, "save", f"contains unknown name {entry!r}; known groups "
+             f"{tuple(REMAT_GROUPS)} and names {REMAT_NAMES}")
     if not isinstance(self.prefix, str) or not self.prefix:
-      _fail(type(self), "prefix", self.prefix, "must be a non-empty string")
-    _check_bool(self, "apply")
+      fail(self, "prefix", "must be a non-empty string")
+    check_bool(self, "apply")
 
   @property
   def names(self) -> tuple[str, ...]:
@@ -277,60 +287,57 @@ class MoEConfig:
   def __post_init__(self):
     cls = type(self)
     for field in ("hidden_size", "ffn_size", "num_experts", "top_k"):
-      _check_int(self, field, 1)
+      check_int(self, field, 1)
     if self.top_k > self.num_experts:
-      _fail(cls, "top_k", self.top_k, f"must be <= num_experts={self.num_experts}")
+      fail(self, "top_k", f"must be <= num_experts={self.num_experts}")
     for field in ("normalize_top_k", "use_expert_bias", "return_aux"):
-      _check_bool(self, field)
-    _check_choice(self, "score_function", SCORE_FUNCTIONS)
-    _check_choice(self, "activation", ACTIVATIONS)
-    _check_choice(self, "transport", BACKENDS)
-    _check_choice(self, "exchange", EXCHANGES)
-    _check_number(self, "routed_scaling", 0.0, strict=True)
+      check_bool(self, field)
+    check_choice(self, "score_function", SCORE_FUNCTIONS)
+    check_choice(self, "activation", ACTIVATIONS)
+    check_choice(self, "transport", BACKENDS)
+    check_choice(self, "exchange", EXCHANGES)
+    check_number(self, "routed_scaling", 0.0, strict=True)
     for field in ("expert_bias_update_rate", "aux_loss_coeff", "z_loss_coeff"):
-      _check_number(self, field, 0.0)
-    _check_int(self, "num_shared_experts", 0)
+      check_number(self, field, 0.0)
+    check_int(self, "num_shared_experts", 0)
     if self.capacity_factor is not None:
-      _check_number(self, "capacity_factor", 0.0, strict=True)
+      check_number(self, "capacity_factor", 0.0, strict=True)
     if self.expert_capacity is not None:
-      _check_int(self, "expert_capacity", 1)
-    _check_choice(self, "expert_layout", EXPERT_LAYOUTS)
+      check_int(self, "expert_capacity", 1)
+    check_choice(self, "expert_layout", EXPERT_LAYOUTS)
     if self.receive_factor is not None:
-      _check_number(self, "receive_factor", 0.0, strict=True)
+      check_number(self, "receive_factor", 0.0, strict=True)
     self._check_groups()
     if not isinstance(self.ep_axis, str) or not self.ep_axis:
-      _fail(cls, "ep_axis", self.ep_axis, "must be a non-empty string")
+      fail(self, "ep_axis", "must be a non-empty string")
     _as_tuple_of_str(self, "batch_axes")
     if self.ep_axis in self.batch_axes:
-      _fail(cls, "batch_axes", self.batch_axes, f"must not contain ep_axis={self.ep_axis!r}")
+      fail(self, "batch_axes", f"must not contain ep_axis={self.ep_axis!r}")
     # None must not reach jnp.dtype, which reads it as float64.
     _check_dtype(self, "dtype", allow_none=True)
     _check_dtype(self, "param_dtype", allow_none=False)
     if isinstance(self.remat, dict):
       object.__setattr__(self, "remat", from_dict(RematConfig, self.remat, "remat"))
     if not isinstance(self.remat, RematConfig):
-      _fail(cls, "remat", self.remat, "must be a RematConfig")
+      fail(self, "remat", "must be a RematConfig")
     object.__setattr__(self, "dispatch_dtype",
                        check_wire_dtype(self.dispatch_dtype, f"{cls.__name__}.dispatch_dtype"))
 
   def _check_groups(self):
-    cls = type(self)
     if (self.num_groups is None) != (self.group_top_k is None):
-      _fail(cls, "num_groups", self.num_groups,
-            f"and group_top_k={self.group_top_k!r} must both be set or both be None")
+      fail(self, "num_groups",
+           f"and group_top_k={self.group_top_k!r} must both be set or both be None")
     if self.num_groups is None:
       return
-    _check_int(self, "num_groups", 1)
-    _check_int(self, "group_top_k", 1)
+    check_int(self, "num_groups", 1)
+    check_int(self, "group_top_k", 1)
     if self.num_experts % self.num_groups:
-      _fail(cls, "num_groups", self.num_groups,
-            f"must divide num_experts={self.num_experts}")
+      fail(self, "num_groups", f"must divide num_experts={self.num_experts}")
     if self.group_top_k > self.num_groups:
-      _fail(cls, "group_top_k", self.group_top_k, f"must be <= num_groups={self.num_groups}")
+      fail(self, "group_top_k", f"must be <= num_groups={self.num_groups}")
     selectable = self.group_top_k * (self.num_experts // self.num_groups)
     if self.top_k > selectable:
-      _fail(cls, "top_k", self.top_k,
-            f"must be <= group_top_k * experts per group = {selectable}")
+      fail(self, "top_k", f"must be <= group_top_k * experts per group = {selectable}")
 
   @property
   def num_input_projections(self) -> int:

@@ -63,8 +63,8 @@ def gpu_devices() -> list:
 def cupy_usable() -> bool:
   if not gpu_devices():
     return False
-  from moe_ep.transport import cupy as cupy_backend
-  return cupy_backend.cupy_available()
+  from moe_ep.transport import kernel_launch
+  return kernel_launch.cupy_available()
 
 
 # The pure-JAX backend always runs (on CPU devices); the CuPy one where a GPU
@@ -99,9 +99,8 @@ def pytest_collection_finish(session):
 def pretend_cupy(monkeypatch):
   """CuPy reported available (and the backend cache cleared around the test):
   lowering for CUDA never touches CuPy, only the availability check does."""
-  from moe_ep.transport import backend
-  from moe_ep.transport import cupy as cupy_backend
-  monkeypatch.setattr(cupy_backend, "cupy_available", lambda: True)
+  from moe_ep.transport import backend, kernel_launch
+  monkeypatch.setattr(kernel_launch, "cupy_available", lambda: True)
   backend.resolve.cache_clear()
   yield
   backend.resolve.cache_clear()

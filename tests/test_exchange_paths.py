@@ -13,31 +13,33 @@ from jax.sharding import PartitionSpec as P
 from conftest import custom_call_scopes, devices_for, gpu_devices, make_mesh
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
 from moe_ep.bench import hlo
-from moe_ep.transport import (NAMED_SCOPES, _resolve_exchange, combine, dispatch,
-                              expert_capacity_for, peer)
+from moe_ep.transport import NAMED_SCOPES, combine, dispatch, expert_capacity_for, peer
+from moe_ep.transport.exchange import resolve_exchange
+from moe_ep.transport.peer import dispatch_layout, fused_layout, reachability
+from moe_ep.transport.peer import runtime as peer_runtime
 
 ROWS = f"{NAMED_SCOPES['dispatch']}/exchange_rows"
 
 
 def test_auto_takes_all_to_all_where_peer_cannot_run():
   cpu = make_mesh((2, 4), ("dp", "ep"))
-  assert _resolve_exchange("auto", "auto", "ep", 4, cpu) == "all_to_all"  # CPU devices
-  assert _resolve_exchange("auto", "cupy", "ep", 4, None) == "all_to_all"  # no mesh
-  assert _resolve_exchange("peer", "cupy", "ep", 1, cpu) == "all_to_all"  # one rank
+  assert resolve_exchange("auto", "auto", "ep", 4, cpu) == "all_to_all"  # CPU devices
+  assert resolve_exchange("auto", "cupy", "ep", 4, None) == "all_to_all"  # no mesh
+  assert resolve_exchange("peer", "cupy", "ep", 1, cpu) == "all_to_all"  # one rank
   if gpu_devices() and len(gpu_devices()) >= 2:
     gpus = jax.sharding.Mesh(np.array(gpu_devices()[:2]), ("ep",))
-    assert _resolve_exchange("auto", "xla", "ep", 2, gpus) == "all_to_all"  # pure JAX asked
+    assert resolve_exchange("auto", "xla", "ep", 2, gpus) == "all_to_all"  # pure JAX asked
 
 
 def test_peer_where_it_cannot_run_is_an_error_naming_why():
   cpu = make_mesh((2, 4), ("dp", "ep"))
   with pytest.raises(ValueError, match="exchange='peer' cannot run on this mesh: the mesh "
                                        "has non-GPU devices"):
-    _resolve_exchange("peer", "auto", "ep", 4, cpu)
+    resolve_exchange("peer", "auto", "ep", 4, cpu)
   with pytest.raises(ValueError, match="exchange='peer' needs mesh="):
-    _resolve_exchange("peer", "cupy", "ep", 4, None)
+    resolve_exchange("peer", "cupy", "ep", 4, None)
   with pytest.raises(ValueError, match="exchange='ring' is not one of"):
-    _resolve_exchange("ring", "cupy", "ep", 4, cpu)
+    resolve_exchange("ring", "cupy", "ep", 4, cpu)
   with pytest.raises(ValueError, match=r"MoEConfig.exchange='ring' must be one of"):
     MoEConfig(hidden_size=8, ffn_size=8, num_experts=4, top_k=2, exchange="ring")
 
@@ -130,13 +132,14 @@ def test_peer_row_paths_lower_to_one_fused_callback_each_and_no_row_passes(monke
   words) inside the dispatch's fused callback (with configure's
   dispatch_layout) or in the exchange fused with the slab layout (without);
   else (S=6: 38 words) the drop-in exchange and the layout's own callback."""
-  monkeypatch.setattr(peer, "unsupported_reason", lambda mesh, axis: None)
-  monkeypatch.setattr(peer, "dispatch_layout_enabled", lambda: path == "dispatch_with_layout")
+  monkeypatch.setattr(reachability, "unsupported_reason", lambda mesh, axis: None)
+  monkeypatch.setattr(peer_runtime, "dispatch_layout_enabled",
+                      lambda: path == "dispatch_with_layout")
   mesh = make_mesh((4,), ("ep",))
   send_capacity = 6 if path == "unfused" else 5
-  assert peer.fused_layout_fits(4, send_capacity, K, E // 4, 12) == (path != "unfused")
-  assert peer.dispatch_layout_fits(jnp.bfloat16, 32, 4, send_capacity, K, E // 4, 12) == (
-      path != "unfused")
+  assert fused_layout.fused_layout_fits(4, send_capacity, K, E // 4, 12) == (path != "unfused")
+  assert dispatch_layout.dispatch_layout_fits(jnp.bfloat16, 32, 4, send_capacity, K, E // 4,
+                                              12) == (path != "unfused")
   fn = round_trip_fn("peer", mesh, "auto", 16, 12, send_capacity)
   args = (jnp.ones((64, 32), jnp.bfloat16), jnp.zeros((64, K), jnp.int32),
           jnp.ones((64, K)), jnp.ones((64, 32), jnp.bfloat16))
@@ -163,9 +166,9 @@ def test_peer_row_paths_off_cuda_run_the_all_to_all_path_bitwise(monkeypatch, se
   """On CPU devices the fused paths' other branch runs: the same values,
   handle and gradients as exchange='all_to_all', bitwise (S=5: the dispatch
   with its layout fused; S=6: the row paths alone)."""
-  monkeypatch.setattr(peer, "unsupported_reason", lambda mesh, axis: None)
-  monkeypatch.setattr(peer, "dispatch_layout_enabled", lambda: True)
-  assert peer.dispatch_layout_fits(jnp.bfloat16, 32, 4, send_capacity, K, E // 4, 8) == (
+  monkeypatch.setattr(reachability, "unsupported_reason", lambda mesh, axis: None)
+  monkeypatch.setattr(peer_runtime, "dispatch_layout_enabled", lambda: True)
+  assert dispatch_layout.dispatch_layout_fits(jnp.bfloat16, 32, 4, send_capacity, K, E // 4, 8) == (
       send_capacity == 5)
   mesh = make_mesh((4,), ("ep",))
   rng = np.random.default_rng(1)
@@ -182,8 +185,9 @@ def test_peer_row_paths_off_cuda_run_the_all_to_all_path_bitwise(monkeypatch, se
 
 
 def fused_model(rows, out, handles, dtype):
-  """kernels/peer.cu's fused row kernels, step by step in NumPy, per rank r:
-  rows [R][T, H], expert outputs out [R][L*C, H], handles [R] (NumPy fields).
+  """kernels/peer_dispatch.cu's and peer_combine.cu's fused row kernels, step
+  by step in NumPy, per rank r: rows [R][T, H], expert outputs out [R][L*C,
+  H], handles [R] (NumPy fields).
 
   Dispatch (peer_dispatch): senders copy the token send_token[d, s] into
   row s of r's slot on every other rank d; receivers zero the padding rows,

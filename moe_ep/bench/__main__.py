@@ -1,5 +1,5 @@
-"""``python -m moe_ep.bench [transport|experts|layer|overhead|ep|remat|timeline|loopback|all]
-[--smoke]``."""
+"""``python -m moe_ep.bench``: runs the benchmarks and writes one JSON
+result per benchmark (see ``--help``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from moe_ep.bench import common
 
 BENCHMARKS = {
     "transport": "P1: dispatch+combine round trip vs sort-based permute (one device)",
-    "experts": "P3: expert bank TFLOP/s vs dense matmul",
+    "experts": "P3: expert bank TFLOP/s vs dense matmul; P3-grouped: grouped vs slabs vs ragged_dot",
     "layer": "P4: whole layer forward+backward MFU (one device)",
     "overhead": "host overhead per buffer_callback, with and without command buffers",
     "ep": "P2: dispatch/combine bandwidth across this process's GPUs",
@@ -39,11 +39,20 @@ SMOKE = {
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
+  parser = argparse.ArgumentParser(
+      prog="python -m moe_ep.bench",
+      description="Runs moe_ep's benchmarks: each writes one JSON result (device, versions,\n"
+                  "XLA flags, shapes, every timing) and prints a summary and where it wrote.",
+      epilog="benchmarks:\n" + "\n".join(f"  {k:10} {v}" for k, v in BENCHMARKS.items()),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("names", nargs="*", metavar="NAME",
-                      help="all (default), " + ", ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
-  parser.add_argument("--smoke", action="store_true", help="tiny shapes, to test the programs")
-  parser.add_argument("--out", type=pathlib.Path, default=common.RESULTS_DIR)
+                      help="benchmarks to run (listed below), or all (the default)")
+  parser.add_argument("--smoke", action="store_true",
+                      help="tiny shapes that run anywhere, CPU included, to check the programs; "
+                           "results are named <name>-smoke-<time>.json")
+  parser.add_argument("--out", type=pathlib.Path, default=common.RESULTS_DIR, metavar="DIR",
+                      help=f"folder the JSON results are written to (default: {common.RESULTS_DIR}/"
+                           f", which git ignores)")
   args = parser.parse_args(argv)
   distributed.initialize_from_env()  # a no-op unless started by moe_ep.launch
   unknown = sorted(set(args.names) - set(BENCHMARKS) - {"all"})
@@ -58,7 +67,7 @@ def main(argv=None) -> None:
     if jax.process_index() == 0:
       path = common.write_result(name + ("-smoke" if args.smoke else ""), result, args.out)
       print(module.summary(result))
-      print(f"  -> {path}")
+      print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-RESULTS_DIR = pathlib.Path("benchmarks/results")
+# Where results go unless told otherwise: ignored by git, so a run leaves the checkout clean.
+RESULTS_DIR = pathlib.Path("runs/bench")
 _CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 # What source_digest covers: the package and the kernels.
 _SOURCE_FILES = (("moe_ep", "*.py"), ("kernels", "*.cu"), ("kernels", "*.cuh"))

@@ -34,10 +34,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_ep import transport
 from moe_ep.bench import common
-from moe_ep.transport import (combine, dispatch, expert_capacity_for, fp8, peer,
+from moe_ep.transport import (combine, dispatch, expert_capacity_for, fp8, ops, peer, row_paths,
                               send_capacity_for)
+from moe_ep.transport.exchange import Spec
+from moe_ep.transport.peer import rows as peer_rows
 
 PATHS = ("all_to_all", "peer")
 FP8 = "float8_e4m3fn"
@@ -172,17 +173,17 @@ def _grids(ep_size: int, tokens: int, send_capacity: int, hidden: int, top_k: in
   ``hidden`` (dispatch and combine) and for the FP8 dispatch."""
   sms = _multiprocessors() or 1
   shape = ("bfloat16", tokens, hidden, send_capacity, top_k, num_slab_rows)
-  kernels = {"dispatch": peer.dispatch_kernel(*shape),
-             "combine": peer.combine_kernel(*shape, ep_size=ep_size),
-             "dispatch_fp8": peer.dispatch_kernel(*shape, wire_dtype=FP8)}
+  kernels = {"dispatch": peer_rows.dispatch_kernel(*shape),
+             "combine": peer_rows.combine_kernel(*shape, ep_size=ep_size),
+             "dispatch_fp8": peer_rows.dispatch_kernel(*shape, wire_dtype=FP8)}
   return {name: dataclasses.asdict(kernel.grid(ep_size, sms)) for name, kernel in kernels.items()}
 
 
 def _routing_only(spec, num_experts: int):
   """Dispatch's routing alone (route, metadata exchange, slab layout), what
   dispatch adds to its row path: ``(idx, weights) -> RoutingHandle``."""
-  return lambda idx, weights: transport._routing(
-      spec, *transport._merge_duplicate_routes(transport._valid_ids(idx, num_experts),
+  return lambda idx, weights: row_paths.routing(
+      spec, *ops.merge_duplicate_routes(ops.valid_ids(idx, num_experts),
                                                weights))[0]
 
 
@@ -204,15 +205,15 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
   reference = None
   for path in PATHS if reason is None else PATHS[:1]:
     exchange = dict(backend=backend, exchange=path, mesh=mesh)
-    spec = transport._Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=capacity,
-                           send_capacity=send_capacity, axis_name="ep", **exchange)
+    spec = Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=capacity,
+                send_capacity=send_capacity, axis_name="ep", **exchange)
 
     def dispatch_fn(x, idx, weights):
       return dispatch(x, idx, weights, num_experts=num_experts, expert_capacity=capacity,
                       axis_name="ep", send_capacity=send_capacity, **exchange)
 
     def rows_fn(x, handle):
-      return transport._rows_to_slabs(spec, x, handle)
+      return row_paths.rows_to_slabs(spec, x, handle)
 
     def combine_fn(slabs, handle):
       return combine(slabs, handle, num_tokens=tokens, axis_name="ep", **exchange)
@@ -256,7 +257,7 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
         timings[name]["speedup_vs_bf16"] = timings["dispatch"]["ms"] / timings[name]["ms"]
         timings[name]["same_slabs_as_fused"] = _same_bits(slabs, fp8_slabs)
       timings["dispatch_rows_fp8"] = _with_gbs(
-          _timed(mesh, lambda x, h: transport._rows_to_slabs_fp8(fp8_spec, x, h),
+          _timed(mesh, lambda x, h: row_paths.rows_to_slabs_fp8(fp8_spec, x, h),
                  (x, dispatched.handle), repeat=repeat, iters=iters),
           fp8_bytes["dispatch_off_device"], fp8_bytes["dispatch_received"])
       timings["dispatch_rows_fp8"]["speedup_vs_bf16"] = (
@@ -267,10 +268,10 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
       fp8_routing = _routing_only(fp8_spec, num_experts)
 
       def fp8_slabs_fn(x, idx, weights):
-        return transport._rows_to_fp8_slabs(fp8_spec, x, fp8_routing(idx, weights))
+        return row_paths.rows_to_fp8_slabs(fp8_spec, x, fp8_routing(idx, weights))
 
       def fp8_slab_rows_fn(x, handle):
-        return transport._rows_to_fp8_slabs(fp8_spec, x, handle)
+        return row_paths.rows_to_fp8_slabs(fp8_spec, x, handle)
 
       for name, fn, args, bf16 in (
           ("dispatch_fp8_slabs", fp8_slabs_fn, (x, idx, weights), "dispatch"),
@@ -360,8 +361,8 @@ def decode_case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, ca
             "send_capacity": send_capacity, "peer_unsupported_reason": reason}
   for path in PATHS if reason is None else PATHS[:1]:
     exchange = dict(backend=backend, exchange=path, mesh=mesh)
-    spec = transport._Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=capacity,
-                           send_capacity=send_capacity, axis_name="ep", **exchange)
+    spec = Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=capacity,
+                send_capacity=send_capacity, axis_name="ep", **exchange)
 
     def round_trip(x, idx, weights):
       d = dispatch(x, idx, weights, num_experts=num_experts, expert_capacity=capacity,
@@ -369,19 +370,19 @@ def decode_case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, ca
       return combine(d.tokens, d.handle, num_tokens=tokens, axis_name="ep", **exchange)
 
     def rows_round_trip(x, handle):
-      return transport._slabs_to_rows(spec, transport._rows_to_slabs(spec, x, handle), handle)
+      return row_paths.slabs_to_rows(spec, row_paths.rows_to_slabs(spec, x, handle), handle)
 
     handle = jax.jit(_smap(mesh, lambda *a: dispatch(
         *a, num_experts=num_experts, expert_capacity=capacity, axis_name="ep",
         send_capacity=send_capacity, **exchange).handle))(x, idx, weights)
-    slabs = jax.jit(_smap(mesh, lambda x, h: transport._rows_to_slabs(spec, x, h)))(x, handle)
+    slabs = jax.jit(_smap(mesh, lambda x, h: row_paths.rows_to_slabs(spec, x, h)))(x, handle)
     # The round trip's parts, each alone (where the decode time goes).
     parts = {
         "round_trip_us": (round_trip, (x, idx, weights)),
         "rows_round_trip_us": (rows_round_trip, (x, handle)),
         "routing_us": (_routing_only(spec, num_experts), (idx, weights)),
-        "dispatch_rows_us": (lambda x, h: transport._rows_to_slabs(spec, x, h), (x, handle)),
-        "combine_rows_us": (lambda s, h: transport._slabs_to_rows(spec, s, h), (slabs, handle))}
+        "dispatch_rows_us": (lambda x, h: row_paths.rows_to_slabs(spec, x, h), (x, handle)),
+        "combine_rows_us": (lambda s, h: row_paths.slabs_to_rows(spec, s, h), (slabs, handle))}
     result[path] = {name: 1e3 * _timed(mesh, fn, args, repeat=repeat, iters=iters)["ms"]
                     for name, (fn, args) in parts.items()}
   return result

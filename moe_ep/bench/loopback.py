@@ -1,4 +1,4 @@
-"""P2's fused peer row kernels on ONE GPU (:mod:`moe_ep.transport.peer_loopback`):
+"""P2's fused peer row kernels on ONE GPU (:mod:`moe_ep.transport.peer.loopback`):
 rank 0's dispatch (bf16 rows, FP8 wire rows) and combine at EP=R, every
 rank's channel in this GPU's memory and every flag raised, so a launch
 times the kernel's own memory work with no NVLink and no waiting: what
@@ -23,9 +23,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from moe_ep import transport
 from moe_ep.bench import ep
-from moe_ep.transport import expert_capacity_for, peer, send_capacity_for
+from moe_ep.transport import expert_capacity_for, kernel_launch, send_capacity_for
+from moe_ep.transport import xla as xla_backend
+from moe_ep.transport.exchange import Spec
+from moe_ep.transport.peer import channel, dispatch_layout, fused_layout, kernels
+from moe_ep.transport.peer import loopback as peer_loopback
+from moe_ep.transport.peer import rows as peer_rows
 
 FP8 = "float8_e4m3fn"
 
@@ -39,9 +43,9 @@ def _handle(ep_size: int, tokens: int, num_experts: int, top_k: int, capacity_fa
   rng = np.random.default_rng(tokens + num_experts)
   idx, weights = (ep._shard(mesh, a)
                   for a in ep._host_routing(rng, ep_size * tokens, top_k, num_experts))
-  spec = transport._Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=capacity,
-                         send_capacity=send_capacity, axis_name="ep", backend="xla",
-                         exchange="all_to_all", mesh=mesh)
+  spec = Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=capacity,
+              send_capacity=send_capacity, axis_name="ep", backend="xla",
+              exchange="all_to_all", mesh=mesh)
   routing = ep._routing_only(spec, num_experts)
 
   maps = jax.jit(ep._smap(mesh, lambda idx, weights: routing(idx, weights)._asdict()))(
@@ -101,8 +105,6 @@ def _decode_concurrent(ep_size: int, tokens: int, num_experts: int, hidden: int,
   combine read maps the pure-JAX layout computed (the values the fused
   layouts write)."""
   import cupy
-  from moe_ep.transport import peer_loopback
-  from moe_ep.transport import xla as xla_backend
   local = num_experts // ep_size
   capacity = expert_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
   send_capacity = send_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
@@ -110,8 +112,8 @@ def _decode_concurrent(ep_size: int, tokens: int, num_experts: int, hidden: int,
   case = {"ep_size": ep_size, "tokens_per_rank": tokens, "num_experts": num_experts,
           "hidden": hidden, "expert_capacity": capacity, "send_capacity": send_capacity,
           "steps_per_graph": steps}
-  if not (peer.fused_layout_fits(ep_size, *sizes)
-          and peer.dispatch_layout_fits("bfloat16", hidden, ep_size, *sizes)):
+  if not (fused_layout.fused_layout_fits(ep_size, *sizes)
+          and dispatch_layout.dispatch_layout_fits("bfloat16", hidden, ep_size, *sizes)):
     case["skipped"] = "the fused layout or the one-launch dispatch does not take this shape"
     return case
   rng = np.random.default_rng(tokens + num_experts + ep_size)
@@ -128,19 +130,19 @@ def _decode_concurrent(ep_size: int, tokens: int, num_experts: int, hidden: int,
                 send_token=put(routes[q][1].reshape(-1)), meta=put(routes[q][3]),
                 recv_pos=put(maps[q][0].reshape(-1)), slab_row=put(maps[q][1].reshape(-1)),
                 expert_rows=_bf16_bits(10 + q, (slab_rows, hidden))) for q in range(ep_size)]
-  dispatch = peer.dispatch_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows)
-  combine = peer.combine_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows,
-                               ep_size=ep_size)
-  in_order = peer.combine_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows,
-                                ep_size=ep_size, own_first=False)
-  one = peer.dispatch_layout_kernel("bfloat16", tokens, hidden, *sizes)
+  dispatch = peer_rows.dispatch_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows)
+  combine = peer_rows.combine_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows,
+                                     ep_size=ep_size)
+  in_order = peer_rows.combine_kernel("bfloat16", tokens, hidden, send_capacity, top_k,
+                                      slab_rows, ep_size=ep_size, own_first=False)
+  one = dispatch_layout.dispatch_layout_kernel("bfloat16", tokens, hidden, *sizes)
   layout = dispatch.layout(ep_size)
-  meta_layout = peer.meta_channel_layout(ep_size, ranks[0]["meta"].shape[1])
-  share = peer._multiprocessors(0) // ep_size
+  meta_layout = channel.meta_channel_layout(ep_size, ranks[0]["meta"].shape[1])
+  share = kernels.multiprocessors(0) // ep_size
   grids = {k: k.grid(ep_size, share) for k in (dispatch, combine, one)}
   case["grids"] = {k.function: g.__dict__ for k, g in grids.items()}
   case["combine_kernel"] = combine.function
-  shapes = peer.dispatch_layout_shapes(one, ep_size, np.uint16, hidden)
+  shapes = dispatch_layout.dispatch_layout_shapes(one, ep_size, np.uint16, hidden)
   fresh = lambda specs: [peer_loopback._unwritten(cupy, s.shape, s.dtype)  # noqa: E731
                          for s in specs]
 
@@ -148,7 +150,7 @@ def _decode_concurrent(ep_size: int, tokens: int, num_experts: int, hidden: int,
     r = ranks[q]
     if name == "layout":
       outs = fresh(shapes[1:6])
-      return (peer.slab_layout_kernel(meta_layout, 0, peers[1], q, sizes, tail),
+      return (fused_layout.slab_layout_kernel(meta_layout, 0, peers[1], q, sizes, tail),
               (r["meta"], *outs), outs)
     if name == "dispatch":
       return peer_loopback.row_job(
@@ -157,8 +159,8 @@ def _decode_concurrent(ep_size: int, tokens: int, num_experts: int, hidden: int,
           (slab_rows, hidden), np.uint16)
     if name == "one_launch":
       outs = fresh(shapes)
-      job = peer.dispatch_layout_launch(one, grids[one], layout, meta_layout, 0, peers[0],
-                                        peers[1], q, tail)
+      job = dispatch_layout.dispatch_layout_launch(one, grids[one], layout, meta_layout, 0,
+                                                   peers[0], peers[1], q, tail)
       return job, (r["rows"], r["send_token"], r["send_slot"], r["meta"], *outs), outs
     kernel = in_order if name == "combine_in_order" else combine
     return peer_loopback.row_job(
@@ -178,11 +180,9 @@ def _decode_concurrent(ep_size: int, tokens: int, num_experts: int, hidden: int,
 def run(ep_sizes=(2, 4, 8), tokens=8192, num_experts=64, hidden=7168, top_k=8,
         capacity_factor=1.25, iters=30, decode_cases=((2, 128), (4, 32)), decode_experts=256,
         decode_steps=20) -> dict:
-  from moe_ep.transport import cupy as cupy_backend
-  from moe_ep.transport import peer_loopback
   result = {"tokens_per_rank": tokens, "num_experts": num_experts, "hidden": hidden,
             "top_k": top_k, "capacity_factor": capacity_factor, "cases": []}
-  if not cupy_backend.cupy_available() or jax.devices()[0].platform != "gpu":
+  if not kernel_launch.cupy_available() or jax.devices()[0].platform != "gpu":
     result["skipped"] = "needs a CUDA GPU and CuPy"
     return result
   for ep_size in ep_sizes:
@@ -205,8 +205,8 @@ def run(ep_sizes=(2, 4, 8), tokens=8192, num_experts=64, hidden=7168, top_k=8,
             "slab_rows": slab_rows, "kept_slab_rows": int((own["recv_pos"] >= 0).sum()),
             "rows_read_sent_received": [read, sent, received]}
     for name, wire_dtype in (("dispatch", None), ("dispatch_fp8", FP8)):
-      kernel = peer.dispatch_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows,
-                                    wire_dtype)
+      kernel = peer_rows.dispatch_kernel("bfloat16", tokens, hidden, send_capacity, top_k,
+                                         slab_rows, wire_dtype)
       width = kernel.row_vecs * 16
       inputs = [(rows[r], *maps[r]) for r in range(ep_size)]
       full, launch = peer_loopback.run_rank(kernel, inputs, (slab_rows, width), np.uint8,
@@ -220,8 +220,8 @@ def run(ep_sizes=(2, 4, 8), tokens=8192, num_experts=64, hidden=7168, top_k=8,
                     "same_as_full_exchange": bool(np.array_equal(full, again)),
                     "hbm_bytes": hbm, "hbm_tbs": hbm / timing["us"] / 1e6}
     case["dispatch_fp8"]["speedup_vs_bf16"] = case["dispatch"]["us"] / case["dispatch_fp8"]["us"]
-    kernel = peer.combine_kernel("bfloat16", tokens, hidden, send_capacity, top_k, slab_rows,
-                                 ep_size=ep_size)
+    kernel = peer_rows.combine_kernel("bfloat16", tokens, hidden, send_capacity, top_k,
+                                      slab_rows, ep_size=ep_size)
     slabs = [_bf16_bits(10 + r, (slab_rows, hidden)) for r in range(ep_size)]
     inputs = [(slabs[r], maps[r][2].reshape(-1, top_k), ranks[r]["send_slot"])
               for r in range(ep_size)]

@@ -10,18 +10,19 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from moe_ep.bench import common
+from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import kernel_launch
 
 
 def run(calls: int = 200) -> dict:
-  from moe_ep.transport import cupy as cupy_backend  # the kernels and their launcher
   width = 32
   results = {}
   for command_buffer in (True, False):
     def callback(ctx, outs, table, index):
-      with cupy_backend._on_xla_stream(ctx, table) as launch:
-        launch("gather_sum_rows_f32", 1, 32, cupy_backend._pointer(table),
-               cupy_backend._pointer(index), cupy_backend._pointer(outs[0]),
-               *cupy_backend._i32(1, 1, 1, width))
+      with kernel_launch.on_xla_stream(ctx, table, cupy_backend.kernels) as launch:
+        launch("gather_sum_rows_f32", 1, 32, kernel_launch.pointer(table),
+               kernel_launch.pointer(index), kernel_launch.pointer(outs[0]),
+               *kernel_launch.i32(1, 1, 1, width))
 
     launch = buffer_callback(callback, [jax.ShapeDtypeStruct((1, width), jnp.float32)],
                              command_buffer_compatible=command_buffer)
@@ -31,7 +32,7 @@ def run(calls: int = 200) -> dict:
         x = launch(x, index)[0]
       return x
 
-    cupy_backend._compile_at_trace_time()
+    kernel_launch.compile_for_local_gpus(cupy_backend.kernels)
     fn = jax.jit(chain)
     x = jnp.ones((1, width), jnp.float32)
     index = jnp.zeros((1, 1), jnp.int32)

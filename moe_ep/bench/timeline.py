@@ -13,22 +13,33 @@ each call. With one process driving several GPUs, device 0's kernels that
 wait for another GPU (the peer exchanges) include that GPU's lag; each
 call also lists the other GPUs' kernels (``other_gpus``), timed from
 device 0's first, so the lag shows as their later starts.
+
+It also reads the Chrome trace ``jax.profiler.trace`` writes beside its
+protobuf (:func:`read_trace`, :func:`op_events`): every device op with the
+compiled instruction it ran, which ``examples/profile_step.py`` attributes
+to the parts of a train step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+import gzip
 import itertools
+import json
+import os
+import pathlib
+import re
 import statistics
 import tempfile
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
-from moe_ep import transport
 from moe_ep.bench import ep
-from moe_ep.transport import combine, dispatch
+from moe_ep.transport import combine, dispatch, row_paths
+from moe_ep.transport.exchange import Spec, resolve_exchange
 
 
 def _is_cpu_op(name: str) -> bool:
@@ -146,10 +157,10 @@ def _case(mesh, tokens, hidden, num_experts, top_k, capacity_factor, backend, ex
                send_capacity=send_capacity)
   # The spec's exchange is the resolved one, as dispatch resolves it: a spec
   # holding "auto" would take neither path's fused kernels.
-  resolved = transport._resolve_exchange(exchange, backend, "ep", mesh.shape["ep"], mesh)
+  resolved = resolve_exchange(exchange, backend, "ep", mesh.shape["ep"], mesh)
   return dict(args=tuple(args), paths=paths, shape=shape,
-              spec=transport._Spec(ep_size=mesh.shape["ep"], **shape,
-                                   **dict(paths, exchange=resolved)))
+              spec=Spec(ep_size=mesh.shape["ep"], **shape,
+                        **dict(paths, exchange=resolved)))
 
 
 def run(tokens=8192, num_experts=64, decode_tokens=128, decode_experts=256, hidden=7168,
@@ -172,7 +183,7 @@ def run(tokens=8192, num_experts=64, decode_tokens=128, decode_experts=256, hidd
 
   programs = {
       "dispatch": (lambda x, idx, w: dispatch(x, idx, w, **big["shape"], **big["paths"]), big),
-      "dispatch_fp8_slabs": (lambda x, idx, w: transport._rows_to_fp8_slabs(
+      "dispatch_fp8_slabs": (lambda x, idx, w: row_paths.rows_to_fp8_slabs(
           fp8_spec, x, fp8_routing(idx, w)), big),
       "decode_round_trip": (round_trip, small)}
   result = {"ep_size": mesh.shape["ep"], "processes": jax.process_count(), "hidden": hidden,
@@ -208,3 +219,100 @@ def _event_lines(events: list[dict], indent: str) -> list[str]:
   if len(events) > _SUMMARY_EVENTS:
     lines.append(f"{indent}... {len(events) - _SUMMARY_EVENTS} more (in the JSON)")
   return lines
+
+
+# --- the Chrome trace jax.profiler writes (examples/profile_step.py reads it) -------------
+
+class OpEvent(NamedTuple):
+  """A device op of the trace: ``[start, end)`` in microseconds."""
+
+  device: str
+  line: tuple
+  start: float
+  end: float
+  hlo_module: str
+  hlo_op: str
+  kernel: str  # the event's own name: a GPU kernel's, or the op's on CPU
+  run_id: str
+
+
+def read_trace(trace_dir: pathlib.Path) -> dict:
+  """The Chrome-trace JSON jax.profiler.trace wrote under ``trace_dir``
+  (``plugins/profile/<run>/*.trace.json.gz``, or the
+  ``perfetto_trace.json.gz`` copy), of the newest run."""
+  runs = sorted((trace_dir / "plugins" / "profile").glob("*"), key=os.path.getmtime)
+  for run in reversed(runs):
+    files = sorted(run.glob("*.trace.json.gz")) or sorted(run.glob("perfetto_trace.json.gz"))
+    if files:
+      with gzip.open(files[0], "rt") as stream:
+        return json.load(stream)
+  raise FileNotFoundError(f"no *.trace.json.gz or perfetto_trace.json.gz under "
+                          f"{trace_dir}/plugins/profile/")
+
+
+_ANNOTATED = {key: re.compile(rf"\b{key}=([^,#\s]+)") for key in ("hlo_op", "hlo_module")}
+
+
+def hlo_names(args: dict) -> tuple[str, str]:
+  """``(hlo_op, hlo_module)`` of an event: its args of those names, else
+  parsed from an annotation arg (XLA's ``"fusion.3:#hlo_op=fusion.3,
+  hlo_module=jit_step,program_id=7#"``); ``""`` where absent. A module name's
+  appended program id (``"jit_step(42)"``) is dropped."""
+  names = {}
+  for key, pattern in _ANNOTATED.items():
+    value = args.get(key)
+    if value is None:
+      for text in args.values():
+        match = pattern.search(text) if isinstance(text, str) else None
+        if match:
+          value = match.group(1)
+          break
+    names[key] = re.sub(r"\(\d+\)$", "", str(value or "").strip())
+  return names["hlo_op"], names["hlo_module"]
+
+
+def op_events(trace: dict) -> list[OpEvent]:
+  """The device op events of a Chrome trace from jax.profiler.
+
+  GPU: the events of a ``/device:...`` process's CUDA stream lines
+  (``thread_name`` starting with "Stream"), every kernel and memcpy of them,
+  with ``args.hlo_op`` where XLA annotated the launch; where a device has no
+  stream lines, its lines whose events carry ``hlo_op`` (e.g. "XLA Ops").
+  CPU: the host events carrying ``args.hlo_op`` and ``args.device_ordinal``
+  (the thunk executor's, on its worker threads; a while loop's event
+  encloses its body's). See :func:`hlo_names` for where the op comes from.
+  """
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  process_names, thread_names = {}, {}
+  for event in events:
+    if event.get("ph") == "M" and event.get("name") == "process_name":
+      process_names[event.get("pid")] = str(event.get("args", {}).get("name", ""))
+    elif event.get("ph") == "M" and event.get("name") == "thread_name":
+      name = str(event.get("args", {}).get("name", ""))
+      thread_names[(event.get("pid"), event.get("tid"))] = name
+  device_pids = {pid for pid, name in process_names.items() if "/device:" in name}
+  stream_lines = {key for key, name in thread_names.items()
+                  if key[0] in device_pids and name.lower().startswith("stream")}
+  pids_with_streams = {pid for pid, _ in stream_lines}
+  found = []
+  for event in events:
+    if event.get("ph") != "X" or "dur" not in event:
+      continue
+    args = event.get("args") or {}
+    pid, line = event.get("pid"), (event.get("pid"), event.get("tid"))
+    hlo_op, hlo_module = hlo_names(args)
+    if pid in device_pids:
+      if pid in pids_with_streams:
+        if line not in stream_lines:
+          continue
+      elif not hlo_op:
+        continue
+      device = process_names[pid]
+    elif hlo_op and "device_ordinal" in args:
+      device = f"{process_names.get(pid, pid)} device_ordinal {args['device_ordinal']}"
+    else:
+      continue
+    start = float(event["ts"])
+    found.append(OpEvent(device, line, start, start + float(event["dur"]), hlo_module, hlo_op,
+                         str(event.get("name", "")), str(args.get("run_id", ""))))
+  return found

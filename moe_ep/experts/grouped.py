@@ -26,8 +26,7 @@ import jax.numpy as jnp
 from moe_ep import sharding
 from moe_ep.experts import hopper
 from moe_ep.experts.slabs import Namer, _no_name, activate
-
-ROW_TILE = hopper.ROW_TILE
+from moe_ep.transport.grouped import ROW_TILE, group_starts
 IMPLEMENTATIONS = ("auto", "hopper", "xla")
 
 
@@ -47,20 +46,14 @@ class GroupTiles(NamedTuple):
   tile_group: jax.Array
 
 
-def _round_up(value, multiple: int):
-  return -(-value // multiple) * multiple
-
-
 def group_tiles(counts: jax.Array, num_rows: int) -> GroupTiles:
   """The :class:`GroupTiles` of groups of ``counts [G]`` rows in ``num_rows``
   (a multiple of ``ROW_TILE``) rows."""
-  padded = _round_up(counts.astype(jnp.int32), ROW_TILE)
-  ends = jnp.minimum(jnp.cumsum(padded), num_rows)
-  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  starts, rows = group_starts(counts, num_rows)
   tile_rows = jnp.arange(num_rows // ROW_TILE, dtype=jnp.int32) * ROW_TILE
-  tile_group = jnp.searchsorted(ends, tile_rows, side="right").astype(jnp.int32)
+  tile_group = jnp.searchsorted(starts + rows, tile_rows, side="right").astype(jnp.int32)
   tile_group = jnp.where(tile_group < counts.shape[0], tile_group, -1)
-  return GroupTiles(starts, ends - starts, tile_group)
+  return GroupTiles(starts, rows, tile_group)
 
 
 def check_implementation(implementation: str) -> None:

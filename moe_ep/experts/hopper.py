@@ -36,8 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-# Rows per tile of the row dimension: a group's rows start at a multiple of it.
-ROW_TILE = 128
+from moe_ep.transport.grouped import ROW_TILE  # a group's rows start at a multiple of it
 DTYPES = ("bfloat16", "float16")
 
 

@@ -1,12 +1,12 @@
 """Picks the implementation of the transport's local passes.
 
 A backend is a module (or an object) with the functions of
-:mod:`moe_ep.transport.xla` named in :data:`_FUNCTIONS`: ``route``,
+:mod:`moe_ep.transport.xla` named in :data:`FUNCTIONS`: ``route``,
 ``slab_layout``, ``expand_rows``, ``gather_sum_rows``, and the FP8 dispatch's
 ``quantize_pack_expand``, ``unpack_dequantize_expand`` and
 ``dequantize_filled_rows`` (whose CUDA kernels need compute capability
 8.9+). Exchanges, custom_vjp rules and checkpoint names live above the
-backends, in :mod:`moe_ep.transport`.
+backends (:mod:`~moe_ep.transport.ops`, :mod:`~moe_ep.transport.row_paths`).
 """
 
 from __future__ import annotations
@@ -15,16 +15,14 @@ import functools
 
 import jax
 
-from moe_ep.transport import xla
+from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import kernel_launch, xla
+from moe_ep.transport.names import BACKENDS, check_backend
 
-BACKENDS = ("auto", "xla", "cupy")
-_FUNCTIONS = ("route", "slab_layout", "expand_rows", "gather_sum_rows",
-              "quantize_pack_expand", "unpack_dequantize_expand", "dequantize_filled_rows")
+__all__ = ["BACKENDS", "FUNCTIONS", "check_backend", "resolve"]
 
-
-def check_name(backend: str) -> None:
-  if backend not in BACKENDS:
-    raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+FUNCTIONS = ("route", "slab_layout", "expand_rows", "gather_sum_rows",
+             "quantize_pack_expand", "unpack_dequantize_expand", "dequantize_filled_rows")
 
 
 class _PerPlatform:
@@ -33,7 +31,7 @@ class _PerPlatform:
   platform it compiles for)."""
 
   def __init__(self, cuda, default):
-    for name in _FUNCTIONS:
+    for name in FUNCTIONS:
       setattr(self, name, functools.partial(
           self._call, getattr(cuda, name), getattr(default, name)))
 
@@ -52,13 +50,12 @@ def resolve(backend: str):
   everywhere else; ``"cupy"`` raises ImportError naming the extra to install
   where CuPy is missing.
   """
-  check_name(backend)
+  check_backend(backend)
   if backend == "xla":
     return xla
-  from moe_ep.transport import cupy as cupy_backend  # imports cupy lazily
   if backend == "cupy":
-    cupy_backend.require_cupy()
+    kernel_launch.require_cupy()
     return cupy_backend
-  if cupy_backend.cupy_available():
+  if kernel_launch.cupy_available():
     return _PerPlatform(cuda=cupy_backend, default=xla)
   return xla

@@ -1,217 +1,57 @@
-"""The CuPy backend: ``kernels/*.cu`` launched on XLA's own stream.
+"""The CuPy backend: ``kernels/rows.cu``, ``layout.cu`` and ``fp8.cu`` launched
+on XLA's own stream.
 
 Each function has the signature and outputs of its twin in
-:mod:`moe_ep.transport.xla` (the FP8 pair delegates to
-:mod:`moe_ep.transport.fp8`, which launches ``kernels/fp8.cu``); each lowers to one
-``jax.experimental.buffer_callback`` (FFI buffers, no host round trip) whose
-Python callback only launches kernels: raw pointers from
-``__cuda_array_interface__``, XLA's stream wrapped by
-``cupy.cuda.ExternalStream``, scratch space declared as an extra output so
-nothing is allocated and nothing synchronises. Launch shapes depend on static
-shapes only, so every callback is ``command_buffer_compatible`` and XLA can
-replay it from a CUDA graph.
-
-Kernels compile with NVRTC once per device, at trace time (never inside a
-step). CuPy is imported lazily here and by the modules built on this one's
-launch helpers, :mod:`~moe_ep.transport.peer` and :mod:`~moe_ep.transport.fp8`
-(the benchmarks also use it, to time a raw device memcpy).
+:mod:`moe_ep.transport.xla` and lowers to one ``buffer_callback`` that only
+launches kernels (:mod:`~moe_ep.transport.kernel_launch`: compile cache,
+XLA's stream, pointers). The FP8 dispatch's kernels (``kernels/fp8.cu``) give
+the bytes and values of the pure-JAX format, :mod:`~moe_ep.transport.fp8`,
+and need compute capability 8.9+ (the e4m3 conversion instructions).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib.util
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.buffer_callback import buffer_callback
 
-from moe_ep.transport import kernel_source
+from moe_ep.transport import fp8
+from moe_ep.transport import kernel_launch as kl
 from moe_ep.transport import meta as meta_layout
 from moe_ep.transport import xla
+from moe_ep.transport.kernel_launch import KernelFile, i32, pointer
 
-_INSTALL_HINT = ("backend='cupy' needs CuPy: pip install 'moe_ep[cuda13]' (CUDA 13) "
-                 "or 'moe_ep[cuda12]' (CUDA 12)")
-
-KERNELS = {
-    "rows.cu": ("expand_rows_v16", "expand_rows_v8", "expand_rows_v4", "expand_rows_v2",
-                "gather_sum_rows_f32", "gather_sum_rows_bf16", "gather_sum_rows_f16"),
-    "layout.cu": ("route_count", "route_rank", "route_rank_own_count", "slab_count", "slab_rank",
-                  "slab_rank_own_count"),
-}
-_SUM_KERNELS = {jnp.dtype(jnp.float32): "gather_sum_rows_f32",
-                jnp.dtype(jnp.bfloat16): "gather_sum_rows_bf16",
-                jnp.dtype(jnp.float16): "gather_sum_rows_f16"}
-_MAX_THREADS = 256
-_SHARED_INTS = 12288  # 48 KiB of dynamic shared memory, the default limit
-
-_compiled: dict[int, dict[str, object]] = {}  # device ordinal -> kernel name -> RawKernel
-_compile_lock = threading.Lock()
+ROWS = KernelFile("rows.cu", ("expand_rows_v16", "expand_rows_v8", "expand_rows_v4",
+                              "expand_rows_v2", "gather_sum_rows_f32", "gather_sum_rows_bf16",
+                              "gather_sum_rows_f16"))
+LAYOUT = KernelFile("layout.cu", ("route_count", "route_rank", "route_rank_own_count",
+                                  "slab_count", "slab_rank", "slab_rank_own_count"))
+FP8 = KernelFile("fp8.cu", tuple(f"{op}_{suffix}" for op in ("quantize_pack",
+                                                           "unpack_dequantize_expand")
+                                 for suffix in kl.DTYPE_SUFFIX.values()))
+KERNEL_FILES = (ROWS, LAYOUT)  # the routing and row kernels; FP8's compile on their own
 
 
-def cupy_available() -> bool:
-  return importlib.util.find_spec("cupy") is not None
+def kernels(ordinal: int) -> dict[str, object]:
+  """The routing and row kernels on CUDA device ``ordinal`` (compiled once)."""
+  return kl.functions(ordinal, KERNEL_FILES)
 
 
-def require_cupy() -> None:
-  if not cupy_available():
-    raise ImportError(_INSTALL_HINT)
+def _call(scope: str, callback, result_shapes, *inputs) -> list:
+  kl.compile_for_local_gpus(kernels)
+  return kl.call(scope, callback, result_shapes, *inputs)
 
 
-# --- compilation ---------------------------------------------------------------
-
-
-def compile_module(kernel_file: str):
-  """``kernels/<kernel_file>`` compiled by NVRTC for the current CUDA device:
-  a ``cupy.RawModule``. Where NVRTC fails, RuntimeError naming the file, with
-  the compiler's log. (This backend's, the peer exchange's and the FP8
-  kernels all compile through it.)"""
-  import cupy
-  module = cupy.RawModule(code=kernel_source.source(kernel_file),
-                          options=kernel_source.COMPILE_OPTIONS)
-  try:
-    module.compile()
-  except cupy.cuda.compiler.CompileException as error:
-    raise RuntimeError(f"compiling kernels/{kernel_file} failed:\n{error}") from error
-  return module
-
-
-def compile_kernels(device_ordinal: int) -> dict[str, object]:
-  """Compiles every kernel file for one CUDA device (cached)."""
-  with _compile_lock:
-    if device_ordinal in _compiled:
-      return _compiled[device_ordinal]
-    import cupy
-    functions = {}
-    with cupy.cuda.Device(device_ordinal):
-      for kernel_file, names in KERNELS.items():
-        module = compile_module(kernel_file)
-        for name in names:
-          functions[name] = module.get_function(name)
-    _compiled[device_ordinal] = functions
-    return functions
-
-
-def _gpu_ordinals() -> list[int]:
-  try:
-    devices = jax.local_devices(backend="gpu")
-  except RuntimeError:
-    return []
-  ordinals = []
-  for device in devices:
-    hardware_id = getattr(device, "local_hardware_id", None)
-    ordinals.append(device.id if hardware_id is None else hardware_id)
-  return ordinals
-
-
-def _compile_at_trace_time() -> None:
-  """Compiles for every local GPU now, so no step ever waits for NVRTC.
-  Without CuPy or GPUs (e.g. lowering for CUDA on a CPU machine) it does
-  nothing; the callbacks then fail only if they actually run."""
-  if not cupy_available():
-    return
-  for ordinal in _gpu_ordinals():
-    compile_kernels(ordinal)
-
-
-# --- launching -----------------------------------------------------------------
-
-
-def _pointer(buffer) -> np.uint64:
-  return np.uint64(buffer.__cuda_array_interface__["data"][0])
-
-
-def _device_ordinal(buffer) -> int:
-  device_type, ordinal = buffer.__dlpack_device__()
-  if device_type != 2:  # kDLCUDA
-    raise RuntimeError("backend='cupy' ran on a non-CUDA buffer; use backend='auto' or 'xla' "
-                       "off CUDA devices")
-  return ordinal
-
-
-class _StreamHandle:
-  """A raw ``cudaStream_t`` in the CUDA stream protocol."""
-
-  def __init__(self, handle: int):
-    self.handle = handle
-
-  def __cuda_stream__(self):
-    return (0, self.handle)
-
-
-def _external_stream(cupy, handle: int, ordinal: int):
-  """XLA's stream as a CuPy stream (``Stream.from_external`` where CuPy has
-  it, the older ``ExternalStream`` otherwise)."""
-  if hasattr(cupy.cuda.Stream, "from_external"):
-    with cupy.cuda.Device(ordinal):
-      return cupy.cuda.Stream.from_external(_StreamHandle(handle))
-  return cupy.cuda.ExternalStream(handle, ordinal)
-
-
-_streams: dict[tuple[int, int], object] = {}  # (device ordinal, cudaStream_t) -> CuPy stream
-
-
-@contextlib.contextmanager
 def _on_xla_stream(ctx, buffer):
-  """Makes the buffer's device and XLA's stream current; yields
-  ``launch(name, grid, block, *args, shared_ints=0)``."""
-  import cupy
-  ordinal = _device_ordinal(buffer)
-  functions = _compiled.get(ordinal) or compile_kernels(ordinal)
-  key = (ordinal, ctx.stream)
-  stream = _streams.get(key)
-  if stream is None:
-    stream = _streams.setdefault(key, _external_stream(cupy, ctx.stream, ordinal))
-
-  def launch(name, grid, block, *args, shared_ints=0):
-    functions[name]((int(grid),), (int(block),), args, shared_mem=4 * shared_ints)
-
-  with cupy.cuda.Device(ordinal), stream:
-    yield launch
-
-
-def _i32(*values):
-  return tuple(np.int32(v) for v in values)
-
-
-def _varying_axes(x) -> frozenset:
-  """The shard_map axes ``x`` varies over (``aval.mat.varying`` in newer
-  JAX, ``aval.vma`` in older)."""
-  aval = jax.typeof(x)
-  manual_axis_type = getattr(aval, "mat", None)
-  if manual_axis_type is not None:
-    return frozenset(manual_axis_type.varying)
-  return frozenset(getattr(aval, "vma", ()) or ())
-
-
-def _varying_like(outputs, *inputs):
-  """buffer_callback drops shard_map's varying-axes type; restore the union
-  of the inputs' so both platform branches agree."""
-  axes = frozenset().union(*(_varying_axes(x) for x in inputs))
-  if not axes:
-    return outputs
-  axes = tuple(sorted(axes, key=str))
-  return [jax.lax.pcast(out, axes, to="varying") for out in outputs]
-
-
-def _call(scope: str, callback, result_shapes, *inputs):
-  _compile_at_trace_time()
-  with jax.named_scope(scope):
-    outputs = buffer_callback(callback, result_shapes, command_buffer_compatible=True)(*inputs)
-  return _varying_like(list(outputs), *inputs)
-
-
-def _threads_for(row_work: int) -> int:
-  return int(min(_MAX_THREADS, max(32, -(-row_work // 32) * 32)))
+  return kl.on_xla_stream(ctx, buffer, kernels)
 
 
 def _tile_threads(num_keys: int, extra_ints: int = 0) -> int:
   """Threads per tile block of the layout kernels: one warp-count row of
   ``num_keys`` ints per warp (plus ``extra_ints``) must fit in shared memory."""
-  warps = (_SHARED_INTS - extra_ints) // max(num_keys, 1)
+  warps = (kl.SHARED_INTS - extra_ints) // max(num_keys, 1)
   if warps < 1:
     raise ValueError(f"{num_keys} keys do not fit the layout kernels' shared memory")
   return 32 * min(32, warps)
@@ -258,7 +98,7 @@ def _route_threads(num_tokens: int, ep_size: int, num_experts: int, top_k: int) 
     counted = _route_counted(num_tokens, threads)
     if max(_route_count_shared_ints(threads, ep_size, num_experts),
            _route_rank_shared_ints(threads, ep_size, top_k, num_experts,
-                                   counted)) <= _SHARED_INTS:
+                                   counted)) <= kl.SHARED_INTS:
       return threads
   raise ValueError(f"ep_size={ep_size}, num_experts={num_experts} and top_k={top_k} do not "
                    "fit the routing kernels' shared memory")
@@ -287,16 +127,16 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
   counted = _route_counted(num_tokens, threads)
 
   def callback(ctx, outs, idx, weights):
-    send_slot, send_token, route_slot, meta, scratch = (_pointer(b) for b in outs)
+    send_slot, send_token, route_slot, meta, scratch = (pointer(b) for b in outs)
     dest_counts, expert_counts = scratch, scratch + np.uint64(4 * workspace[0])
-    sizes = _i32(num_tokens, top_k, num_experts, local_experts, ep_size)
+    sizes = i32(num_tokens, top_k, num_experts, local_experts, ep_size)
     with _on_xla_stream(ctx, idx) as launch:
       if counted:
-        launch("route_count", tiles, threads, _pointer(idx), *sizes, dest_counts,
+        launch("route_count", tiles, threads, pointer(idx), *sizes, dest_counts,
                expert_counts, shared_ints=_route_count_shared_ints(threads, ep_size, num_experts))
       launch("route_rank" if counted else "route_rank_own_count", rank_blocks, threads,
-             _pointer(idx), _pointer(weights), *sizes, *_i32(send_capacity, tiles), dest_counts,
-             expert_counts, send_slot, send_token, route_slot, meta, *_i32(width, demand_offset),
+             pointer(idx), pointer(weights), *sizes, *i32(send_capacity, tiles), dest_counts,
+             expert_counts, send_slot, send_token, route_slot, meta, *i32(width, demand_offset),
              shared_ints=_route_rank_shared_ints(threads, ep_size, top_k, num_experts, counted))
 
   outputs = _call("moe_cupy_route", callback, shapes, topk_idx.astype(jnp.int32),
@@ -343,7 +183,7 @@ def slab_plan(ep_size: int, send_capacity: int, top_k: int, local_experts: int,
   rank_ints = (threads // 32 + 2) * local_experts
   # Few tiles (decode): slab_rank's blocks count them themselves, one launch fewer.
   counted = (tiles > _SLAB_TILES_COUNTED_IN_RANK
-             or rank_ints + tiles * local_experts > _SHARED_INTS)
+             or rank_ints + tiles * local_experts > kl.SHARED_INTS)
   return SlabPlan(threads=threads, tiles=tiles,
                   rank_blocks=max(tiles, -(-local_experts * expert_capacity // threads)),
                   shared_ints=rank_ints + (0 if counted else tiles * local_experts),
@@ -363,14 +203,14 @@ def slab_layout(recv_meta, *, top_k: int, num_local_experts: int, expert_capacit
 
   def callback(ctx, outs, meta):
     recv_pos, slab_row, slab_weights, counts, demand, tile_counts = (
-        _pointer(b) for b in outs)
+        pointer(b) for b in outs)
     with _on_xla_stream(ctx, meta) as launch:
       if plan.counted:
-        launch("slab_count", tiles, threads, _pointer(meta),
-               *_i32(ep_size, send_capacity, top_k, local_experts, width), tile_counts,
+        launch("slab_count", tiles, threads, pointer(meta),
+               *i32(ep_size, send_capacity, top_k, local_experts, width), tile_counts,
                shared_ints=threads // 32 * local_experts)
       launch("slab_rank" if plan.counted else "slab_rank_own_count", plan.rank_blocks, threads,
-             _pointer(meta), *_i32(ep_size, send_capacity, top_k, local_experts, capacity, width,
+             pointer(meta), *i32(ep_size, send_capacity, top_k, local_experts, capacity, width,
                                    meta_layout.demand_offset(send_capacity, top_k), tiles),
              tile_counts, recv_pos, slab_row, slab_weights, counts, demand,
              shared_ints=plan.shared_ints)
@@ -392,15 +232,15 @@ def expand_rows(table, targets, sources):
   num_out_rows = sources.shape[0]
   fanout = targets.shape[1]
   row_vecs = row_bytes // vector
-  threads = _threads_for(-(-row_vecs // 4))
+  threads = kl.threads_for(-(-row_vecs // 4))
   zero_blocks = -(-num_out_rows // 8)
 
   def callback(ctx, outs, rows, target_index, source_index):
     (out,) = outs
     with _on_xla_stream(ctx, rows) as launch:
-      launch(f"expand_rows_v{vector}", num_table_rows + zero_blocks, threads, _pointer(rows),
-             _pointer(target_index), _pointer(source_index), _pointer(out),
-             *_i32(num_table_rows, fanout, num_out_rows, row_vecs))
+      launch(f"expand_rows_v{vector}", num_table_rows + zero_blocks, threads, pointer(rows),
+             pointer(target_index), pointer(source_index), pointer(out),
+             *i32(num_table_rows, fanout, num_out_rows, row_vecs))
 
   shape = jax.ShapeDtypeStruct((num_out_rows, hidden), table.dtype)
   return _call("moe_cupy_expand_rows", callback, [shape], table,
@@ -410,19 +250,20 @@ def expand_rows(table, targets, sources):
 def gather_sum_rows(table, index):
   """Kernel ``gather_sum_rows_{f32,bf16,f16}``: fixed-order float32 sums;
   see :func:`moe_ep.transport.xla.gather_sum_rows`."""
-  kernel = _SUM_KERNELS.get(jnp.dtype(table.dtype))
-  if kernel is None:
+  suffix = kl.DTYPE_SUFFIX.get(jnp.dtype(table.dtype).name)
+  if suffix is None:
     return xla.gather_sum_rows(table, index)
+  kernel = f"gather_sum_rows_{suffix}"
   num_table_rows, hidden = table.shape
   num_out_rows, fanin = index.shape
   per_vector = 16 // table.dtype.itemsize
-  threads = _threads_for(hidden // per_vector if hidden % per_vector == 0 else hidden)
+  threads = kl.threads_for(hidden // per_vector if hidden % per_vector == 0 else hidden)
 
   def callback(ctx, outs, rows, row_index):
     (out,) = outs
     with _on_xla_stream(ctx, rows) as launch:
-      launch(kernel, num_out_rows, threads, _pointer(rows), _pointer(row_index), _pointer(out),
-             *_i32(num_table_rows, fanin, num_out_rows, hidden))
+      launch(kernel, num_out_rows, threads, pointer(rows), pointer(row_index), pointer(out),
+             *i32(num_table_rows, fanin, num_out_rows, hidden))
 
   shape = jax.ShapeDtypeStruct((num_out_rows, hidden), table.dtype)
   return _call("moe_cupy_gather_sum_rows", callback, [shape], table,
@@ -430,37 +271,109 @@ def gather_sum_rows(table, index):
 
 
 # --- the FP8 dispatch's fused row passes (kernels/fp8.cu) --------------------------
-# Launched by moe_ep.transport.fp8 (its own kernel file and compile cache; it
-# imports this module, hence the imports inside).
+
+_MIN_COMPUTE_CAPABILITY = 89
+_QUANTIZE_WARPS = 8
+_CHANNELS_PER_THREAD = 16  # unpack: one 16-byte load of codes per thread
+_ZERO_ROWS_PER_BLOCK = 8  # as FP8_ZERO_ROWS_PER_BLOCK in kernels/fp8.cu
+_NULL = np.uint64(0)
 
 
-def _fp8_kernels(fn, *args, **kwargs):
-  """Runs an ``fp8.cuda_*`` function; the compute-capability error (the e4m3
-  conversions need sm_89+) also says which setting asked for the kernels."""
+def check_compute_capability(device_ordinal: int) -> None:
+  """RuntimeError unless CUDA device ``device_ordinal`` has the e4m3
+  conversion instructions (sm_89+), which every FP8 kernel uses (these and
+  the peer dispatch's)."""
+  import cupy
+  capability = int(cupy.cuda.Device(device_ordinal).compute_capability)
+  if capability < _MIN_COMPUTE_CAPABILITY:
+    raise RuntimeError(
+        f"float8_e4m3fn dispatch needs a GPU of compute capability >= 8.9; cuda:"
+        f"{device_ordinal} has {capability // 10}.{capability % 10}")
+
+
+def fp8_kernels(ordinal: int) -> dict[str, object]:
+  """``kernels/fp8.cu``'s kernels on CUDA device ``ordinal`` (compiled once);
+  RuntimeError on devices without the e4m3 conversion instructions (before
+  sm_89), saying which setting asked for them."""
   try:
-    return fn(*args, **kwargs)
+    check_compute_capability(ordinal)
   except RuntimeError as error:
-    if "compute capability" not in str(error):
-      raise
     raise RuntimeError(
         f"{error}. FP8 dispatch (MoEConfig.dispatch_dtype / dispatch(wire_dtype=)) with "
         "transport 'cupy' or 'auto' runs these kernels; on this GPU use transport='xla' "
         "(the pure-JAX FP8 path) or no FP8 dispatch") from error
+  return kl.functions(ordinal, (FP8,))
+
+
+def _fp8_call(scope: str, callback, result_shape, *inputs):
+  kl.compile_for_local_gpus(fp8_kernels)
+  return kl.call(scope, callback, [result_shape], *inputs)[0]
+
+
+def _maps(targets, sources):
+  """int32 maps as kernel inputs, or () for the identity map."""
+  if targets is None and sources is None:
+    return ()
+  if targets is None or sources is None:
+    raise ValueError("targets and sources must be given together (or neither)")
+  if targets.ndim != 2 or sources.ndim != 1:
+    raise ValueError(f"targets must be [M, J] and sources [N]; got {targets.shape}, "
+                     f"{sources.shape}")
+  return targets.astype(jnp.int32), sources.astype(jnp.int32)
+
+
+def _launch_fp8(kernel: str, num_in_rows: int, threads: int, maps: tuple, num_out_rows: int,
+                fanout: int, hidden: int):
+  """The callback of one FP8 row pass: ``kernel`` over ``num_in_rows`` rows
+  (plus zero-fill blocks with maps), its maps' pointers or null."""
+  zero_blocks = -(-num_out_rows // _ZERO_ROWS_PER_BLOCK) if maps else 0
+
+  def callback(ctx, outs, rows, *index):
+    (out,) = outs
+    target_index, source_index = (pointer(b) for b in index) if index else (_NULL, _NULL)
+    with kl.on_xla_stream(ctx, rows, fp8_kernels) as launch:
+      launch(kernel, num_in_rows + zero_blocks, threads, pointer(rows), target_index,
+             source_index, pointer(out),
+             *i32(num_in_rows, fanout, num_out_rows, hidden, fp8.wire_bytes(hidden)))
+
+  return callback
 
 
 def quantize_pack_expand(table, targets=None, sources=None):
-  """Kernel ``quantize_pack_{f32,bf16,f16}``; see
-  :func:`moe_ep.transport.xla.quantize_pack_expand`."""
-  from moe_ep.transport import fp8
-  return _fp8_kernels(fp8.cuda_quantize_pack, table, targets, sources)
+  """Kernel ``quantize_pack_{f32,bf16,f16}``, the bytes of
+  :func:`moe_ep.transport.xla.quantize_pack_expand` (without maps: wire row
+  ``m`` is table row ``m``)."""
+  fp8.check_rows("x", table)
+  num_rows, hidden = table.shape
+  maps = _maps(targets, sources)
+  if maps and maps[0].shape[0] != num_rows:
+    raise ValueError(f"targets has {maps[0].shape[0]} rows but x has {num_rows}")
+  num_out_rows = maps[1].shape[0] if maps else num_rows
+  callback = _launch_fp8(f"quantize_pack_{kl.DTYPE_SUFFIX[jnp.dtype(table.dtype).name]}",
+                         num_rows, 32 * min(_QUANTIZE_WARPS, fp8.num_blocks(hidden)), maps,
+                         num_out_rows, maps[0].shape[1] if maps else 1, hidden)
+  shape = jax.ShapeDtypeStruct((num_out_rows, fp8.wire_bytes(hidden)), jnp.uint8)
+  return _fp8_call("moe_cupy_fp8_quantize_pack", callback, shape, table, *maps)
 
 
-def unpack_dequantize_expand(wire, targets, sources, *, hidden: int, dtype):
-  """Kernel ``unpack_dequantize_expand_{f32,bf16,f16}``; see
+def unpack_dequantize_expand(wire, targets=None, sources=None, *, hidden: int,
+                             dtype=jnp.bfloat16):
+  """Kernel ``unpack_dequantize_expand_{f32,bf16,f16}``: each wire row read
+  once, dequantized and written to all its targets (without maps, output row
+  ``n`` is wire row ``n``); the values of
   :func:`moe_ep.transport.xla.unpack_dequantize_expand`."""
-  from moe_ep.transport import fp8
-  return _fp8_kernels(fp8.cuda_unpack_dequantize_expand, wire, targets, sources,
-                      hidden=hidden, dtype=dtype)
+  dtype = fp8.check_dtype(dtype)
+  fp8.check_wire(wire, hidden)
+  num_wire_rows = wire.shape[0]
+  maps = _maps(targets, sources)
+  if maps and maps[0].shape[0] != num_wire_rows:
+    raise ValueError(f"targets has {maps[0].shape[0]} rows but wire has {num_wire_rows}")
+  num_out_rows = maps[1].shape[0] if maps else num_wire_rows
+  callback = _launch_fp8(f"unpack_dequantize_expand_{kl.DTYPE_SUFFIX[dtype.name]}",
+                         num_wire_rows, kl.threads_for(-(-hidden // _CHANNELS_PER_THREAD)), maps,
+                         num_out_rows, maps[0].shape[1] if maps else 1, hidden)
+  shape = jax.ShapeDtypeStruct((num_out_rows, hidden), dtype)
+  return _fp8_call("moe_cupy_fp8_unpack_dequantize_expand", callback, shape, wire, *maps)
 
 
 def dequantize_filled_rows(wire, filled, *, hidden: int, dtype):
@@ -468,11 +381,9 @@ def dequantize_filled_rows(wire, filled, *, hidden: int, dtype):
   its own target and source (the others zero); see
   :func:`moe_ep.transport.xla.dequantize_filled_rows`; an unfilled row's
   codes are not read. On one H200, [81920, 7424] wire rows to bf16 with 80%
-  filled: 452 us (``dequantize-skip-1xH200-20261201.json``; 496-500 us when
-  it read every row, against 742-763 us for XLA's fusion of the same values,
-  ``dequantize-filled-1xH200-20261201.json``)."""
-  from moe_ep.transport import fp8
-  fp8._check_filled(filled, wire)
+  filled: 452 us (benchmarks/results/tuning/dequantize-skip-1xH200-20261201.json;
+  496-500 us when it read every row, against 742-763 us for XLA's fusion of
+  the same values, tuning/dequantize-filled-1xH200-20261201.json)."""
+  fp8.check_filled(filled, wire)
   rows = jnp.where(filled, jnp.arange(wire.shape[0], dtype=jnp.int32), -1)
-  return _fp8_kernels(fp8.cuda_unpack_dequantize_expand, wire, rows[:, None], rows,
-                      hidden=hidden, dtype=dtype)
+  return unpack_dequantize_expand(wire, rows[:, None], rows, hidden=hidden, dtype=dtype)

@@ -54,25 +54,21 @@ shape the rule does not pick the faster of.) The kernels take W from
 An all-zero wire row dequantizes to an all-zero row (codes 0, scales 0), so
 ``expand_rows`` zero fill on the wire is a zero row after unpacking.
 
-The pure-JAX functions run on every platform and are the reference. The
-``cuda_*`` functions run ``kernels/fp8.cu`` through ``buffer_callback`` (as
-:mod:`moe_ep.transport.cupy` does) and give the same bytes and values; they,
-and the peer dispatch that quantizes as it sends (``kernels/peer.cu``'s
-``peer_dispatch_fp8_*``), need compute capability 8.9+ (the e4m3 conversion
-instructions; :func:`check_compute_capability`).
+These pure-JAX functions run on every platform and are the reference. The
+CUDA kernels of the same format (``kernels/fp8.cu``, launched by
+:mod:`moe_ep.transport.cupy`, and the peer dispatch that quantizes as it
+sends, ``peer_dispatch_fp8_*``) give the same bytes and values and need
+compute capability 8.9+ (the e4m3 conversion instructions;
+:func:`moe_ep.transport.cupy.check_compute_capability`).
 """
 
 from __future__ import annotations
-
-import contextlib
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_ep.transport import cupy as cupy_backend
-from moe_ep.transport import xla
+from moe_ep.transport.layout import round_up
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -86,10 +82,6 @@ _MANTISSA_BITS = 3
 _MIN_NORMAL_EXPONENT = -6  # e4m3fn: smallest normal 2**-6, subnormal step 2**-9
 
 
-def _round_up(value: int, multiple: int) -> int:
-  return -(-value // multiple) * multiple
-
-
 def num_blocks(hidden: int) -> int:
   """``B = ceil(H / 128)`` scale blocks per row."""
   return -(-hidden // BLOCK)
@@ -97,19 +89,19 @@ def num_blocks(hidden: int) -> int:
 
 def code_bytes(hidden: int) -> int:
   """``Hc``: bytes of a wire row's code region (``H`` rounded up to 16)."""
-  return _round_up(hidden, _CODE_ALIGN)
+  return round_up(hidden, _CODE_ALIGN)
 
 
 def wire_bytes(hidden: int) -> int:
   """``W``: bytes of one wire row: codes and scales, padded to whole 128-byte
   lines where that adds less than 1/16 of the row, else to 16 bytes (the
   rule and its measurements: the module docstring)."""
-  packed = _round_up(code_bytes(hidden) + 4 * num_blocks(hidden), _CODE_ALIGN)
-  lines = _round_up(packed, _WIRE_ALIGN)
+  packed = round_up(code_bytes(hidden) + 4 * num_blocks(hidden), _CODE_ALIGN)
+  lines = round_up(packed, _WIRE_ALIGN)
   return lines if _WIRE_LINES_COST * (lines - packed) < packed else packed
 
 
-def _check_rows(name: str, x: jax.Array) -> None:
+def check_rows(name: str, x: jax.Array) -> None:
   if x.ndim != 2:
     raise ValueError(f"{name} must be [N, H] (rank 2); got shape {x.shape}")
   if jnp.dtype(x.dtype) not in INPUT_DTYPES:
@@ -119,14 +111,14 @@ def _check_rows(name: str, x: jax.Array) -> None:
     raise ValueError(f"{name} must have H >= 1 channels; got shape {x.shape}")
 
 
-def _check_dtype(dtype) -> jnp.dtype:
+def check_dtype(dtype) -> jnp.dtype:
   dtype = jnp.dtype(dtype)
   if dtype not in INPUT_DTYPES:
     raise ValueError(f"dtype={dtype} must be one of {[d.name for d in INPUT_DTYPES]}")
   return dtype
 
 
-def _check_wire(wire: jax.Array, hidden: int) -> None:
+def check_wire(wire: jax.Array, hidden: int) -> None:
   if hidden < 1:
     raise ValueError(f"hidden={hidden} must be >= 1")
   if wire.ndim != 2 or wire.dtype != jnp.uint8 or wire.shape[1] != wire_bytes(hidden):
@@ -134,7 +126,7 @@ def _check_wire(wire: jax.Array, hidden: int) -> None:
                      f"(wire_bytes); got {wire.dtype} {wire.shape}")
 
 
-def _check_filled(filled: jax.Array, wire: jax.Array) -> None:
+def check_filled(filled: jax.Array, wire: jax.Array) -> None:
   if filled.shape != wire.shape[:1] or filled.dtype != jnp.bool_:
     raise ValueError(f"filled must be [{wire.shape[0]}] bool for wire rows {wire.shape}; "
                      f"got {filled.dtype} {filled.shape}")
@@ -176,7 +168,7 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   Returns:
     ``(codes [N, H] float8_e4m3fn, scales [N, B] float32)``.
   """
-  _check_rows("x", x)
+  check_rows("x", x)
   rows, hidden = x.shape
   blocks = num_blocks(hidden)
   padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, blocks * BLOCK - hidden)))
@@ -199,7 +191,7 @@ def dequantize_rows(codes: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> 
     scales: ``[N, ceil(H / 128)]`` float32.
     dtype: float32, bfloat16 or float16.
   """
-  dtype = _check_dtype(dtype)
+  dtype = check_dtype(dtype)
   if codes.ndim != 2 or codes.dtype != jnp.float8_e4m3fn:
     raise ValueError(f"codes must be [N, H] float8_e4m3fn; got {codes.dtype} {codes.shape}")
   rows, hidden = codes.shape
@@ -223,7 +215,7 @@ def pack_wire(codes: jax.Array, scales: jax.Array) -> jax.Array:
 
 def unpack_wire(wire: jax.Array, hidden: int) -> tuple[jax.Array, jax.Array]:
   """``(codes [N, H] float8_e4m3fn, scales [N, B] float32)`` of wire rows."""
-  _check_wire(wire, hidden)
+  check_wire(wire, hidden)
   rows = wire.shape[0]
   blocks = num_blocks(hidden)
   codes = jax.lax.bitcast_convert_type(wire[:, :hidden], jnp.float8_e4m3fn)
@@ -238,7 +230,7 @@ def dequantize_wire_rows(wire: jax.Array, hidden: int, dtype, filled: jax.Array)
   [N]`` (bool) is False whatever those rows' bytes hold: the FP8 slabs'
   padding rows, which the peer kernel leaves unwritten. One fused pass, as
   without the mask."""
-  _check_filled(filled, wire)
+  check_filled(filled, wire)
   rows = dequantize_rows(*unpack_wire(wire, hidden), dtype)
   return jnp.where(filled[:, None], rows, jnp.zeros((), rows.dtype))
 
@@ -246,187 +238,3 @@ def dequantize_wire_rows(wire: jax.Array, hidden: int, dtype, filled: jax.Array)
 def quantize_pack(x: jax.Array) -> jax.Array:
   """``x [N, H]`` -> ``[N, W]`` uint8 wire rows."""
   return pack_wire(*quantize_rows(x))
-
-
-def quantize_pack_expand(x: jax.Array, targets: jax.Array, sources: jax.Array) -> jax.Array:
-  """The sender's fused op: each row quantized once, its wire row copied to
-  every output row it feeds (``xla.expand_rows`` convention); other output
-  rows are all-zero wire rows.
-
-  Args:
-    x: ``[M, H]`` float32, bfloat16 or float16.
-    targets: ``[M, J]`` int32 output row of copy ``j`` of row ``m``, or -1.
-    sources: ``[N]`` int32 row of ``x`` feeding output row ``n``, or -1.
-
-  Returns:
-    ``[N, W]`` uint8.
-  """
-  return xla.expand_rows(quantize_pack(x), targets, sources)
-
-
-def unpack_dequantize_expand(wire: jax.Array, targets: jax.Array, sources: jax.Array, *,
-                             hidden: int, dtype=jnp.bfloat16) -> jax.Array:
-  """The receiver's fused op: wire rows dequantized into their output rows.
-
-  Args:
-    wire: ``[M, W]`` uint8 wire rows of ``hidden`` channels.
-    targets: ``[M, J]`` int32 output row of copy ``j`` of wire row ``m``, or -1.
-    sources: ``[N]`` int32 wire row feeding output row ``n``, or -1 (zero row).
-    hidden: ``H``.
-    dtype: output dtype (float32, bfloat16 or float16).
-
-  Returns:
-    ``[N, H]`` in ``dtype``; equal to ``xla.expand_rows(dequantize_rows(
-    *unpack_wire(wire, hidden), dtype), targets, sources)``.
-  """
-  dtype = _check_dtype(dtype)
-  _check_wire(wire, hidden)
-  return dequantize_rows(*unpack_wire(xla.expand_rows(wire, targets, sources), hidden), dtype)
-
-
-# --- CUDA kernels (kernels/fp8.cu) ----------------------------------------------
-
-_KERNEL_FILE = "fp8.cu"
-_SUFFIX = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16",
-           jnp.dtype(jnp.float16): "f16"}
-_KERNEL_NAMES = tuple(f"{op}_{suffix}" for op in ("quantize_pack", "unpack_dequantize_expand")
-                      for suffix in _SUFFIX.values())
-_MIN_COMPUTE_CAPABILITY = 89
-_QUANTIZE_WARPS = 8
-_CHANNELS_PER_THREAD = 16  # unpack: one 16-byte load of codes per thread
-_ZERO_ROWS_PER_BLOCK = 8  # as FP8_ZERO_ROWS_PER_BLOCK in kernels/fp8.cu
-
-_compiled: dict[int, dict[str, object]] = {}  # device ordinal -> kernel name -> RawKernel
-_compile_lock = threading.Lock()
-
-
-def check_compute_capability(device_ordinal: int) -> None:
-  """RuntimeError unless CUDA device ``device_ordinal`` has the e4m3
-  conversion instructions (sm_89+), which every FP8 kernel uses (these and
-  the peer dispatch's)."""
-  import cupy
-  capability = int(cupy.cuda.Device(device_ordinal).compute_capability)
-  if capability < _MIN_COMPUTE_CAPABILITY:
-    raise RuntimeError(
-        f"float8_e4m3fn dispatch needs a GPU of compute capability >= 8.9; cuda:"
-        f"{device_ordinal} has {capability // 10}.{capability % 10}")
-
-
-def compile_kernels(device_ordinal: int) -> dict[str, object]:
-  """Compiles ``kernels/fp8.cu`` for one CUDA device (cached); RuntimeError
-  on devices without the e4m3 conversion instructions (before sm_89)."""
-  with _compile_lock:
-    if device_ordinal in _compiled:
-      return _compiled[device_ordinal]
-    check_compute_capability(device_ordinal)
-    import cupy
-    with cupy.cuda.Device(device_ordinal):
-      module = cupy_backend.compile_module(_KERNEL_FILE)
-      _compiled[device_ordinal] = {name: module.get_function(name) for name in _KERNEL_NAMES}
-    return _compiled[device_ordinal]
-
-
-def _compile_at_trace_time() -> None:
-  if not cupy_backend.cupy_available():
-    return
-  for ordinal in cupy_backend._gpu_ordinals():
-    compile_kernels(ordinal)
-
-
-@contextlib.contextmanager
-def _on_xla_stream(ctx, buffer):
-  """As ``cupy._on_xla_stream``, with this file's kernels."""
-  import cupy
-  ordinal = cupy_backend._device_ordinal(buffer)
-  functions = _compiled.get(ordinal) or compile_kernels(ordinal)
-  key = (ordinal, ctx.stream)
-  streams = cupy_backend._streams  # shared: one CuPy stream per XLA stream
-  stream = streams.get(key)
-  if stream is None:
-    stream = streams.setdefault(key, cupy_backend._external_stream(cupy, ctx.stream, ordinal))
-
-  def launch(name, grid, block, *args):
-    functions[name]((int(grid),), (int(block),), args)
-
-  with cupy.cuda.Device(ordinal), stream:
-    yield launch
-
-
-def _call(scope: str, callback, result_shape, *inputs):
-  _compile_at_trace_time()
-  return cupy_backend._call(scope, callback, [result_shape], *inputs)[0]
-
-
-_NULL = np.uint64(0)
-_pointer = cupy_backend._pointer
-_i32 = cupy_backend._i32
-
-
-def _maps(targets, sources):
-  """int32 maps as kernel inputs, or () for the identity map."""
-  if targets is None and sources is None:
-    return ()
-  if targets is None or sources is None:
-    raise ValueError("targets and sources must be given together (or neither)")
-  if targets.ndim != 2 or sources.ndim != 1:
-    raise ValueError(f"targets must be [M, J] and sources [N]; got {targets.shape}, "
-                     f"{sources.shape}")
-  return targets.astype(jnp.int32), sources.astype(jnp.int32)
-
-
-def cuda_quantize_pack(x: jax.Array, targets: jax.Array | None = None,
-                       sources: jax.Array | None = None) -> jax.Array:
-  """Kernel ``quantize_pack_{f32,bf16,f16}``: :func:`quantize_pack` (no maps)
-  or :func:`quantize_pack_expand` (``targets``, ``sources``), same bytes."""
-  _check_rows("x", x)
-  num_rows, hidden = x.shape
-  maps = _maps(targets, sources)
-  if maps and maps[0].shape[0] != num_rows:
-    raise ValueError(f"targets has {maps[0].shape[0]} rows but x has {num_rows}")
-  num_out_rows = maps[1].shape[0] if maps else num_rows
-  fanout = maps[0].shape[1] if maps else 1
-  threads = 32 * min(_QUANTIZE_WARPS, num_blocks(hidden))
-  zero_blocks = -(-num_out_rows // _ZERO_ROWS_PER_BLOCK) if maps else 0
-  kernel = f"quantize_pack_{_SUFFIX[jnp.dtype(x.dtype)]}"
-
-  def callback(ctx, outs, rows, *index):
-    (out,) = outs
-    target_index, source_index = (_pointer(b) for b in index) if index else (_NULL, _NULL)
-    with _on_xla_stream(ctx, rows) as launch:
-      launch(kernel, num_rows + zero_blocks, threads, _pointer(rows), target_index,
-             source_index, _pointer(out),
-             *_i32(num_rows, fanout, num_out_rows, hidden, wire_bytes(hidden)))
-
-  shape = jax.ShapeDtypeStruct((num_out_rows, wire_bytes(hidden)), jnp.uint8)
-  return _call("moe_cupy_fp8_quantize_pack", callback, shape, x, *maps)
-
-
-def cuda_unpack_dequantize_expand(wire: jax.Array, targets: jax.Array | None = None,
-                                  sources: jax.Array | None = None, *, hidden: int,
-                                  dtype=jnp.bfloat16) -> jax.Array:
-  """Kernel ``unpack_dequantize_expand_{f32,bf16,f16}``: each wire row read
-  once, dequantized and written to all its targets; without maps, output row
-  ``n`` is wire row ``n`` (a plain dequantize). Same values as
-  :func:`unpack_dequantize_expand`."""
-  dtype = _check_dtype(dtype)
-  _check_wire(wire, hidden)
-  num_wire_rows = wire.shape[0]
-  maps = _maps(targets, sources)
-  if maps and maps[0].shape[0] != num_wire_rows:
-    raise ValueError(f"targets has {maps[0].shape[0]} rows but wire has {num_wire_rows}")
-  num_out_rows = maps[1].shape[0] if maps else num_wire_rows
-  fanout = maps[0].shape[1] if maps else 1
-  threads = cupy_backend._threads_for(-(-hidden // _CHANNELS_PER_THREAD))
-  zero_blocks = -(-num_out_rows // _ZERO_ROWS_PER_BLOCK) if maps else 0
-  kernel = f"unpack_dequantize_expand_{_SUFFIX[dtype]}"
-
-  def callback(ctx, outs, rows, *index):
-    (out,) = outs
-    target_index, source_index = (_pointer(b) for b in index) if index else (_NULL, _NULL)
-    with _on_xla_stream(ctx, rows) as launch:
-      launch(kernel, num_wire_rows + zero_blocks, threads, _pointer(rows), target_index,
-             source_index, _pointer(out),
-             *_i32(num_wire_rows, fanout, num_out_rows, hidden, wire_bytes(hidden)))
-
-  shape = jax.ShapeDtypeStruct((num_out_rows, hidden), dtype)
-  return _call("moe_cupy_fp8_unpack_dequantize_expand", callback, shape, wire, *maps)

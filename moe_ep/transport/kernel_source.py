@@ -12,12 +12,20 @@ import importlib.resources
 import pathlib
 
 COMMON_HEADER = "common.cuh"
-KERNEL_FILES = ("rows.cu", "layout.cu", "peer.cu", "fp8.cu")
-# Headers prepended after COMMON_HEADER: the FP8 format's rules serve the FP8
-# row passes and the peer dispatch that quantizes as it sends; the slab
-# layout serves the layout kernels and the peer exchange fused with it.
+KERNEL_FILES = ("rows.cu", "layout.cu", "fp8.cu", "peer_exchange.cu", "peer_dispatch.cu",
+                "peer_combine.cu", "peer_layout.cu")
+# Headers prepended after COMMON_HEADER, in order: the FP8 format's rules
+# serve the FP8 row passes and the peer dispatch that quantizes as it sends;
+# the slab layout serves the layout kernels and the peer launches fused with
+# it; the peer protocol (peer.cuh) every peer kernel, its row machinery
+# (peer_rows.cuh) the fused row kernels, and its metadata landing
+# (peer_layout.cuh) the launches that lay the slabs out themselves.
+_PEER_ROWS = ("peer.cuh", "peer_rows.cuh")
 HEADERS = {"fp8.cu": ("fp8.cuh",), "layout.cu": ("slab_layout.cuh",),
-           "peer.cu": ("fp8.cuh", "slab_layout.cuh")}
+           "peer_exchange.cu": ("peer.cuh",),
+           "peer_dispatch.cu": ("fp8.cuh", "slab_layout.cuh", *_PEER_ROWS, "peer_layout.cuh"),
+           "peer_combine.cu": _PEER_ROWS,
+           "peer_layout.cu": ("slab_layout.cuh", *_PEER_ROWS, "peer_layout.cuh")}
 # NVRTC options; nvcc understands the same ones.
 COMPILE_OPTIONS = ("-std=c++17",)
 

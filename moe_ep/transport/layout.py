@@ -32,7 +32,8 @@ _SMALL_SLAB_MULTIPLE = 8
 DROPPED_MEMBER = -2
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value, multiple: int):
+  """``value`` (a Python int or an integer array) rounded up to ``multiple``."""
   return -(-value // multiple) * multiple
 
 
@@ -61,15 +62,16 @@ def check_num_tokens(num_tokens, caller: str) -> int:
   return positive_int("num_tokens", num_tokens)
 
 
-def check_capacity_factor(capacity_factor) -> None:
-  """ValueError unless ``capacity_factor`` is None or a finite number > 0."""
+def check_capacity_factor(capacity_factor, name: str = "capacity_factor") -> None:
+  """ValueError naming ``name`` unless ``capacity_factor`` is None or a
+  finite number > 0 (also the grouped layout's ``receive_factor``)."""
   if capacity_factor is None:
     return
   ok = (isinstance(capacity_factor, (int, float, np.integer, np.floating))
         and not isinstance(capacity_factor, (bool, np.bool_))
         and math.isfinite(capacity_factor) and capacity_factor > 0)
   if not ok:
-    raise ValueError(f"capacity_factor={capacity_factor!r} must be a finite number > 0 or None")
+    raise ValueError(f"{name}={capacity_factor!r} must be a finite number > 0 or None")
 
 
 def check_experts(num_experts: int, top_k: int, ep_size: int) -> tuple[int, int, int]:
@@ -108,13 +110,13 @@ def expert_capacity_for(num_tokens: int, top_k: int, num_experts: int,
   num_tokens = check_num_tokens(num_tokens, "expert_capacity_for")
   num_experts, top_k, ep_size = check_experts(num_experts, top_k, ep_size)
   check_capacity_factor(capacity_factor)
-  dropless = _round_up(ep_size * num_tokens, _SMALL_SLAB_MULTIPLE)
+  dropless = round_up(ep_size * num_tokens, _SMALL_SLAB_MULTIPLE)
   if capacity_factor is None:
     rows = ep_size * num_tokens
   else:
     rows = math.ceil(capacity_factor * ep_size * num_tokens * top_k / num_experts)
   multiple = _LARGE_SLAB_MULTIPLE if rows >= _LARGE_SLAB_ROWS else _SMALL_SLAB_MULTIPLE
-  return max(1, min(_round_up(rows, multiple), dropless))
+  return max(1, min(round_up(rows, multiple), dropless))
 
 
 def send_capacity_for(num_tokens: int, top_k: int, num_experts: int,
@@ -132,7 +134,12 @@ def send_capacity_for(num_tokens: int, top_k: int, num_experts: int,
   if capacity_factor is None:
     return num_tokens
   rows = math.ceil(capacity_factor * num_tokens * top_k / ep_size)
-  return max(1, min(_round_up(rows, _SMALL_SLAB_MULTIPLE), num_tokens))
+  return max(1, min(round_up(rows, _SMALL_SLAB_MULTIPLE), num_tokens))
+
+
+def _size(field: str, axis: int, doc: str) -> property:
+  """A read-only size: axis ``axis`` of the handle's array ``field``."""
+  return property(lambda handle: getattr(handle, field).shape[axis], doc=doc)
 
 
 class RoutingHandle(NamedTuple):
@@ -157,7 +164,7 @@ class RoutingHandle(NamedTuple):
       -1 (combine then sends back only those rows).
     slab_row: ``[L, C]`` flat received row ``src * S + s`` feeding slab row
       ``(l, c)``, or -1 on padding rows. In the grouped layout
-      (:mod:`~moe_ep.transport.grouped_layout`) ``[M]``, per buffer row, and
+      (:mod:`~moe_ep.transport.grouped`) ``[M]``, per buffer row, and
       ``recv_pos`` holds buffer rows.
   """
 
@@ -167,25 +174,17 @@ class RoutingHandle(NamedTuple):
   recv_pos: jax.Array
   slab_row: jax.Array
 
-  @property
-  def num_tokens(self) -> int:
-    return self.send_slot.shape[0]
-
-  @property
-  def ep_size(self) -> int:
-    return self.send_slot.shape[1]
-
-  @property
-  def send_capacity(self) -> int:
-    return self.send_token.shape[1]
-
-  @property
-  def top_k(self) -> int:
-    return self.route_slot.shape[1]
+  # The sizes, each read from the map that holds it.
+  num_tokens = _size("send_slot", 0, "``T``: this rank's tokens.")
+  ep_size = _size("send_slot", 1, "``R``: ranks on the EP axis.")
+  send_capacity = _size("send_token", 1, "``S``: rows per destination send chunk.")
+  top_k = _size("route_slot", 1, "``K``: routes per token.")
+  num_local_experts = _size("slab_row", 0, "``L``: experts on this rank (slabs only).")
+  expert_capacity = _size("slab_row", 1, "``C``: rows per expert slab (slabs only).")
 
   @property
   def grouped(self) -> bool:
-    """Whether the rows sit in the grouped layout (else in slabs)."""
+    """Whether the rows sit in the grouped layout (``slab_row [M]``), else in slabs."""
     return self.slab_row.ndim == 1
 
 

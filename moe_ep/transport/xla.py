@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moe_ep.transport import fp8
 from moe_ep.transport import meta as meta_layout
 from moe_ep.transport.layout import DROPPED_MEMBER
 
@@ -190,8 +191,7 @@ def gather_sum_rows(table: jax.Array, index: jax.Array) -> jax.Array:
   return total.astype(table.dtype)
 
 
-# The FP8 dispatch's two fused row passes (see moe_ep/transport/fp8.py). fp8
-# imports this module, hence the imports inside.
+# The FP8 dispatch's row passes (the format: moe_ep/transport/fp8.py).
 
 
 def quantize_pack_expand(table: jax.Array, targets: jax.Array | None = None,
@@ -207,10 +207,9 @@ def quantize_pack_expand(table: jax.Array, targets: jax.Array | None = None,
   Returns:
     ``[N, W]`` uint8 (``[M, W]`` without maps), ``W = fp8.wire_bytes(H)``.
   """
-  from moe_ep.transport import fp8
   if targets is None and sources is None:
     return fp8.quantize_pack(table)
-  return fp8.quantize_pack_expand(table, targets, sources)
+  return expand_rows(fp8.quantize_pack(table), targets, sources)
 
 
 def unpack_dequantize_expand(wire: jax.Array, targets: jax.Array, sources: jax.Array, *,
@@ -224,10 +223,14 @@ def unpack_dequantize_expand(wire: jax.Array, targets: jax.Array, sources: jax.A
     dtype: output dtype (float32, bfloat16 or float16).
 
   Returns:
-    ``[N, H]`` in ``dtype``.
+    ``[N, H]`` in ``dtype``: the dequantized wire rows expanded, computed
+    as the expand then one dequantize (a zero wire row dequantizes to a
+    zero row).
   """
-  from moe_ep.transport import fp8
-  return fp8.unpack_dequantize_expand(wire, targets, sources, hidden=hidden, dtype=dtype)
+  dtype = fp8.check_dtype(dtype)
+  fp8.check_wire(wire, hidden)
+  return fp8.dequantize_rows(*fp8.unpack_wire(expand_rows(wire, targets, sources), hidden),
+                             dtype)
 
 
 def dequantize_filled_rows(wire: jax.Array, filled: jax.Array, *, hidden: int,
@@ -245,5 +248,4 @@ def dequantize_filled_rows(wire: jax.Array, filled: jax.Array, *, hidden: int,
   Returns:
     ``[N, H]`` in ``dtype``.
   """
-  from moe_ep.transport import fp8
   return fp8.dequantize_wire_rows(wire, hidden, dtype, filled)

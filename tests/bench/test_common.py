@@ -26,11 +26,11 @@ def test_source_digest_names_the_code_not_the_folder(tmp_path):
   (second / "moe_ep" / "__pycache__").mkdir(exist_ok=True)
   (second / "moe_ep" / "__pycache__" / "x.pyc").write_bytes(b"\0")
   assert common.source_digest(second) == digest
-  kernel = second / "kernels" / "peer.cu"
+  kernel = second / "kernels" / "peer_dispatch.cu"
   kernel.write_bytes(kernel.read_bytes() + b" ")  # one byte more in a kernel
   edited = common.source_digest(second)
   assert edited != digest
-  kernel.rename(second / "kernels" / "peer2.cu")  # the same bytes under another name
+  kernel.rename(second / "kernels" / "peer_dispatch2.cu")  # the same bytes under another name
   assert common.source_digest(second) not in (digest, edited)
   (second / "pyproject.toml").unlink()
   assert common.source_digest(second) is None  # not a source checkout

@@ -43,7 +43,19 @@ def smoke():
   process, results = background.result("bench-smoke", run_smoke)
   assert process.returncode == 0, process.stderr[-3000:]
   assert sorted(results) == sorted(PROGRAMS)
+  assert process.stdout.count("\nwrote ") == len(PROGRAMS)  # it says where each went
   return results
+
+
+def test_help_names_the_command_and_each_option():
+  result = subprocess.run([sys.executable, "-m", "moe_ep.bench", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.startswith("usage: python -m moe_ep.bench ")
+  assert "--smoke" in result.stdout and "tiny shapes" in result.stdout
+  assert "--out DIR" in result.stdout and "runs/bench/" in result.stdout
+  for name in ("transport", "experts", "layer", "ep", "loopback"):
+    assert f"\n  {name} " in result.stdout
 
 
 def test_every_program_writes_its_environment_and_summary(smoke):

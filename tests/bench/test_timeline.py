@@ -78,12 +78,12 @@ def test_the_fp8_program_runs_on_the_exchange_dispatch_resolves(exchange):
   # the peer path (seen on 2 GPUs: NCCL kernels in the FP8 timeline).
   import jax
   import numpy as np
-  from moe_ep import transport
+  from moe_ep.transport.exchange import resolve_exchange
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("ep",))
   case = timeline._case(mesh, 16, 128, 8, 2, 1.25, "auto", exchange)
   ep_size = mesh.shape["ep"]  # 2 devices, or 1 on a one-GPU machine
-  assert case["spec"].exchange == transport._resolve_exchange(exchange, "auto", "ep", ep_size,
-                                                              mesh)
+  assert case["spec"].exchange == resolve_exchange(exchange, "auto", "ep", ep_size,
+                                                   mesh)
   assert case["spec"].exchange in ("all_to_all", "peer")
 
 

@@ -11,13 +11,14 @@ import pytest
 
 from tiny_run import FAST_OVERRIDES, TINY_YAML, skip_unless_devices_fit
 from examples import profile_step as ps
+from moe_ep.bench import hlo, timeline
 from examples.train_config import load_config
 
 STEPS = 2
 
 
 def event(start, end, *, device="d0", line="a", hlo_op="op"):
-  return ps.OpEvent(device, line, start, end, "m", hlo_op, hlo_op, "")
+  return timeline.OpEvent(device, line, start, end, "m", hlo_op, hlo_op, "")
 
 
 def test_nested_and_overlapping_ops_split_the_busy_time_between_them():
@@ -91,11 +92,15 @@ EXPECTED = {
 
 
 def test_classifier_follows_the_rules_on_a_hand_labelled_program():
-  module, instructions, computations = ps.parse_hlo(HLO)
+  module, instructions, computations = hlo.parse_hlo(HLO)
   assert module == "jit_step"
   assert instructions["all-to-all.1"].opcode == "all-to-all"
   assert instructions["custom-call.3"].target == "xla_buffer_python_gpu_callback"
   assert instructions["fusion.5"].calls == ("fused_computation.1",)
+  assert (instructions["fusion.5"].shape, instructions["fusion.5"].kind) == ("f32[8,4]{1,0}",
+                                                                             "kLoop")
+  assert instructions["tuple.14"].shape == "(f32[8,4]{1,0})"
+  assert instructions["dot.6"].operands == ("p", "p") and instructions["dot.6"].kind == ""
   classifier = ps.Classifier(instructions, computations)
   for name, expected in EXPECTED.items():
     found = classifier.classify(name)
@@ -110,7 +115,7 @@ def test_classifier_follows_the_rules_on_a_hand_labelled_program():
 def test_a_present_attention_scope_replaces_the_einsum_fallback():
   text = HLO.replace('"jit(step)/jvp()/while/body/rsqrt"',
                      '"jit(step)/jvp()/while/body/attention/rsqrt"')
-  _, instructions, computations = ps.parse_hlo(text)
+  _, instructions, computations = hlo.parse_hlo(text)
   classifier = ps.Classifier(instructions, computations)
   assert classifier.classify("sqrt.12").category == "attention"
   assert classifier.classify("dot.9").category == "other"  # outside the scope
@@ -118,9 +123,9 @@ def test_a_present_attention_scope_replaces_the_einsum_fallback():
 
 def test_annotated_kernels_give_their_op_and_module():
   args = {"kernel_annotation": "fusion.3:#hlo_op=fusion.3,hlo_module=jit_step(12),program_id=7#"}
-  assert ps._hlo_names(args) == ("fusion.3", "jit_step")
-  assert ps._hlo_names({"hlo_op": "dot.1", "hlo_module": "jit_step"}) == ("dot.1", "jit_step")
-  assert ps._hlo_names({"correlation_id": 5}) == ("", "")
+  assert timeline.hlo_names(args) == ("fusion.3", "jit_step")
+  assert timeline.hlo_names({"hlo_op": "dot.1", "hlo_module": "jit_step"}) == ("dot.1", "jit_step")
+  assert timeline.hlo_names({"correlation_id": 5}) == ("", "")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 import moe_ep.transport as transport
 from conftest import make_mesh
 from moe_ep.bench import hlo
-from moe_ep.transport import combine, dispatch, expert_capacity_for
+from moe_ep.transport import combine, dispatch, expert_capacity_for, row_paths
 from reference import kept_routes, make_routing
 from test_transport import HIDDEN, NUM_EXPERTS, TOKENS
 
@@ -56,14 +56,14 @@ def test_each_token_is_sent_to_each_rank_at_most_once(monkeypatch):
   pair, fewer than the (token, k) pairs, in a buffer of S = T rows per rank."""
   tokens, idx, weights = problem(1)
   sent = []
-  exchange = transport._exchange
+  exchange = row_paths.exchange
 
   def recording_exchange(spec, x, what):
     if what == "exchange_rows":
       jax.debug.callback(lambda rows: sent.append(np.asarray(rows)), x)
     return exchange(spec, x, what)
 
-  monkeypatch.setattr(transport, "_exchange", recording_exchange)
+  monkeypatch.setattr(row_paths, "exchange", recording_exchange)
 
   def dispatch_only(x, i, w):
     return dispatch(x, i, w, num_experts=NUM_EXPERTS, expert_capacity=CAPACITY,

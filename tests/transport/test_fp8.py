@@ -12,6 +12,7 @@ import pytest
 
 from conftest import gpu_devices
 from reference import permutation_maps
+from moe_ep.transport import cupy as cupy_backend
 from moe_ep.transport import fp8, xla
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -291,13 +292,13 @@ def test_fused_ops_equal_quantize_then_expand():
   rng = np.random.default_rng(5)
   x = sample_rows(rng, 30, 200, jnp.bfloat16)
   targets, sources = permutation_maps(rng, 30, 3, 70)
-  wire = fp8.quantize_pack_expand(x, targets, sources)
+  wire = xla.quantize_pack_expand(x, targets, sources)
   want = np.zeros((70, fp8.wire_bytes(200)), np.uint8)
   valid = (sources >= 0) & (sources < 30)
   want[valid] = np.asarray(fp8.quantize_pack(x))[sources[valid]]
   np.testing.assert_array_equal(np.asarray(wire), want)
   back_targets, back_sources = permutation_maps(rng, 70, 2, 90)
-  out = fp8.unpack_dequantize_expand(wire, back_targets, back_sources, hidden=200,
+  out = xla.unpack_dequantize_expand(wire, back_targets, back_sources, hidden=200,
                                      dtype=jnp.float32)
   rows = np.asarray(dequantize_rows(*fp8.unpack_wire(wire, 200), jnp.float32))
   np.testing.assert_array_equal(np.asarray(out), np.asarray(xla.expand_rows(
@@ -322,8 +323,8 @@ def test_cuda_lowering_is_command_buffer_callbacks(pretend_cupy):
   per fused op, under its own scope, and no host callbacks."""
 
   def round_trip(x, targets, sources, back_targets, back_sources):
-    wire = fp8.cuda_quantize_pack(x, targets, sources)
-    return fp8.cuda_unpack_dequantize_expand(wire, back_targets, back_sources, hidden=200)
+    wire = cupy_backend.quantize_pack_expand(x, targets, sources)
+    return cupy_backend.unpack_dequantize_expand(wire, back_targets, back_sources, hidden=200)
 
   rng = np.random.default_rng(6)
   maps = permutation_maps(rng, 8, 2, 12) + permutation_maps(rng, 12, 3, 20)
@@ -361,7 +362,7 @@ GPU_HIDDENS = [1, 7, 200, 4096, 7168]
 @pytest.mark.parametrize("hidden", GPU_HIDDENS)
 def test_cuda_quantize_pack_equals_jax_and_numpy_bitwise(dtype, hidden):
   x = with_non_finite_rows(sample_rows(np.random.default_rng(hidden), 300, hidden, dtype))
-  got = np.asarray(on_gpu(fp8.cuda_quantize_pack, x))
+  got = np.asarray(on_gpu(cupy_backend.quantize_pack_expand, x))
   np.testing.assert_array_equal(got, np.asarray(on_gpu(fp8.quantize_pack, x)))
   codes, scales = reference_quantize(x)
   want = np.asarray(fp8.pack_wire(jnp.asarray(codes.view(ml_dtypes.float8_e4m3fn)),
@@ -376,8 +377,8 @@ def test_cuda_quantize_pack_expand_equals_jax_bitwise(dtype, hidden):
   rng = np.random.default_rng(hidden + 7)
   x = with_non_finite_rows(sample_rows(rng, 300, hidden, dtype))
   targets, sources = permutation_maps(rng, 300, 3, 700)
-  got = on_gpu(fp8.cuda_quantize_pack, x, targets, sources)
-  want = on_gpu(fp8.quantize_pack_expand, x, targets, sources)
+  got = on_gpu(cupy_backend.quantize_pack_expand, x, targets, sources)
+  want = on_gpu(xla.quantize_pack_expand, x, targets, sources)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -391,7 +392,7 @@ def test_cuda_unpack_dequantize_expand_equals_dequantize_then_expand(dtype, hidd
   x = with_non_finite_rows(sample_rows(rng, 300, hidden, dtype))
   wire = np.asarray(fp8.quantize_pack(x))
   targets, sources = permutation_maps(rng, 300, 3, 700)
-  fused = functools.partial(fp8.cuda_unpack_dequantize_expand, hidden=hidden, dtype=dtype)
+  fused = functools.partial(cupy_backend.unpack_dequantize_expand, hidden=hidden, dtype=dtype)
   got = np.asarray(on_gpu(fused, wire, targets, sources))
 
   def unfused(wire, targets, sources):
@@ -399,7 +400,7 @@ def test_cuda_unpack_dequantize_expand_equals_dequantize_then_expand(dtype, hidd
     return xla.expand_rows(rows, targets, sources)
 
   assert_same_values(got, on_gpu(unfused, wire, targets, sources))
-  plain = functools.partial(fp8.cuda_unpack_dequantize_expand, hidden=hidden, dtype=dtype)
+  plain = functools.partial(cupy_backend.unpack_dequantize_expand, hidden=hidden, dtype=dtype)
   codes, scales = reference_quantize(x)
   assert_same_values(on_gpu(plain, wire), reference_dequantize(codes, scales, dtype))
 
@@ -411,7 +412,6 @@ def test_cuda_dequantize_filled_rows_equals_pure_jax(dtype, hidden):
   """The named FP8 slabs' dequantize on the CuPy backend: filled rows the
   same values as the pure-JAX one (NaN where the block was non-finite), the
   others +0 whatever their bytes (here NaN codes and scales, 0xff)."""
-  from moe_ep.transport import cupy as cupy_backend
   rng = np.random.default_rng(hidden + 9)
   x = with_non_finite_rows(sample_rows(rng, 300, hidden, dtype))
   wire = np.asarray(fp8.quantize_pack(x)).copy()

@@ -383,7 +383,7 @@ def test_cupy_named_fp8_slabs_equal_the_fused_receive_bitwise(ep_size):
     np.testing.assert_array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))
 
 
-# --- the peer path's fused quantize (kernels/peer.cu peer_dispatch_fp8_*) --------
+# --- the peer path's fused quantize (kernels/peer_dispatch.cu peer_dispatch_fp8_*) ---
 
 
 def fp8_slabs_fn(mesh, backend: str, exchange: str, capacity: int, send_capacity: int):
@@ -391,18 +391,19 @@ def fp8_slabs_fn(mesh, backend: str, exchange: str, capacity: int, send_capacity
   [L, C] bool)``, what the layer's named FP8 dispatch produces and saves (the
   routing, then ``_rows_to_fp8_slabs``) and which of its rows a member fills
   (the others are padding, whose bytes are undefined on the peer path)."""
-  from moe_ep import transport
-  spec = transport._Spec(num_experts=NUM_EXPERTS, ep_size=mesh.shape["ep"],
-                         expert_capacity=capacity, send_capacity=send_capacity,
-                         axis_name="ep", backend=backend, exchange=exchange, mesh=mesh,
-                         wire_dtype=FP8)
+  from moe_ep.transport import ops, row_paths
+  from moe_ep.transport.exchange import Spec
+  spec = Spec(num_experts=NUM_EXPERTS, ep_size=mesh.shape["ep"],
+              expert_capacity=capacity, send_capacity=send_capacity,
+              axis_name="ep", backend=backend, exchange=exchange, mesh=mesh,
+              wire_dtype=FP8)
 
   def per_rank(x, idx, weights):
-    idx, weights = transport._merge_duplicate_routes(
-        transport._valid_ids(idx, NUM_EXPERTS), weights)
-    handle = transport._routing(spec, idx, weights)[0]
+    idx, weights = ops.merge_duplicate_routes(
+        ops.valid_ids(idx, NUM_EXPERTS), weights)
+    handle = row_paths.routing(spec, idx, weights)[0]
     filled = (handle.slab_row >= 0) & (handle.slab_row < handle.send_token.size)
-    return transport._rows_to_fp8_slabs(spec, x, handle), filled
+    return row_paths.rows_to_fp8_slabs(spec, x, handle), filled
   return per_rank
 
 
@@ -448,8 +449,8 @@ def test_peer_fp8_slabs_lower_to_one_fused_quantizing_callback(monkeypatch, pret
   with H % 16 == 0 the FP8 slabs come out of the one fused row callback
   (uint8 rows of W bytes), with no quantize pass, row pass or all_to_all
   of rows; with H % 16 != 0 a quantize pass feeds the fused byte rows."""
-  from moe_ep.transport import peer
-  monkeypatch.setattr(peer, "unsupported_reason", lambda mesh, axis: None)
+  from moe_ep.transport.peer import reachability
+  monkeypatch.setattr(reachability, "unsupported_reason", lambda mesh, axis: None)
   mesh = make_mesh((4,), ("ep",))
   rng = np.random.default_rng(0)
   x = jnp.ones((4 * TOKENS, hidden), jnp.bfloat16)
@@ -475,8 +476,8 @@ def test_peer_fp8_slabs_off_cuda_are_the_all_to_all_bytes(monkeypatch, dtype):
   """On CPU devices the peer path's FP8 dispatch runs its other branch (the
   quantize, XLA's all_to_all, the expand): the same bytes as
   exchange="all_to_all", over 3 scan steps on 4 ranks with drops."""
-  from moe_ep.transport import peer
-  monkeypatch.setattr(peer, "unsupported_reason", lambda mesh, axis: None)
+  from moe_ep.transport.peer import reachability
+  monkeypatch.setattr(reachability, "unsupported_reason", lambda mesh, axis: None)
   mesh = make_mesh((4,), ("ep",))
   problem = fp8_slabs_problem(3, 4, 3, 32, 1040, dtype)
   (got, got_filled), (want, want_filled) = (scanned_fp8_slabs(mesh, "xla", exchange, 8, 24, problem)

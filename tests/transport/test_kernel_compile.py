@@ -1,12 +1,16 @@
 """Every kernels/*.cu compiles for sm_90 with the machine's nvcc and the
-options the CuPy path gives NVRTC; compile errors name the file and line."""
+options the CuPy path gives NVRTC, defining every kernel Python launches
+from it; compile errors name the file and line."""
 
+import re
 import shutil
 import subprocess
 
 import pytest
 
+from moe_ep.transport import cupy as cupy_backend
 from moe_ep.transport import kernel_source
+from moe_ep.transport.peer import kernels as peer_kernels
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -29,6 +33,10 @@ def test_kernel_file_compiles_for_sm90_without_spills(kernel_file, tmp_path):
   spills = [line for line in result.stderr.splitlines()
             if "spill" in line and " 0 bytes spill stores, 0 bytes spill loads" not in line]
   assert not spills, spills
+  entries = set(re.findall(r"Compiling entry function '(\w+)'", result.stderr))
+  (launched,) = [f.kernels for f in (*cupy_backend.KERNEL_FILES, cupy_backend.FP8,
+                                     *peer_kernels.KERNEL_FILES) if f.name == kernel_file]
+  assert set(launched) <= entries, set(launched) - entries
 
 
 def test_compile_error_names_kernel_file_and_line(tmp_path, monkeypatch):

@@ -1,10 +1,11 @@
-"""How the three kernel loaders (the CuPy backend's, the FP8 kernels', the
-peer exchange's) compile their kernel files, against a stand-in for CuPy that
-records what NVRTC would be asked: every file through ``cupy.compile_module``
+"""How the one kernel loader (moe_ep/transport/kernel_launch.py) compiles
+the kernel files of its users (the CuPy backend's routing and row kernels,
+its FP8 kernels, the peer exchange's), against a stand-in for CuPy that
+records what NVRTC would be asked: every file through ``compile_module``
 with the project's source and options, on the device asked for, cached per
-device; an NVRTC failure becomes an error naming the file; FP8 refuses GPUs
-before compute capability 8.9. (Real compilation: test_kernel_compile.py with
-nvcc here, and every GPU test on a GPU.)"""
+device and file; an NVRTC failure becomes an error naming the file; FP8
+refuses GPUs before compute capability 8.9. (Real compilation:
+test_kernel_compile.py with nvcc here, and every GPU test on a GPU.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import types
 import pytest
 
 from moe_ep.transport import cupy as cupy_backend
-from moe_ep.transport import fp8, kernel_source, peer
+from moe_ep.transport import kernel_launch, kernel_source
+from moe_ep.transport.peer import kernels as peer_kernels
 
 
 class FakeCompileException(Exception):
@@ -59,32 +61,35 @@ def fake_cupy(calls: list, *, capability: str = "90", failing_file: str | None =
 
 @pytest.fixture
 def fresh_caches(monkeypatch):
-  monkeypatch.setattr(cupy_backend, "_compiled", {})
-  monkeypatch.setattr(fp8, "_compiled", {})
-  monkeypatch.setattr(peer, "_modules", {})
+  monkeypatch.setattr(kernel_launch, "_modules", {})
+  monkeypatch.setattr(kernel_launch, "_tables", {})
 
 
-def test_each_loader_compiles_its_files_once_per_device(monkeypatch, fresh_caches):
+def test_each_user_compiles_its_files_once_per_device(monkeypatch, fresh_caches):
   calls = []
   monkeypatch.setitem(sys.modules, "cupy", fake_cupy(calls))
   options = kernel_source.COMPILE_OPTIONS
 
-  functions = cupy_backend.compile_kernels(3)
-  assert calls == [(3, name, options) for name in cupy_backend.KERNELS]
-  assert functions == {name: (file, name) for file, names in cupy_backend.KERNELS.items()
-                       for name in names}
-  assert fp8.compile_kernels(3)["quantize_pack_bf16"] == ("fp8.cu", "quantize_pack_bf16")
-  assert peer._kernels(5)["exchange_v16"] == ("peer.cu", "peer_exchange_v16")
-  assert calls[len(cupy_backend.KERNELS):] == [(3, "fp8.cu", options), (5, "peer.cu", options)]
+  functions = cupy_backend.kernels(3)
+  assert calls == [(3, f.name, options) for f in cupy_backend.KERNEL_FILES]
+  assert functions == {name: (f.name, name) for f in cupy_backend.KERNEL_FILES
+                       for name in f.kernels}
+  assert cupy_backend.fp8_kernels(3)["quantize_pack_bf16"] == ("fp8.cu", "quantize_pack_bf16")
+  assert peer_kernels.kernel(5, "exchange_v16") == ("peer_exchange.cu", "peer_exchange_v16")
+  assert calls[len(cupy_backend.KERNEL_FILES):] == (
+      [(3, "fp8.cu", options)] + [(5, f.name, options) for f in peer_kernels.KERNEL_FILES])
+  # every kernel file has one user (that its kernels exist: test_kernel_compile.py)
+  users = (*cupy_backend.KERNEL_FILES, cupy_backend.FP8, *peer_kernels.KERNEL_FILES)
+  assert sorted(f.name for f in users) == sorted(kernel_source.KERNEL_FILES)
   count = len(calls)
-  cupy_backend.compile_kernels(3), fp8.compile_kernels(3), peer._kernels(5)  # cached
+  cupy_backend.kernels(3), cupy_backend.fp8_kernels(3), peer_kernels.compile_kernels(5)  # cached
   assert len(calls) == count
 
 
 @pytest.mark.parametrize("loader, kernel_file", [
-    (cupy_backend.compile_kernels, "layout.cu"),
-    (fp8.compile_kernels, "fp8.cu"),
-    (peer._kernels, "peer.cu")])
+    (cupy_backend.kernels, "layout.cu"),
+    (cupy_backend.fp8_kernels, "fp8.cu"),
+    (peer_kernels.compile_kernels, "peer_dispatch.cu")])
 def test_an_nvrtc_failure_names_the_kernel_file_and_keeps_the_log(monkeypatch, fresh_caches,
                                                                    loader, kernel_file):
   monkeypatch.setitem(sys.modules, "cupy", fake_cupy([], failing_file=kernel_file))
@@ -97,5 +102,5 @@ def test_fp8_kernels_refuse_gpus_before_compute_capability_8_9(monkeypatch, fres
   calls = []
   monkeypatch.setitem(sys.modules, "cupy", fake_cupy(calls, capability="80"))
   with pytest.raises(RuntimeError, match=r"compute capability >= 8\.9; cuda:1 has 8\.0"):
-    fp8.compile_kernels(1)
+    cupy_backend.fp8_kernels(1)
   assert calls == []  # refused before compiling

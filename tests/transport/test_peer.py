@@ -1,4 +1,4 @@
-"""The direct peer exchange (moe_ep/transport/peer.py, kernels/peer.cu).
+"""The direct peer exchange (moe_ep/transport/peer/, kernels/peer*.cu).
 
 On any machine: its pure logic (EP groups, buffer layout, who may use it,
 settings, error text), and that it lowers to all_to_all off CUDA and to one
@@ -25,6 +25,9 @@ from jax.sharding import PartitionSpec as P
 from conftest import custom_call_scopes, gpu_devices, make_mesh
 from moe_ep.launch import launch
 from moe_ep.transport import kernel_source, peer
+from moe_ep.transport.peer import (channel, dispatch_layout, dropin, failures, fused_layout,
+                                   reachability, runtime, settings)
+from moe_ep.transport.peer import rows as peer_rows
 
 BUFFER_CALLBACK = "xla_buffer_python_gpu_callback_cmd_buffer"
 WORKER = Path(__file__).parents[1] / "multiprocess" / "peer_worker.py"
@@ -63,7 +66,7 @@ def random_host(rng, shape, dtype):
 def test_ep_groups_are_the_devices_along_the_axis_with_equal_other_coordinates(shape, names):
   mesh = make_mesh(shape, names)
   axis = names.index("ep")
-  groups = peer.ep_groups(mesh, "ep")
+  groups = channel.ep_groups(mesh, "ep")
   ids = np.vectorize(lambda d: d.id)(mesh.devices)
   want = set()
   for index in np.ndindex(*shape):
@@ -76,18 +79,18 @@ def test_ep_groups_are_the_devices_along_the_axis_with_equal_other_coordinates(s
 
 def test_ep_groups_reject_unknown_axis():
   with pytest.raises(ValueError, match="'tp' is not an axis"):
-    peer.ep_groups(make_mesh((2, 4), ("dp", "ep")), "tp")
+    channel.ep_groups(make_mesh((2, 4), ("dp", "ep")), "tp")
   with pytest.raises(ValueError, match="one mesh axis name"):
-    peer.ep_groups(make_mesh((2, 4), ("dp", "ep")), ("dp", "ep"))
+    channel.ep_groups(make_mesh((2, 4), ("dp", "ep")), ("dp", "ep"))
 
 
 @pytest.mark.parametrize("ep_size", [2, 3, 8])
 def test_channel_layout_regions_are_disjoint_aligned_and_slots_are_a_bijection(ep_size):
-  layout = peer.ChannelLayout(ep_size, 8192 * 7168 * 2)
-  # flags [2][R][M], acks [2][R], step, counters [2R + 2] as kernels/peer.cu places them
+  layout = channel.ChannelLayout(ep_size, 8192 * 7168 * 2)
+  # flags [2][R][M], acks [2][R], step, counters [2R + 2] as kernels/peer.cuh places them
   chunks = int(re.search(r"#define PEER_MAX_CHUNKS (\d+)",
-                         kernel_source.source("peer.cu")).group(1))
-  assert chunks == peer.MAX_CHUNKS
+                         kernel_source.source("peer_exchange.cu")).group(1))
+  assert chunks == channel.MAX_CHUNKS
   flags = 16 * ep_size * chunks
   acks, step = flags + 16 * ep_size, flags + 16 * ep_size + 8
   regions = [(0, flags), (flags, acks), (acks, step), (step, step + 4 * (2 * ep_size + 2))]
@@ -105,25 +108,25 @@ def test_channel_layout_regions_are_disjoint_aligned_and_slots_are_a_bijection(e
 @pytest.mark.parametrize("chunk_bytes, vector", [(7168 * 2, 16), (4200, 8), (60, 4), (6, 2),
                                                  (7, 1)])
 def test_vector_width_is_the_widest_dividing_the_chunk(chunk_bytes, vector):
-  layout = peer.ChannelLayout(2, chunk_bytes)
+  layout = channel.ChannelLayout(2, chunk_bytes)
   assert layout.vector_bytes == vector and layout.slot_bytes >= chunk_bytes
 
 
 def test_channel_layout_rejects_degenerate_sizes():
   with pytest.raises(ValueError, match="ep_size=1 must be >= 2"):
-    peer.ChannelLayout(1, 16)
+    channel.ChannelLayout(1, 16)
   with pytest.raises(ValueError, match="chunk_bytes=0 must be >= 1"):
-    peer.ChannelLayout(2, 0)
+    channel.ChannelLayout(2, 0)
 
 
 def test_blocks_per_peer_shares_half_the_sms_and_never_exceeds_the_chunk():
-  big = peer.ChannelLayout(2, 8192 * 7168 * 2)
-  assert peer.blocks_per_peer(big, 132) == 66
-  assert peer.blocks_per_peer(peer.ChannelLayout(4, 8192 * 7168 * 2), 132) == 22
+  big = channel.ChannelLayout(2, 8192 * 7168 * 2)
+  assert dropin.blocks_per_peer(big, 132) == 66
+  assert dropin.blocks_per_peer(channel.ChannelLayout(4, 8192 * 7168 * 2), 132) == 22
   # 64 16-byte vectors fill one block of 512 threads x 4 vectors
-  assert peer.blocks_per_peer(peer.ChannelLayout(2, 64 * 16), 132) == 1
+  assert dropin.blocks_per_peer(channel.ChannelLayout(2, 64 * 16), 132) == 1
   peer.configure(blocks_per_peer=16)
-  assert peer.blocks_per_peer(big, 132) == 16
+  assert dropin.blocks_per_peer(big, 132) == 16
 
 
 @pytest.mark.parametrize("dtype, hidden, ep_size, top_k, sums, problem", [
@@ -138,7 +141,7 @@ def test_blocks_per_peer_shares_half_the_sms_and_never_exceeds_the_chunk():
 ])
 def test_fused_rows_problem_names_what_the_kernels_cannot_take(dtype, hidden, ep_size, top_k,
                                                                 sums, problem):
-  got = peer.fused_rows_problem(dtype, hidden, ep_size, top_k, sums=sums)
+  got = peer_rows.fused_rows_problem(dtype, hidden, ep_size, top_k, sums=sums)
   assert got == problem if problem is None else problem in got
 
 
@@ -154,48 +157,48 @@ def test_fused_rows_problem_names_what_the_kernels_cannot_take(dtype, hidden, ep
 ])
 def test_fused_rows_problem_for_the_quantizing_dispatch(dtype, hidden, ep_size, sums, wire_dtype,
                                                         problem):
-  got = peer.fused_rows_problem(dtype, hidden, ep_size, 8, sums=sums, wire_dtype=wire_dtype)
+  got = peer_rows.fused_rows_problem(dtype, hidden, ep_size, 8, sums=sums, wire_dtype=wire_dtype)
   assert got == problem if problem is None else problem in got
 
 
 def test_row_grid_takes_every_sm_splits_senders_and_chunks_and_follows_configure():
   rows_7168_bf16 = 7168 * 2 // 16
-  grid = peer.row_grid("dispatch", 2, 8192, 8192, rows_7168_bf16, 132)
+  grid = peer_rows.row_grid("dispatch", 2, 8192, 8192, rows_7168_bf16, 132)
   # half the SMs send, 8 chunks each (rows split over the 16 warps), receivers whole rows
-  assert grid == peer.RowGrid(send_blocks=66, recv_blocks=66, chunk_rows=16, num_chunks=512,
-                              send_segment=512, recv_segment=896)
-  grid = peer.row_grid("combine", 4, 8192, 4096, rows_7168_bf16, 132)
+  assert grid == peer_rows.RowGrid(send_blocks=66, recv_blocks=66, chunk_rows=16, num_chunks=512,
+                                   send_segment=512, recv_segment=896)
+  grid = peer_rows.row_grid("combine", 4, 8192, 4096, rows_7168_bf16, 132)
   assert (grid.send_blocks, grid.recv_blocks) == (66, 66)
   # 8 chunks per sender block over 3 destinations: 8 * 22 chunks per destination
   assert (grid.chunk_rows, grid.num_chunks) == (24, 171)
   # decode (1.8 MB a destination): a chunk per sender block, rows split into copy steps
-  grid = peer.row_grid("dispatch", 2, 128, 128, rows_7168_bf16, 132)
+  grid = peer_rows.row_grid("dispatch", 2, 128, 128, rows_7168_bf16, 132)
   assert (grid.chunk_rows, grid.num_chunks, grid.send_segment, grid.recv_segment) == (2, 64,
                                                                                         128, 128)
   # never more chunks than the flags hold, and every slot row in one chunk
   for ep_size, slots in ((2, 100_000), (8, 3), (3, 1)):
-    grid = peer.row_grid("combine", ep_size, slots, slots, 4, 132)
-    assert 1 <= grid.num_chunks <= peer.MAX_CHUNKS
+    grid = peer_rows.row_grid("combine", ep_size, slots, slots, 4, 132)
+    assert 1 <= grid.num_chunks <= channel.MAX_CHUNKS
     assert (grid.num_chunks - 1) * grid.chunk_rows < slots <= grid.num_chunks * grid.chunk_rows
   # FP8 dispatch, H = 7168: wire rows of 464 vectors; senders count quantize
   # steps of 512 channels (14 a row): 18-row chunks in half rows as above,
   # decode's 2-row chunks in one-step segments
   fp8_rows = 7424 // 16
-  grid = peer.row_grid("dispatch", 2, 8192, 8192, fp8_rows, 132, send_units=14)
+  grid = peer_rows.row_grid("dispatch", 2, 8192, 8192, fp8_rows, 132, send_units=14)
   assert (grid.chunk_rows, grid.send_segment, grid.recv_segment) == (18, 7, fp8_rows)
-  grid = peer.row_grid("dispatch", 2, 128, 128, fp8_rows, 132, send_units=14)
+  grid = peer_rows.row_grid("dispatch", 2, 128, 128, fp8_rows, 132, send_units=14)
   assert (grid.chunk_rows, grid.send_segment, grid.recv_segment) == (2, 1, 128)
   peer.configure(row_blocks=32, send_blocks=8)
-  grid = peer.row_grid("dispatch", 2, 8192, 8192, rows_7168_bf16, 132)
+  grid = peer_rows.row_grid("dispatch", 2, 8192, 8192, rows_7168_bf16, 132)
   assert (grid.send_blocks, grid.recv_blocks, grid.blocks) == (8, 24, 32)
   peer.configure(row_blocks=16)
-  assert peer.row_grid("combine", 2, 8192, 8192, rows_7168_bf16, 132).send_blocks == 8
+  assert peer_rows.row_grid("combine", 2, 8192, 8192, rows_7168_bf16, 132).send_blocks == 8
   with pytest.raises(ValueError, match="send_blocks=16 must be below row_blocks=16"):
     peer.configure(row_blocks=16, send_blocks=16)
   with pytest.raises(ValueError, match="row_blocks=1 must be an integer >= 2"):
     peer.configure(row_blocks=1)
   with pytest.raises(ValueError, match="kind='gather' is not one of"):
-    peer.row_grid("gather", 2, 8, 8, 4, 132)
+    peer_rows.row_grid("gather", 2, 8, 8, 4, 132)
 
 
 @pytest.mark.parametrize("rows, row_vecs, warps, step, want", [
@@ -206,7 +209,7 @@ def test_row_grid_takes_every_sm_splits_senders_and_chunks_and_follows_configure
     (3, 4, 2112, 128, 4),  # a row shorter than a step
 ])
 def test_row_segment_splits_rows_only_when_they_are_few(rows, row_vecs, warps, step, want):
-  segment = peer.row_segment(rows, row_vecs, warps, step)
+  segment = peer_rows.row_segment(rows, row_vecs, warps, step)
   assert segment == want
   assert 1 <= segment <= row_vecs and (segment % step == 0 or segment == row_vecs)
 
@@ -227,39 +230,37 @@ def test_dispatch_with_layout_is_off_unless_asked(monkeypatch):
 
 def test_dispatch_with_layout_only_at_decode_sizes():
   # decode at EP=2 (T=128, E=256, K=8, H=7168): 2048 members, 4 tiles of 512
-  assert peer.dispatch_layout_fits("bfloat16", 7168, 2, 128, 8, 128, 16)
-  assert not peer.dispatch_layout_fits("bfloat16", 7168, 2, 128, 8, 128, 16,
-                                       wire_dtype="float8_e4m3fn")  # no FP8 variant yet
-  assert not peer.dispatch_layout_fits("bfloat16", 7168, 8, 80, 8, 32, 16)  # R > 4
+  assert dispatch_layout.dispatch_layout_fits("bfloat16", 7168, 2, 128, 8, 128, 16)
+  assert not dispatch_layout.dispatch_layout_fits("bfloat16", 7168, 2, 128, 8, 128, 16,
+                                                  wire_dtype="float8_e4m3fn")  # no FP8 variant yet
+  assert not dispatch_layout.dispatch_layout_fits("bfloat16", 7168, 8, 80, 8, 32, 16)  # R > 4
   # more than 4 tiles (8; P2's 256): the receivers would place every own row
-  assert not peer.dispatch_layout_fits("bfloat16", 7168, 4, 128, 8, 64, 16)
-  assert not peer.dispatch_layout_fits("bfloat16", 7168, 2, 8192, 8, 32, 2560)
-  assert peer.dispatch_layout_tiles(2, 8192, 8) == 256
-  assert not peer.dispatch_layout_fits("bfloat16", 7168, 2, 5, 1, 3, 4)  # 13-word rows
-  assert not peer.dispatch_layout_fits("bfloat16", 7, 2, 128, 8, 128, 16)  # 14-byte rows
+  assert not dispatch_layout.dispatch_layout_fits("bfloat16", 7168, 4, 128, 8, 64, 16)
+  assert not dispatch_layout.dispatch_layout_fits("bfloat16", 7168, 2, 8192, 8, 32, 2560)
+  assert dispatch_layout.dispatch_layout_tiles(2, 8192, 8) == 256
+  assert not dispatch_layout.dispatch_layout_fits("bfloat16", 7168, 2, 5, 1, 3, 4)  # 13-word rows
+  assert not dispatch_layout.dispatch_layout_fits("bfloat16", 7, 2, 128, 8, 128, 16)  # 14-byte rows
 
 
 def test_fused_slab_layout_only_where_one_launch_holds_the_layout():
   # decode at EP=2 (T=128, E=256, K=8): 2048 members, 2 tiles of 1024
-  assert peer.fused_layout_fits(2, 128, 8, 128, 16)
+  assert fused_layout.fused_layout_fits(2, 128, 8, 128, 16)
   # EP=8 decode (S=80): 5 tiles, so slab_count's launch: the layout stays unfused
-  assert not peer.fused_layout_fits(8, 80, 8, 32, 16)
+  assert not fused_layout.fused_layout_fits(8, 80, 8, 32, 16)
   # metadata rows of 2*S*K + L = 13 words: not whole 16-byte vectors
-  assert not peer.fused_layout_fits(2, 5, 1, 3, 4)
-  assert not peer.fused_layout_fits(1, 128, 8, 256, 16)
+  assert not fused_layout.fused_layout_fits(2, 5, 1, 3, 4)
+  assert not fused_layout.fused_layout_fits(1, 128, 8, 256, 16)
   with pytest.raises(ValueError, match="too many member tiles"):
-    peer.slab_layout_kernel(peer.ChannelLayout(8, 4 * (2 * 80 * 8 + 32)), 0, 0, 0,
-                            (80, 8, 32, 16), ())
+    fused_layout.slab_layout_kernel(channel.ChannelLayout(8, 4 * (2 * 80 * 8 + 32)), 0, 0, 0,
+                                    (80, 8, 32, 16), ())
 
 
 def test_fused_row_paths_reject_maps_that_do_not_fit_at_trace_time():
   mesh = make_mesh((2, 4), ("dp", "ep"))
   spec = P(("dp", "ep"))
-  path = lambda rows: rows  # noqa: E731
 
   def run(rows, send_token, recv_pos, slab_row, send_slot=None):
-    fn = lambda *a: peer.dispatch_rows(*a, axis_name="ep", mesh=mesh,  # noqa: E731
-                                       all_to_all_path=path)
+    fn = lambda *a: peer_rows.dispatch_rows(*a, axis_name="ep", mesh=mesh)  # noqa: E731
     send_slot = wire if send_slot is None else send_slot
     return shard_mapped(fn, mesh, spec)(rows, send_token, send_slot, recv_pos, slab_row)
 
@@ -279,48 +280,48 @@ def test_fused_row_paths_reject_maps_that_do_not_fit_at_trace_time():
   with pytest.raises(ValueError, match=r"rows shape \(6, 2, 8\) must be \[T, H\]"):
     run(rows.reshape(48, 2, 8), send_token, pos, slab_row)
   with pytest.raises(ValueError, match=r"send_slot shape \(6, 3\) must be \[T, R\] with R=4"):
-    shard_mapped(lambda *a: peer.combine_rows(*a, axis_name="ep", mesh=mesh,
-                                              all_to_all_path=path), mesh, spec)(
-        rows, pos, wire[:, :3])
+    shard_mapped(lambda *a: peer_rows.combine_rows(*a, axis_name="ep", mesh=mesh), mesh,
+                 spec)(rows, pos, wire[:, :3])
   with pytest.raises(ValueError, match="'tp' is not an axis"):
-    peer.combine_rows(rows, pos, wire, axis_name="tp", mesh=mesh, all_to_all_path=path)
+    peer_rows.combine_rows(rows, pos, wire, axis_name="tp", mesh=mesh)
 
 
 def facts(host, device_pci, visible, pairs="all"):
   if pairs == "all":
     pairs = {(a, b) for a in visible for b in visible if a != b}
-  return peer.ProcessFacts(host=host, device_pci=device_pci, visible_pci=tuple(visible),
-                           peer_pairs=frozenset(pairs))
+  return reachability.ProcessFacts(host=host, device_pci=device_pci, visible_pci=tuple(visible),
+                                   peer_pairs=frozenset(pairs))
 
 
 def test_reachability_one_host_all_peers_is_fine_and_survives_json():
   gpus = ["0000:01:00.0", "0000:02:00.0"]
   one = facts("h/boot", {0: gpus[0], 1: gpus[1]}, gpus)
-  assert peer.reachability_problem([(0, 1)], [one], {0: 0, 1: 0}) is None
+  assert reachability.reachability_problem([(0, 1)], [one], {0: 0, 1: 0}) is None
   two = [facts("h/boot", {0: gpus[0]}, gpus), facts("h/boot", {1: gpus[1]}, gpus)]
-  assert peer.reachability_problem([(0, 1)], two, {0: 0, 1: 1}) is None
-  assert peer.ProcessFacts.from_json(two[1].to_json()) == two[1]
+  assert reachability.reachability_problem([(0, 1)], two, {0: 0, 1: 1}) is None
+  assert reachability.ProcessFacts.from_json(two[1].to_json()) == two[1]
 
 
 def test_reachability_names_the_pair_that_fails():
   gpus = ["0000:01:00.0", "0000:02:00.0"]
   other_host = [facts("a/1", {0: gpus[0]}, gpus), facts("b/1", {1: gpus[1]}, gpus)]
-  assert "different hosts" in peer.reachability_problem([(0, 1)], other_host, {0: 0, 1: 1})
+  assert "different hosts" in reachability.reachability_problem([(0, 1)], other_host, {0: 0, 1: 1})
   one_way = facts("h/1", {0: gpus[0], 1: gpus[1]}, gpus, pairs={(gpus[0], gpus[1])})
-  problem = peer.reachability_problem([(0, 1)], [one_way], {0: 0, 1: 0})
+  problem = reachability.reachability_problem([(0, 1)], [one_way], {0: 0, 1: 0})
   assert "no peer access" in problem and "devices 0 and 1" in problem
   hidden = [facts("h/1", {0: gpus[0]}, gpus[:1]), facts("h/1", {1: gpus[1]}, gpus[1:])]
-  assert "no process sees both" in peer.reachability_problem([(0, 1)], hidden, {0: 0, 1: 1})
+  assert "no process sees both" in reachability.reachability_problem([(0, 1)], hidden, {0: 0, 1: 1})
 
 
 def test_reachability_checks_pairs_inside_groups_only():
   gpus = [f"0000:0{i}:00.0" for i in range(4)]
   within = {(gpus[a], gpus[b]) for a, b in [(0, 1), (1, 0), (2, 3), (3, 2)]}
   box = facts("h/1", dict(enumerate(gpus)), gpus, pairs=within)
-  assert peer.reachability_problem([(0, 1), (2, 3)], [box], dict.fromkeys(range(4), 0)) is None
-  assert peer.reachability_problem([(0, 2), (1, 3)], [box],
-                                   dict.fromkeys(range(4), 0)) is not None
-  assert peer.reachability_problem([(0,), (1,)], [box], dict.fromkeys(range(4), 0)) is None
+  assert reachability.reachability_problem([(0, 1), (2, 3)], [box],
+                                           dict.fromkeys(range(4), 0)) is None
+  assert reachability.reachability_problem([(0, 2), (1, 3)], [box],
+                                           dict.fromkeys(range(4), 0)) is not None
+  assert reachability.reachability_problem([(0,), (1,)], [box], dict.fromkeys(range(4), 0)) is None
 
 
 def test_supported_is_false_on_cpu_with_the_reason():
@@ -331,7 +332,7 @@ def test_supported_is_false_on_cpu_with_the_reason():
 
 def test_timeout_comes_from_configure_then_env_then_default(monkeypatch):
   monkeypatch.delenv(peer.TIMEOUT_ENV, raising=False)
-  assert peer.timeout_s() == peer.DEFAULT_TIMEOUT_S == 30.0
+  assert peer.timeout_s() == settings.DEFAULT_TIMEOUT_S == 30.0
   monkeypatch.setenv(peer.TIMEOUT_ENV, "2.5")
   assert peer.timeout_s() == 2.5
   peer.configure(timeout_s=0.25)
@@ -347,32 +348,33 @@ def test_timeout_comes_from_configure_then_env_then_default(monkeypatch):
 
 
 def fake_record(kind, peer_rank, step, rank=0, site=0, waited_s=0.5):
-  record = peer._Failure()
+  record = failures.Failure()
   record.kind, record.peer, record.step, record.rank = kind, peer_rank, step, rank
   record.site, record.waited_ns = site, int(waited_s * 1e9)
   return record
 
 
 def test_timeout_message_names_device_peer_step_and_exchange():
-  site = peer._Site("exchange_rows", (2, 64, 128), "bfloat16", "key")
-  message, fields = peer._failure_message(fake_record(2, 1, 7), 0, None, site)
+  site = failures.Site("exchange_rows", (2, 64, 128), "bfloat16", "key")
+  message, fields = failures.failure_message(fake_record(2, 1, 7), 0, None, site)
   assert "'exchange_rows' bfloat16[2, 64, 128]" in message
   assert "cuda:0 (EP rank 0)" in message and "for rank 1" in message
   assert "deliver its chunk of step 7" in message and "0.50 s" in message
   assert fields == dict(device="cuda:0", rank=0, peer_rank=1, peer_device="EP rank 1", step=7,
                         what="exchange_rows")
-  message, _ = peer._failure_message(fake_record(1, 3, 5, rank=2), 2, None, None)
+  message, _ = failures.failure_message(fake_record(1, 3, 5, rank=2), 2, None, None)
   assert "acknowledge reading step 5" in message and "cuda:2 (EP rank 2)" in message
 
 
 def test_raise_if_failed_reads_the_host_records_without_the_device(monkeypatch):
-  records = (peer._Failure * peer._MAX_LOCAL_DEVICES)()
-  monkeypatch.setattr(peer, "_records", records)
-  monkeypatch.setattr(peer, "_sites", [peer._Site("exchange_meta", (4, 9), "int32", "k")])
+  records = (failures.Failure * runtime.MAX_LOCAL_DEVICES)()
+  monkeypatch.setattr(runtime.RUNTIME, "records", records)
+  monkeypatch.setattr(runtime.RUNTIME, "sites",
+                      [failures.Site("exchange_meta", (4, 9), "int32", "k")])
   peer.raise_if_failed()  # all clear
   record = fake_record(2, 0, 11, rank=1)
   ctypes.memmove(ctypes.addressof(records[3]), ctypes.addressof(record),
-                 ctypes.sizeof(peer._Failure))
+                 ctypes.sizeof(failures.Failure))
   with pytest.raises(peer.PeerTimeoutError, match="'exchange_meta'.*cuda:3.*rank 0.*step 11") as e:
     peer.raise_if_failed()
   assert (e.value.peer_rank, e.value.step, e.value.rank) == (0, 11, 1)
@@ -518,7 +520,7 @@ def test_buffers_are_allocated_once_per_size_and_logged(caplog):
     for _ in range(2):  # two traces, one allocation
       jax.block_until_ready(shard_mapped(lambda x: peer.exchange(x, "ep", mesh), mesh,
                                          spec)(x))
-  layout = peer.ChannelLayout(2, 77 * 24 * 4)
+  layout = channel.ChannelLayout(2, 77 * 24 * 4)
   grown = peer.buffer_bytes() - before
   # one channel on each of the 2 GPUs, plus each GPU's 256-byte failure word
   # if this is the first exchange of the process
@@ -598,8 +600,7 @@ def test_a_rank_that_skips_a_fused_combine_fails_in_bounded_time_naming_peer_and
                                     dtype=np.int32), spec)
 
   def combine_rows(slabs, pos, wire):
-    return peer.combine_rows(slabs, pos, wire, axis_name="ep", mesh=mesh,
-                             all_to_all_path=lambda s: s[:tokens])
+    return peer_rows.combine_rows(slabs, pos, wire, axis_name="ep", mesh=mesh)
 
   def only_rank0(slabs, pos, wire):
     return jax.lax.cond(jax.lax.axis_index("ep") == 0, combine_rows,

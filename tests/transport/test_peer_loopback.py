@@ -1,5 +1,5 @@
 """The peer kernels at EP = 2, 4 and 8 on ONE GPU
-(moe_ep/transport/peer_loopback.py): every rank's output of the dispatch
+(moe_ep/transport/peer/loopback.py): every rank's output of the dispatch
 (bf16 rows, and FP8 quantizing float32 and bf16 rows) and of the combine,
 bit for bit against the pure-JAX path run on R CPU devices; and of the
 drop-in exchange (every vector width) against all_to_all's definition. The maps carry
@@ -16,10 +16,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_ep import transport
-from moe_ep.transport import combine, dispatch, peer, peer_loopback
+from moe_ep.transport import combine, dispatch, ops, row_paths
 from moe_ep.transport import xla as xla_backend
 from moe_ep.transport.cupy import slab_plan
+from moe_ep.transport.exchange import Spec
+from moe_ep.transport.peer import channel, dispatch_layout, fused_layout
+from moe_ep.transport.peer import loopback as peer_loopback
+from moe_ep.transport.peer import rows as peer_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -43,19 +46,19 @@ def _reference(ep_size: int, dtype, seed: int) -> list[dict]:
   send_capacity = int(0.9 * TOKENS * (1 - math.comb(EXPERTS - local, TOP_K)
                                       / math.comb(EXPERTS, TOP_K)))
   outputs = rng.standard_normal((EXPERTS * capacity, HIDDEN)).astype(dtype)
-  spec = transport._Spec(num_experts=EXPERTS, ep_size=ep_size, expert_capacity=capacity,
-                         send_capacity=send_capacity, axis_name="ep", backend="xla",
-                         exchange="all_to_all", mesh=mesh, wire_dtype=FP8)
+  spec = Spec(num_experts=EXPERTS, ep_size=ep_size, expert_capacity=capacity,
+              send_capacity=send_capacity, axis_name="ep", backend="xla",
+              exchange="all_to_all", mesh=mesh, wire_dtype=FP8)
 
   def program(x, idx, weights, outputs):
     d = dispatch(x, idx, weights, num_experts=EXPERTS, expert_capacity=capacity,
                  axis_name="ep", send_capacity=send_capacity, backend="xla", mesh=mesh)
-    fp8_slabs = transport._rows_to_fp8_slabs(spec, x, d.handle)
+    fp8_slabs = row_paths.rows_to_fp8_slabs(spec, x, d.handle)
     expert_out = outputs.reshape(d.tokens.shape)
     y = combine(expert_out, d.handle, num_tokens=TOKENS, axis_name="ep", backend="xla",
                 mesh=mesh)
     # route's metadata, before its exchange, from the ids dispatch routes by
-    merged = transport._merge_duplicate_routes(transport._valid_ids(idx, EXPERTS), weights)
+    merged = ops.merge_duplicate_routes(ops.valid_ids(idx, EXPERTS), weights)
     meta = xla_backend.route(*merged, num_experts=EXPERTS, ep_size=ep_size,
                              send_capacity=send_capacity)[3]
     return d.tokens, fp8_slabs, d.handle, expert_out, y, meta, d.weights, d.counts, d.demand
@@ -102,9 +105,9 @@ def test_every_rank_matches_pure_jax(ep_size, dtype):
     remote = (ranks[0]["send_slot"] >= 0).sum(1) - (ranks[0]["send_slot"][:, 0] >= 0)
     assert (remote >= 2).any()
   kernels = {
-      "slabs": peer.dispatch_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows),
-      "fp8_slabs": peer.dispatch_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k,
-                                        slab_rows, wire_dtype=FP8),
+      "slabs": peer_rows.dispatch_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows),
+      "fp8_slabs": peer_rows.dispatch_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k,
+                                             slab_rows, wire_dtype=FP8),
   }
   for rank in range(ep_size):
     for name, kernel in kernels.items():
@@ -114,8 +117,8 @@ def test_every_rank_matches_pure_jax(ep_size, dtype):
       rows = _filled(ranks[rank]) if name == "fp8_slabs" else slice(None)  # FP8 padding: any
       np.testing.assert_array_equal(got.view(np.uint8)[rows], want.view(np.uint8)[rows],
                                     err_msg=f"{name}, rank {rank} of {ep_size}")
-    kernel = peer.combine_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows,
-                                 ep_size=ep_size)
+    kernel = peer_rows.combine_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows,
+                                      ep_size=ep_size)
     inputs = [(r["expert_out"].reshape(slab_rows, HIDDEN), r["recv_pos"].reshape(-1, top_k),
                r["send_slot"]) for r in ranks]
     want = ranks[rank]["y"]
@@ -133,7 +136,7 @@ def test_fused_slab_layout_is_the_exchange_then_the_layout(ep_size):
   ranks = _reference(ep_size, jnp.bfloat16, seed=10 + ep_size)
   send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
   local, capacity = EXPERTS // ep_size, ranks[0]["capacity"]
-  assert peer.fused_layout_fits(ep_size, send_capacity, top_k, local, capacity)
+  assert fused_layout.fused_layout_fits(ep_size, send_capacity, top_k, local, capacity)
   assert (ranks[0]["recv_pos"] == -2).any() and (ranks[0]["slab_row"] < 0).any()
   for rank in range(ep_size):
     got = peer_loopback.slab_layout_rank([r["meta"] for r in ranks],
@@ -157,7 +160,7 @@ def test_fused_slab_layout_at_decode_counts_the_other_tile():
     metas.append(np.asarray(xla_backend.route(idx, weights, num_experts=experts,
                                               ep_size=ranks, send_capacity=tokens)[3]))
   sizes = (tokens, top_k, experts // ranks, capacity)
-  assert peer.fused_layout_fits(ranks, *sizes)
+  assert fused_layout.fused_layout_fits(ranks, *sizes)
   assert slab_plan(ranks, *sizes).tiles == 2
   for rank in range(ranks):
     got = peer_loopback.slab_layout_rank(metas, sizes, rank=rank)
@@ -181,14 +184,15 @@ def test_dispatch_with_layout_is_the_pure_jax_dispatch(monkeypatch, ep_size, cou
   (counted: as with more tiles than that path takes, or than receiver
   blocks) once each into scratch, ranked after a barrier."""
   if counted:
-    monkeypatch.setattr(peer, "_dispatch_layout_counted", lambda tiles, receivers=None: True)
+    monkeypatch.setattr(dispatch_layout, "dispatch_layout_counted",
+                        lambda tiles, receivers=None: True)
   ranks = _reference(ep_size, jnp.bfloat16, seed=20 + ep_size)
   send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
   local, capacity = EXPERTS // ep_size, ranks[0]["capacity"]
-  assert peer.dispatch_layout_fits(jnp.bfloat16, HIDDEN, ep_size, send_capacity, top_k, local,
-                                   capacity)
-  kernel = peer.dispatch_layout_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
-                                       local, capacity)
+  assert dispatch_layout.dispatch_layout_fits(jnp.bfloat16, HIDDEN, ep_size, send_capacity, top_k,
+                                              local, capacity)
+  kernel = dispatch_layout.dispatch_layout_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity,
+                                                  top_k, local, capacity)
   inputs = [(r["rows"], r["send_token"], r["send_slot"], r["meta"]) for r in ranks]
   for rank in range(ep_size):
     got = peer_loopback.dispatch_layout_rank(kernel, inputs, rank=rank)
@@ -216,15 +220,16 @@ def test_dispatch_with_layout_at_decode_is_the_two_launches():
     routes.append([np.asarray(a) for a in xla_backend.route(
         idx, weights, num_experts=experts, ep_size=ranks, send_capacity=tokens)])
     rows.append(rng.standard_normal((tokens, hidden)).astype(jnp.bfloat16))
-  assert peer.dispatch_layout_fits(jnp.bfloat16, hidden, ranks, tokens, top_k, local, capacity)
-  kernel = peer.dispatch_layout_kernel(jnp.bfloat16, tokens, hidden, tokens, top_k, local,
-                                       capacity)
+  assert dispatch_layout.dispatch_layout_fits(jnp.bfloat16, hidden, ranks, tokens, top_k, local,
+                                              capacity)
+  kernel = dispatch_layout.dispatch_layout_kernel(jnp.bfloat16, tokens, hidden, tokens, top_k,
+                                                  local, capacity)
   inputs = [(rows[q], routes[q][1].reshape(-1), routes[q][0], routes[q][3])
             for q in range(ranks)]
   sizes = (tokens, top_k, local, capacity)
   maps = [peer_loopback.slab_layout_rank([r[3] for r in routes], sizes, rank=q)
           for q in range(ranks)]
-  two = peer.dispatch_kernel(jnp.bfloat16, tokens, hidden, tokens, top_k, local * capacity)
+  two = peer_rows.dispatch_kernel(jnp.bfloat16, tokens, hidden, tokens, top_k, local * capacity)
   for rank in range(ranks):
     got = peer_loopback.dispatch_layout_rank(kernel, inputs, rank=rank)
     slabs = peer_loopback.run_rank(
@@ -241,8 +246,8 @@ def test_dispatch_with_layout_at_decode_is_the_two_launches():
 def test_dispatch_with_layout_names_a_rank_that_never_sends():
   ranks = _reference(2, jnp.bfloat16, seed=4)
   send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
-  kernel = peer.dispatch_layout_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
-                                       EXPERTS // 2, ranks[0]["capacity"])
+  kernel = dispatch_layout.dispatch_layout_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity,
+                                                  top_k, EXPERTS // 2, ranks[0]["capacity"])
   with pytest.raises(RuntimeError, match="rank 0 waited in vain for rank 1"):
     peer_loopback.dispatch_layout_rank(
         kernel, [(r["rows"], r["send_token"], r["send_slot"], r["meta"]) for r in ranks],
@@ -264,7 +269,7 @@ def test_a_rank_that_never_sends_is_named():
   ranks = _reference(2, jnp.bfloat16, seed=0)
   send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
   slab_rows = ranks[0]["slab_row"].shape[0]
-  kernel = peer.dispatch_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k, slab_rows)
+  kernel = peer_rows.dispatch_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k, slab_rows)
   with pytest.raises(RuntimeError, match="rank 0 waited in vain for rank 1"):
     peer_loopback.run_rank(kernel, [_dispatch_inputs(r) for r in ranks], (slab_rows, HIDDEN),
                            ranks[0]["slabs"].dtype, rank=0, absent=(1,), timeout_s=0.5)
@@ -277,7 +282,7 @@ def test_drop_in_exchange_is_all_to_all(ep_size, shape, dtype):
   """Chunks of 4096, 24, 20, 6 and 7 bytes: the 16-, 8-, 4-, 2- and 1-byte copies."""
   rng = np.random.default_rng(ep_size)
   chunks = [rng.integers(0, 100, (ep_size, *shape)).astype(dtype) for _ in range(ep_size)]
-  assert peer.ChannelLayout(ep_size, chunks[0].nbytes // ep_size).vector_bytes == {
+  assert channel.ChannelLayout(ep_size, chunks[0].nbytes // ep_size).vector_bytes == {
       4096: 16, 24: 8, 20: 4, 6: 2, 7: 1}[chunks[0].nbytes // ep_size]
   for rank in range(ep_size):
     got = peer_loopback.exchange_rank(chunks, rank=rank)
@@ -299,8 +304,8 @@ def test_fp8_dispatch_takes_the_wire_width_it_is_given(monkeypatch, zero_vectors
   ranks = _reference(2, jnp.bfloat16, seed=zero_vectors)
   send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
   slab_rows = ranks[0]["slab_row"].shape[0]
-  kernel = peer.dispatch_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k, slab_rows,
-                                wire_dtype=FP8)
+  kernel = peer_rows.dispatch_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k, slab_rows,
+                                     wire_dtype=FP8)
   assert kernel.row_vecs * 16 == fp8.wire_bytes(HIDDEN) == ranks[0]["fp8_slabs"].shape[-1]
   for rank in range(2):
     want = ranks[rank]["fp8_slabs"].reshape(slab_rows, -1)
@@ -323,8 +328,8 @@ def test_fp8_padding_rows_are_left_unwritten_and_dequantize_to_zero(dtype):
   ranks = _reference(2, dtype, seed=31)
   send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
   slab_rows = ranks[0]["slab_row"].shape[0]
-  kernel = peer.dispatch_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows,
-                                wire_dtype=FP8)
+  kernel = peer_rows.dispatch_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows,
+                                     wire_dtype=FP8)
   for rank in range(2):
     want = ranks[rank]["fp8_slabs"].reshape(slab_rows, -1)
     got = peer_loopback.run_rank(kernel, [_dispatch_inputs(r) for r in ranks], want.shape,
@@ -370,10 +375,10 @@ def test_ranks_at_once_dispatch_then_combine_over_steps_match_pure_jax(ep_size):
   refs = [_reference(ep_size, jnp.bfloat16, seed=40 + 10 * ep_size + s) for s in range(STEPS)]
   send_capacity, top_k = refs[0][0]["recv_pos"].shape[1:]
   slab_rows = refs[0][0]["slab_row"].shape[0]
-  dispatch_kernel = peer.dispatch_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
-                                         slab_rows)
-  combine_kernel = peer.combine_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
-                                       slab_rows, ep_size=ep_size)
+  dispatch_kernel = peer_rows.dispatch_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
+                                              slab_rows)
+  combine_kernel = peer_rows.combine_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
+                                            slab_rows, ep_size=ep_size)
   layout = dispatch_kernel.layout(ep_size)
   assert combine_kernel.layout(ep_size) == layout  # one channel, as in the layer
   share = _multiprocessors() // ep_size
@@ -421,16 +426,16 @@ def test_ranks_at_once_fused_layouts_then_combine_over_steps_match_pure_jax(ep_s
   local, capacity = EXPERTS // ep_size, refs[0][0]["capacity"]
   slab_rows = local * capacity
   sizes = (send_capacity, top_k, local, capacity)
-  assert peer.fused_layout_fits(ep_size, *sizes)
-  assert peer.dispatch_layout_fits(jnp.bfloat16, HIDDEN, ep_size, *sizes)
-  kernel = peer.dispatch_layout_kernel(jnp.bfloat16, TOKENS, HIDDEN, *sizes)
-  combine_kernel = peer.combine_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
-                                       slab_rows, ep_size=ep_size)
+  assert fused_layout.fused_layout_fits(ep_size, *sizes)
+  assert dispatch_layout.dispatch_layout_fits(jnp.bfloat16, HIDDEN, ep_size, *sizes)
+  kernel = dispatch_layout.dispatch_layout_kernel(jnp.bfloat16, TOKENS, HIDDEN, *sizes)
+  combine_kernel = peer_rows.combine_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
+                                            slab_rows, ep_size=ep_size)
   layout = kernel.layout(ep_size)
-  meta_layout = peer.meta_channel_layout(ep_size, refs[0][0]["meta"].shape[1])
+  meta_layout = channel.meta_channel_layout(ep_size, refs[0][0]["meta"].shape[1])
   share = _multiprocessors() // ep_size
   grid, combine_grid = kernel.grid(ep_size, share), combine_kernel.grid(ep_size, share)
-  shapes = peer.dispatch_layout_shapes(kernel, ep_size, jnp.bfloat16, HIDDEN)
+  shapes = dispatch_layout.dispatch_layout_shapes(kernel, ep_size, jnp.bfloat16, HIDDEN)
   layout_shapes = shapes[1:6]
   for step_refs in refs:
     for r in step_refs:
@@ -443,10 +448,10 @@ def test_ranks_at_once_fused_layouts_then_combine_over_steps_match_pure_jax(ep_s
     import cupy
     rows, send_token, send_slot, meta, expert_rows, recv_pos_rows = inputs[step][q]
     maps = [peer_loopback._unwritten(cupy, s.shape, s.dtype) for s in layout_shapes]
-    fused = peer.slab_layout_kernel(meta_layout, 0, peers[1], q, sizes, tail)
+    fused = fused_layout.slab_layout_kernel(meta_layout, 0, peers[1], q, sizes, tail)
     outs = [peer_loopback._unwritten(cupy, s.shape, s.dtype) for s in shapes]
-    one = peer.dispatch_layout_launch(kernel, grid, layout, meta_layout, 0, peers[0], peers[1],
-                                      q, tail)
+    one = dispatch_layout.dispatch_layout_launch(kernel, grid, layout, meta_layout, 0, peers[0],
+                                                 peers[1], q, tail)
     return [(fused, (meta, *maps), maps),
             (one, (rows, send_token, send_slot, meta, *outs), outs[:6]),
             peer_loopback.row_job(combine_kernel, combine_grid, layout, peers[0], q, tail,
@@ -477,7 +482,7 @@ def test_ranks_at_once_name_the_rank_that_skips_a_step():
   refs = _reference(2, jnp.bfloat16, seed=99)
   send_capacity, top_k = refs[0]["recv_pos"].shape[1:]
   slab_rows = refs[0]["slab_row"].shape[0]
-  kernel = peer.dispatch_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k, slab_rows)
+  kernel = peer_rows.dispatch_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k, slab_rows)
   layout = kernel.layout(2)
   grid = kernel.grid(2, _multiprocessors() // 2)
   for r in refs:
@@ -501,17 +506,17 @@ def test_combine_own_members_first_or_after_the_wait_give_the_pure_jax_bits(ep_s
   waiting for the other ranks (own_first, which these decode-sized shapes
   pick) or in rank order after it (larger sizes): every rank's rows equal
   the pure-JAX combine's bit for bit either way, float32 and bf16."""
-  assert peer.combine_own_first(TOKENS, HIDDEN, np.float32, ep_size)
-  assert not peer.combine_own_first(8192, 7168, jnp.bfloat16, 2)
+  assert peer_rows.combine_own_first(TOKENS, HIDDEN, np.float32, ep_size)
+  assert not peer_rows.combine_own_first(8192, 7168, jnp.bfloat16, 2)
   for dtype in (np.float32, jnp.bfloat16):
     ranks = _reference(ep_size, dtype, seed=50 + ep_size)
     send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
     slab_rows = ranks[0]["slab_row"].shape[0]
-    kernel = peer.combine_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows,
-                                 ep_size=ep_size)
+    kernel = peer_rows.combine_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows,
+                                      ep_size=ep_size)
     assert "own_first_" in kernel.function
-    kernel = peer.combine_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows,
-                                 ep_size=ep_size, own_first=bool(own_first))
+    kernel = peer_rows.combine_kernel(dtype, TOKENS, HIDDEN, send_capacity, top_k, slab_rows,
+                                      ep_size=ep_size, own_first=bool(own_first))
     inputs = [(r["expert_out"].reshape(slab_rows, HIDDEN), r["recv_pos"].reshape(-1, top_k),
                r["send_slot"]) for r in ranks]
     for rank in range(ep_size):

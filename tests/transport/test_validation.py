@@ -10,6 +10,7 @@ from conftest import make_mesh
 from moe_ep.transport import backend as transport_backend
 from moe_ep.transport import combine, dispatch, expert_capacity_for, send_capacity_for
 from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import kernel_launch
 
 TOKENS = jnp.zeros((6, 4), jnp.float32)
 IDX = jnp.zeros((6, 2), jnp.int32)
@@ -116,7 +117,7 @@ def test_experts_not_divisible_by_ep_size_is_named():
 
 
 def test_cupy_backend_without_cupy_names_the_extra(monkeypatch):
-  monkeypatch.setattr(cupy_backend, "cupy_available", lambda: False)
+  monkeypatch.setattr(kernel_launch, "cupy_available", lambda: False)
   transport_backend.resolve.cache_clear()
   try:
     with pytest.raises(ImportError, match=r"moe_ep\[cuda13\]"):
@@ -136,7 +137,7 @@ def test_routing_tiles_fit_shared_memory_and_spread(tokens, ep_size, num_experts
     count_ints = cupy_backend._route_count_shared_ints(threads, ep_size, num_experts)
     rank_ints = cupy_backend._route_rank_shared_ints(threads, ep_size, top_k, num_experts,
                                                      counted=tokens > threads)
-    return max(count_ints, rank_ints) <= cupy_backend._SHARED_INTS
+    return max(count_ints, rank_ints) <= kernel_launch.SHARED_INTS
 
   threads = cupy_backend._route_threads(tokens, ep_size, num_experts, top_k)
   assert threads % 32 == 0 and 32 <= threads <= 256 and fits(threads)
@@ -163,11 +164,12 @@ def test_fp8_wire_rows_the_fused_kernel_cannot_pad_are_refused(monkeypatch):
   """The fused FP8 dispatch writes 0 to 31 zero vectors after a row's codes
   and scales (lanes of its last quantize step): a wire width outside that
   sends the rows through the drop-in exchange, with the reason named."""
-  from moe_ep.transport import fp8, peer
-  assert peer.fused_rows_problem(jnp.bfloat16, 1024, 2, 8, sums=False,
-                                 wire_dtype="float8_e4m3fn") is None
+  from moe_ep.transport import fp8
+  from moe_ep.transport.peer import rows as peer_rows
+  assert peer_rows.fused_rows_problem(jnp.bfloat16, 1024, 2, 8, sums=False,
+                                      wire_dtype="float8_e4m3fn") is None
   rule = fp8.wire_bytes
   for width, zeros in ((rule(1024) + 32 * 16, 32), (1024, -2)):
     monkeypatch.setattr(fp8, "wire_bytes", lambda h, w=width: w)
-    assert f"not {zeros}" in peer.fused_rows_problem(jnp.bfloat16, 1024, 2, 8, sums=False,
-                                                      wire_dtype="float8_e4m3fn")
+    assert f"not {zeros}" in peer_rows.fused_rows_problem(jnp.bfloat16, 1024, 2, 8, sums=False,
+                                                          wire_dtype="float8_e4m3fn")

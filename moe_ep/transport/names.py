@@ -1,0 +1,50 @@
+"""The transport's names that the configuration shares: which backends,
+exchanges and wire dtypes a caller may ask for, which values a remat policy
+may save, and the scopes the compiled program's ops are named under.
+
+Cheap to import (JAX only): :mod:`moe_ep.config` validates against these
+without loading the transport's core.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+BACKENDS = ("auto", "xla", "cupy")
+EXCHANGES = ("auto", "all_to_all", "peer")
+WIRE_DTYPES = ("float8_e4m3fn",)
+# Token dtypes an FP8 wire takes (the quantize reads them exactly).
+FP8_TOKEN_DTYPES = ("float32", "bfloat16", "float16")
+# The values dispatch names f"{checkpoint_name}.{field}" (and their residual).
+CHECKPOINT_FIELDS = ("tokens", "weights", "handle", "counts")
+
+# Every exchange is issued under one of these scopes, which reach the compiled
+# HLO's op_name metadata: tests and profiles tell the four passes apart by them.
+NAMED_SCOPES = {
+    "dispatch": "moe_dispatch_fwd",
+    "combine": "moe_combine_fwd",
+    "dispatch_bwd": "moe_dispatch_bwd",
+    "combine_bwd": "moe_combine_bwd",
+}
+
+
+def check_backend(backend: str) -> None:
+  if backend not in BACKENDS:
+    raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+
+
+def check_wire_dtype(wire_dtype, name: str = "wire_dtype") -> str | None:
+  """``wire_dtype`` as None or its name in :data:`WIRE_DTYPES` (a dtype
+  object is read by its name); ValueError naming ``name`` otherwise, or where
+  this JAX has no ``jnp.float8_e4m3fn``."""
+  if wire_dtype is None:
+    return None
+  dtype_name = wire_dtype if isinstance(wire_dtype, str) else getattr(
+      wire_dtype, "__name__", getattr(wire_dtype, "name", None))
+  if dtype_name not in WIRE_DTYPES:
+    raise ValueError(f"{name}={wire_dtype!r} must be None or one of {WIRE_DTYPES}")
+  if not hasattr(jnp, dtype_name):
+    raise ValueError(f"{name}={dtype_name!r} needs a JAX with jnp.{dtype_name}; "
+                     f"jax {jax.__version__} has none: upgrade JAX or set {name}=None")
+  return dtype_name

@@ -1,0 +1,307 @@
+"""Dispatch and combine: move token rows to the experts that own them and back.
+
+Both are ``custom_vjp`` operations whose backward passes read only the routing
+handle (plain int32 data), so remat can save it and backward never re-runs the
+routing or the forward exchange. This module checks the arguments, resolves
+the static :class:`~moe_ep.transport.exchange.Spec` of a call, and holds the
+forward and backward rules and the checkpoint names; the rows move by
+:mod:`~moe_ep.transport.row_paths`, over the exchange
+:mod:`~moe_ep.transport.exchange` chose, with the local passes of a backend
+(:mod:`~moe_ep.transport.xla` or :mod:`~moe_ep.transport.cupy`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from moe_ep.transport import grouped, row_paths, slabs
+from moe_ep.transport.exchange import Spec, one_launch_dispatch, resolve_exchange
+from moe_ep.transport.exchange import ep_size as ep_size_of
+from moe_ep.transport.layout import (Dispatched, RoutingHandle, check_experts, check_num_tokens,
+                                     expert_capacity_for, positive_int)
+from moe_ep.transport.names import (FP8_TOKEN_DTYPES, NAMED_SCOPES, check_backend,
+                                    check_wire_dtype)
+
+__all__ = ["combine", "dispatch"]
+
+
+# --- dispatch ----------------------------------------------------------------
+
+
+def _dispatch_forward(spec: Spec, tokens, topk_idx, topk_weights) -> Dispatched:
+  with jax.named_scope(NAMED_SCOPES["dispatch"]):
+    if one_launch_dispatch(spec, tokens.dtype, tokens.shape[-1], topk_idx.shape[1]):
+      handle, slab_values, slab_weights, counts, demand = row_paths.dispatch_in_one_launch(
+          spec, tokens, topk_idx, topk_weights)
+    else:
+      handle, slab_weights, counts, demand = row_paths.routing(spec, topk_idx, topk_weights)
+      to_slabs = row_paths.rows_to_slabs_fp8 if spec.wire_dtype else row_paths.rows_to_slabs
+      slab_values = to_slabs(spec, tokens, handle)
+  # Names go on the outputs here, inside the forward rule, so they also mark
+  # the residual (the handle) that the backward rule reads.
+  # The FP8 path names its FP8 slabs (the smaller residual) itself.
+  return Dispatched(
+      tokens=slab_values if spec.wire_dtype else spec.name("tokens", slab_values),
+      weights=spec.name("weights", slab_weights),
+      handle=spec.name("handle", handle),
+      counts=spec.name("counts", counts),
+      demand=demand,
+  )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dispatch(spec, tokens, topk_idx, topk_weights):
+  return _dispatch_forward(spec, tokens, topk_idx, topk_weights)
+
+
+def _dispatch_fwd(spec, tokens, topk_idx, topk_weights):
+  out = _dispatch_forward(spec, tokens, topk_idx, topk_weights)
+  return out, out.handle
+
+
+def _dispatch_bwd(spec, handle, grads: Dispatched):
+  with jax.named_scope(NAMED_SCOPES["dispatch_bwd"]):
+    token_grad = row_paths.slabs_to_rows(spec, grads.tokens, handle)
+    weight_grad = row_paths.weights_to_routes(spec, grads.weights.astype(jnp.float32), handle)
+  # Slabs carry the tokens' dtype, so grads.tokens has it too.
+  return token_grad.astype(grads.tokens.dtype), None, weight_grad.astype(spec.weight_dtype)
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def _check_rank(name: str, value, rank: int, shape_doc: str) -> None:
+  if value.ndim != rank:
+    raise ValueError(f"{name} must be {shape_doc} (rank {rank}); got shape {value.shape}")
+
+
+def valid_ids(topk_idx: jax.Array, num_experts: int) -> jax.Array:
+  """``[T, K]`` int32 ids with every id outside ``[0, E)`` set to -1. The range
+  test runs in the input's dtype, before narrowing: an int64 id of 2**32 + 1
+  must not wrap onto expert 1. Narrow types are widened first, where ``E``
+  itself would not fit (int8 ids against 300 experts)."""
+  if jnp.iinfo(topk_idx.dtype).bits < 32:
+    topk_idx = topk_idx.astype(jnp.int32)
+  valid = (topk_idx >= 0) & (topk_idx < num_experts)
+  return jnp.where(valid, topk_idx.astype(jnp.int32), -1)
+
+
+def merge_duplicate_routes(topk_idx: jax.Array, topk_weights: jax.Array):
+  """Merges repeated ids inside one token's top-k into one route.
+
+  The first occurrence of an id keeps it, with the sum of the weights of all
+  its occurrences; later ones become -1. The dropless bound ``R * T`` counts
+  one row per (token, expert), so a repeat must not take a second row. Plain
+  jnp, outside the custom_vjp, so each repeat's weight gets the gradient of
+  the merged route (the same expert output, as if it were routed on its own).
+
+  Args:
+    topk_idx: ``[T, K]`` int32, -1 where not routed.
+    topk_weights: ``[T, K]`` any float dtype.
+
+  Returns:
+    ``(topk_idx [T, K] int32, topk_weights [T, K] float32)``; equal to the
+    inputs (the weights cast to float32) where a token has no repeats; a
+    merged weight sums its occurrences in k order.
+  """
+  # Column by column (K is static): all elementwise, which XLA fuses whole,
+  # rather than reductions over a [T, K, K] comparison.
+  top_k = topk_idx.shape[1]
+  ids = [topk_idx[:, k] for k in range(top_k)]
+  weights = [w for w in topk_weights.astype(jnp.float32).T]
+  merged_ids, merged_weights = [], []
+  for k in range(top_k):
+    same = [(ids[j] == ids[k]) & (ids[k] >= 0) for j in range(top_k)]
+    repeat = functools.reduce(jnp.logical_or, same[:k], jnp.zeros_like(same[k]))
+    shared = functools.reduce(jnp.logical_or, same[:k] + same[k + 1:], jnp.zeros_like(same[k]))
+    summed = jnp.zeros_like(weights[k])
+    for j in range(top_k):
+      # where, not a product: an inf weight must not turn the others' zeros into NaN.
+      summed = summed + jnp.where(same[j], weights[j], 0.0)
+    merged_ids.append(jnp.where(repeat, -1, ids[k]))
+    merged_weights.append(jnp.where(shared, summed, weights[k]))
+  return jnp.stack(merged_ids, axis=1), jnp.stack(merged_weights, axis=1)
+
+
+def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
+             num_experts: int, expert_capacity: int, axis_name=None,
+             send_capacity: int | None = None, checkpoint_name: str | None = None,
+             backend: str = "auto", exchange: str = "auto", mesh=None,
+             wire_dtype: str | None = None, grouped_rows: int | None = None) -> Dispatched:
+  """Sends each token's rows to the experts it is routed to.
+
+  Call it per rank inside ``shard_map`` over the EP mesh axis ``axis_name``
+  (size ``R``); with ``axis_name=None`` there is one rank and no collective.
+
+  Duplicate ids in one token's top-k are merged into one route with the
+  summed weight; demand/counts count it once (the gradient of each duplicate's
+  weight is that route's, as if it had been routed separately).
+
+  Args:
+    tokens: ``[T, H]`` this rank's tokens, ``T >= 1``.
+    topk_idx: ``[T, K]`` integer global expert ids (any integer dtype); ids
+      outside ``[0, num_experts)`` mean "not routed", also int64 ids beyond
+      the int32 range.
+    topk_weights: ``[T, K]`` floating routing weights (differentiable).
+    num_experts: ``E``; rank ``r`` owns experts ``[r*L, (r+1)*L)``, ``L = E // R``.
+    expert_capacity: ``C`` rows per expert slab; a slab keeps its first ``C``
+      rows in (source rank, source token, k) order and drops the rest. Values
+      above the dropless bound (``expert_capacity_for`` with
+      ``capacity_factor=None``, ``R * T`` rounded up) are clamped to it.
+    axis_name: the EP mesh axis (call inside ``jax.shard_map`` over it), or None.
+    send_capacity: ``S`` rows per destination chunk (None: ``T``, never drops;
+      values above ``T`` are clamped to ``T``).
+    checkpoint_name: when set, the outputs and the residual the backward keeps
+      are named ``f"{checkpoint_name}.{field}"`` for ``field`` in
+      :data:`~moe_ep.transport.names.CHECKPOINT_FIELDS`, so a remat policy can save them.
+    backend: ``"auto"``, ``"xla"`` or ``"cupy"``: the local passes.
+    exchange: how rows cross between ranks: ``"all_to_all"`` (XLA's
+      collective), ``"peer"`` (direct NVLink stores into the other GPUs'
+      memory, :mod:`moe_ep.transport.peer`; needs ``mesh``) or ``"auto"``
+      (peer wherever it runs:
+      :func:`~moe_ep.transport.exchange.resolve_exchange`). Same results,
+      bitwise, either way.
+    mesh: the ``jax.sharding.Mesh`` of the enclosing ``shard_map`` (only the
+      peer exchange needs it).
+    wire_dtype: None (rows travel in ``tokens.dtype``) or ``"float8_e4m3fn"``:
+      each token is quantized once on its rank (e4m3 codes, one power-of-two
+      float32 scale per 128 channels, :mod:`~moe_ep.transport.fp8`), its
+      codes and scales cross as one uint8 row (about half the bytes of
+      bfloat16), and the receiver dequantizes them into the slabs, which
+      keep ``tokens.dtype``. ``tokens`` must then be float32, bfloat16 or
+      float16. With the CuPy kernels (backend ``"cupy"``, or ``"auto"`` on
+      CUDA) the GPU needs compute capability 8.9+; ``backend="xla"`` runs
+      the FP8 path in pure JAX anywhere. Backward is straight-through: the
+      tokens' gradient is the unquantized combine of the slab gradient,
+      exactly as without FP8. With ``checkpoint_name`` the value named
+      ``"tokens"`` is the FP8 slab ``[L, C, W]`` uint8 (codes and scales),
+      which the slabs are dequantized from: saved by remat it is about half
+      the bf16 residual, at the cost of one more pass over the slabs in the
+      forward (without a name the dequantize is fused into the receive).
+    grouped_rows: None: the rows land in ``[L, C, H]`` slabs. ``M`` (a
+      multiple of ``ROW_TILE``, see :func:`~moe_ep.transport.grouped.grouped_rows_for`):
+      in the grouped layout, ``[M, H]`` with each local expert's kept rows
+      contiguous from a multiple of ``ROW_TILE`` on
+      (:mod:`~moe_ep.transport.grouped`); ``expert_capacity`` still caps each
+      expert, and rows past ``M`` are dropped and counted like capacity drops.
+
+  Returns:
+    :class:`Dispatched`: ``tokens [L, C, H]`` (grouped ``[M, H]``), ``weights
+    [L, C]`` (``[M]``) float32, ``handle``, ``counts [L]``, ``demand [L]``.
+  """
+  check_backend(backend)
+  wire_dtype = check_wire_dtype(wire_dtype)
+  _check_rank("tokens", tokens, 2, "[T, H]")
+  _check_rank("topk_idx", topk_idx, 2, "[T, K]")
+  if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
+    raise ValueError(f"topk_idx must hold integer expert ids; got dtype {topk_idx.dtype}")
+  if topk_weights.shape != topk_idx.shape:
+    raise ValueError(f"topk_weights shape {topk_weights.shape} must equal "
+                     f"topk_idx shape {topk_idx.shape}")
+  if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
+    raise ValueError(f"topk_weights must be floating; got dtype {topk_weights.dtype}")
+  if topk_idx.shape[0] != tokens.shape[0]:
+    raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but tokens has "
+                     f"{tokens.shape[0]}: both must be [T, ...]")
+  if tokens.shape[0] == 0:
+    raise ValueError(f"tokens has 0 rows: dispatch needs T >= 1 (got shape {tokens.shape})")
+  if checkpoint_name is not None and not isinstance(checkpoint_name, str):
+    raise ValueError(f"checkpoint_name={checkpoint_name!r} must be a string or None")
+  if wire_dtype is not None and jnp.dtype(tokens.dtype).name not in FP8_TOKEN_DTYPES:
+    raise ValueError(f"tokens dtype {tokens.dtype} must be one of {FP8_TOKEN_DTYPES} "
+                     f"with wire_dtype={wire_dtype!r}")
+  num_tokens, top_k = topk_idx.shape
+  ep_size = ep_size_of(axis_name, "dispatch")
+  num_experts, top_k, ep_size = check_experts(num_experts, top_k, ep_size)
+  dropless_capacity = expert_capacity_for(num_tokens, top_k, num_experts, ep_size)
+  expert_capacity = min(positive_int("expert_capacity", expert_capacity), dropless_capacity)
+  send_capacity = (num_tokens if send_capacity is None
+                   else min(positive_int("send_capacity", send_capacity), num_tokens))
+  if grouped_rows is not None and positive_int("grouped_rows", grouped_rows) % grouped.ROW_TILE:
+    raise ValueError(f"grouped_rows={grouped_rows} must be a multiple of {grouped.ROW_TILE} "
+                     "(the grouped GEMM's row tile); see grouped_rows_for")
+  topk_idx, topk_weights = merge_duplicate_routes(valid_ids(topk_idx, num_experts),
+                                                   topk_weights)
+  spec = Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=expert_capacity,
+               send_capacity=send_capacity, axis_name=axis_name,
+               backend=backend, checkpoint_name=checkpoint_name,
+               weight_dtype=jnp.dtype(topk_weights.dtype).name,
+               exchange=resolve_exchange(exchange, backend, axis_name, ep_size, mesh),
+               mesh=mesh, wire_dtype=wire_dtype,
+               grouped_rows=None if grouped_rows is None else int(grouped_rows))
+  spec.ops  # resolves the backend now: a missing CuPy fails at trace time
+  return _dispatch(spec, tokens, topk_idx, topk_weights)
+
+
+# --- combine -----------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _combine(spec, expert_outputs, handle):
+  with jax.named_scope(NAMED_SCOPES["combine"]):
+    return row_paths.slabs_to_rows(spec, expert_outputs, handle)
+
+
+def _combine_fwd(spec, expert_outputs, handle):
+  return _combine(spec, expert_outputs, handle), handle
+
+
+def _combine_bwd(spec, handle, output_grad):
+  # y has expert_outputs' dtype, so output_grad (and the slab grad) does too.
+  with jax.named_scope(NAMED_SCOPES["combine_bwd"]):
+    slab_grad = row_paths.rows_to_slabs(spec, output_grad, handle)
+  return slab_grad, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int,
+            axis_name=None, backend: str = "auto", exchange: str = "auto",
+            mesh=None) -> jax.Array:
+  """Brings expert outputs back to their tokens and sums them.
+
+  Args:
+    expert_outputs: ``[L, C, H]`` in the slab layout of the dispatch that made
+      ``handle`` (``[M, H]`` in its grouped layout). Unweighted: multiply by
+      ``Dispatched.weights`` first.
+    handle: the dispatch's :class:`RoutingHandle`.
+    num_tokens: ``T >= 1``, this rank's token count.
+    axis_name: the EP mesh axis the dispatch used, or None.
+    backend: ``"auto"``, ``"xla"`` or ``"cupy"``.
+    exchange, mesh: as for :func:`dispatch`.
+
+  Returns:
+    ``[T, H]`` in ``expert_outputs.dtype``: ``y[t]`` is the sum over the kept
+    routes of ``t`` of their rows, summed in float32 in a fixed order (a
+    token's experts on one rank first, on that rank, then over ranks).
+  """
+  check_backend(backend)
+  if not isinstance(handle, RoutingHandle):
+    raise ValueError(f"handle must be the RoutingHandle from dispatch; got {type(handle)}")
+  if handle.grouped:
+    grouped.check_outputs(expert_outputs, handle)
+  else:
+    _check_rank("expert_outputs", expert_outputs, 3, "[L, C, H]")
+    slabs.check_outputs(expert_outputs, handle)
+  num_tokens = check_num_tokens(num_tokens, "combine")
+  if num_tokens != handle.num_tokens:
+    raise ValueError(f"num_tokens={num_tokens} does not match the handle's "
+                     f"{handle.num_tokens} tokens")
+  ep_size = ep_size_of(axis_name, "combine")
+  if ep_size != handle.ep_size:
+    raise ValueError(f"axis_name={axis_name!r} has size {ep_size} but the handle was "
+                     f"made for {handle.ep_size} ranks")
+  # Combine reads only the handle's flat maps: to it a grouped buffer is one group of M rows.
+  local_experts, capacity = ((1, handle.slab_row.shape[0]) if handle.grouped
+                             else handle.slab_row.shape)
+  spec = Spec(num_experts=local_experts * ep_size, ep_size=ep_size,
+               expert_capacity=capacity, send_capacity=handle.send_capacity,
+               axis_name=axis_name, backend=backend,
+               exchange=resolve_exchange(exchange, backend, axis_name, ep_size, mesh),
+               mesh=mesh)
+  spec.ops
+  return _combine(spec, expert_outputs, handle)

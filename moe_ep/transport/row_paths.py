@@ -1,0 +1,291 @@
+"""Dispatch's and combine's row paths, shared by their forward and backward
+rules: ``rows [T, H]`` -> the receiver's ``[L, C, H]`` slabs and back, the
+metadata exchange and the receiver's layout, and the routing weights'
+way back.
+
+Data flow of a forward dispatch on each rank (``layout.py`` names them)::
+
+  route(topk_idx, w)      -> send_slot, send_token, route_slot, meta [R, 2SK+L]
+  exchange(meta)          -> recv_meta                               (small exchange)
+  slab_layout(recv_meta)  -> recv_pos, slab_row, weights, counts, demand
+  expand_rows(tokens)     -> send_rows [R, S, H]   (each token once per rank)
+  exchange(send_rows)     -> recv_rows [R, S, H]                     (the row exchange)
+  expand_rows(recv_rows)  -> slabs [L, C, H]       (each row once per local expert)
+
+Combine runs the row path backwards with sums (``gather_sum_rows``): per
+received row, the sum of its members' slab rows (partial sums reduced before
+they travel), one exchange, then per token the sum over destination ranks.
+With one rank the two passes on each side compose into one and nothing is
+exchanged. Every row movement has its map in both directions in the handle,
+so a backend can read each input row once (``expand_rows``) or write each
+output row once (``gather_sum_rows``).
+
+On the peer exchange the row paths (and at decode sizes the metadata
+exchange with the layout) can run as one fused launch each; this module
+chooses that launch when lowering for CUDA and the path above everywhere
+else (:func:`_fused_on_cuda`), with bitwise the same results. Where the
+output rows land is the receiver's layout, :mod:`~moe_ep.transport.slabs`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from moe_ep.transport import fp8, grouped, slabs
+from moe_ep.transport.exchange import Spec, exchange, fused_rows, fused_slab_layout
+from moe_ep.transport.layout import RoutingHandle
+from moe_ep.transport.names import WIRE_DTYPES
+from moe_ep.transport.peer import dispatch_layout, fused_layout, rows as peer_rows
+
+
+def _fused_on_cuda(scope: str, fused, unfused, *args):
+  """``fused(*args)`` (one peer launch) when lowered for CUDA, else
+  ``unfused(*args)`` (the same values through XLA's ``all_to_all``), under
+  the named scope ``scope``."""
+  with jax.named_scope(scope):
+    return jax.lax.platform_dependent(*args, cuda=fused, default=unfused)
+
+
+def _lookup(table: jax.Array, index: jax.Array, fill) -> jax.Array:
+  """``table[index]`` for the small int/float tables of the handle side;
+  ``fill`` where ``index`` is out of range (-1)."""
+  valid = (index >= 0) & (index < table.shape[0])
+  rows = table[jnp.where(valid, index, 0)]
+  return jnp.where(valid.reshape(valid.shape + (1,) * (table.ndim - 1)), rows, fill)
+
+
+def _wire_rows(handle: RoutingHandle) -> jax.Array:
+  """``[T, R]`` flat send-buffer row ``d * S + slot`` of each (token, rank), or -1."""
+  ranks = jnp.arange(handle.ep_size, dtype=jnp.int32)
+  return jnp.where(handle.send_slot >= 0, ranks * handle.send_capacity + handle.send_slot, -1)
+
+
+def _token_member_pos(handle: RoutingHandle) -> jax.Array:
+  """One rank only: ``[T, K]`` output positions of each token's members,
+  composed through its single wire slot."""
+  return _lookup(handle.recv_pos.reshape(-1, handle.top_k), handle.send_slot[:, 0], -1)
+
+
+# --- the row paths ------------------------------------------------------------
+
+
+def rows_to_slabs(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """``rows [T, H]`` (one per token) -> ``[L, C, H]`` slabs along ``handle``."""
+  ops = spec.ops
+  hidden = rows.shape[-1]
+  shape = slabs.output_shape(handle, hidden)
+  output_rows = slabs.output_rows(handle)
+  if spec.ep_size == 1:
+    token_of_output_row = _lookup(handle.send_token.reshape(-1), output_rows, -1)
+    return ops.expand_rows(rows, _token_member_pos(handle), token_of_output_row).reshape(shape)
+  if fused_rows(spec, rows.dtype, hidden, handle.top_k, sums=False):
+    flat = _fused_on_cuda(
+        "exchange_rows",
+        functools.partial(peer_rows.dispatch_rows, axis_name=spec.axis_name, mesh=spec.mesh),
+        lambda rows, *maps: _exchanged_rows_to_slabs(spec.on_all_to_all(), rows, handle),
+        rows, handle.send_token, handle.send_slot, handle.recv_pos, output_rows)
+    return flat.reshape(shape)
+  return _exchanged_rows_to_slabs(spec, rows, handle).reshape(shape)
+
+
+def _exchanged_rows_to_slabs(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """R > 1, unfused: ``expand_rows`` to ``[R, S, H]``, the exchange, ``expand_rows``
+  to the flat output rows ``[L * C, H]``."""
+  ops = spec.ops
+  hidden = rows.shape[-1]
+  send_rows = ops.expand_rows(rows, _wire_rows(handle), handle.send_token.reshape(-1))
+  recv_rows = exchange(spec, send_rows.reshape(spec.ep_size, -1, hidden), "exchange_rows")
+  return ops.expand_rows(recv_rows.reshape(-1, hidden),
+                         handle.recv_pos.reshape(-1, handle.top_k), slabs.output_rows(handle))
+
+
+def slabs_to_rows(spec: Spec, slab_values: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """``slab_values [L, C, H]`` -> ``[T, H]``: each token's sum over its kept rows."""
+  ops = spec.ops
+  hidden = slab_values.shape[-1]
+  flat = slab_values.reshape(-1, hidden)
+  if spec.ep_size == 1:
+    return ops.gather_sum_rows(flat, _token_member_pos(handle))
+  if fused_rows(spec, slab_values.dtype, hidden, handle.top_k, sums=True):
+    return _fused_on_cuda(
+        "exchange_rows",
+        functools.partial(peer_rows.combine_rows, axis_name=spec.axis_name, mesh=spec.mesh),
+        lambda flat, *maps: _exchanged_slabs_to_rows(spec.on_all_to_all(), flat, handle),
+        flat, handle.recv_pos, handle.send_slot)
+  return _exchanged_slabs_to_rows(spec, flat, handle)
+
+
+def _exchanged_slabs_to_rows(spec: Spec, flat: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """R > 1, unfused: per received row the sum of its members (``gather_sum_rows``),
+  the exchange, per token the sum over ranks: ``[L * C, H]`` -> ``[T, H]``."""
+  ops = spec.ops
+  hidden = flat.shape[-1]
+  partial_sums = ops.gather_sum_rows(flat, handle.recv_pos.reshape(-1, handle.top_k))
+  returned = exchange(spec, partial_sums.reshape(spec.ep_size, -1, hidden), "exchange_rows")
+  return ops.gather_sum_rows(returned.reshape(-1, hidden), _wire_rows(handle))
+
+
+def rows_to_slabs_fp8(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """:func:`rows_to_slabs` with the rows on the wire in FP8: ``rows [T, H]``
+  -> ``[L, C, H]`` in ``rows.dtype``.
+
+  Each token is quantized once (``[W]`` uint8 wire rows: e4m3 codes and
+  power-of-two per-128-channel scales, :mod:`~moe_ep.transport.fp8`); the
+  wire rows cross in one exchange. One rank: quantize, then expand, so the
+  slabs do not depend on ``R``.
+
+  The receiving side depends on ``spec.checkpoint_name``. Without one, each
+  received row is dequantized straight into its slab rows (one fused pass),
+  the quantize fused with the send expand, the wire rows crossing by either
+  exchange's drop-in. With one, the receiver only expands the wire rows into
+  FP8 slabs ``[L, C, W]`` (:func:`rows_to_fp8_slabs`: on the peer path one
+  fused kernel quantizes, moves and places them), which carry the name
+  ``"{checkpoint_name}.tokens"``, and the backend's ``dequantize_filled_rows``
+  dequantizes them: a remat policy that saves the dispatch then keeps the
+  FP8 slabs (about half the bf16 residual) and backward recomputes only the
+  dequantize, never the exchange. The dequantize zeroes every slab row no
+  member fills (the FP8 slabs' own padding may be unwritten). Both give
+  bitwise the same slabs (the dequantize is exact before its one rounding)."""
+  hidden = rows.shape[-1]
+  shape = slabs.output_shape(handle, hidden)
+  if spec.checkpoint_name is not None:
+    fp8_slabs = spec.name("tokens", rows_to_fp8_slabs(spec, rows, handle))
+    return spec.ops.dequantize_filled_rows(fp8_slabs.reshape(-1, fp8_slabs.shape[-1]),
+                                           slabs.filled(handle), hidden=hidden,
+                                           dtype=rows.dtype).reshape(shape)
+  ops = spec.ops
+  output_rows = slabs.output_rows(handle)
+  if spec.ep_size == 1:
+    wire = ops.quantize_pack_expand(rows)
+    targets = _token_member_pos(handle)
+    sources = _lookup(handle.send_token.reshape(-1), output_rows, -1)
+  else:
+    wire = _exchanged_wire_rows(spec, rows, handle)
+    targets, sources = handle.recv_pos.reshape(-1, handle.top_k), output_rows
+  return ops.unpack_dequantize_expand(wire, targets, sources, hidden=hidden,
+                                      dtype=rows.dtype).reshape(shape)
+
+
+def rows_to_fp8_slabs(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """``rows [T, H]`` -> FP8 slabs ``[L, C, W]`` uint8 (the wire rows of the
+  slab rows; padding rows all-zero bytes, or unwritten where the peer kernel
+  quantizes: read them only through a backend's ``dequantize_filled_rows``,
+  :func:`moe_ep.transport.xla.dequantize_filled_rows`). On the peer path one
+  fused kernel quantizes each token as it sends it or places it (H % 16 ==
+  0), or else, where the fused kernels take rows of ``W`` bytes, each token
+  is quantized once and its wire row moved like a bf16 row
+  (:func:`rows_to_slabs`); elsewhere the quantize is fused with the send
+  expand, the wire rows cross by the exchange's drop-in and are expanded
+  into the slabs."""
+  ops = spec.ops
+  width = fp8.wire_bytes(rows.shape[-1])
+  shape = slabs.output_shape(handle, width)
+  if spec.ep_size > 1 and fused_rows(spec, rows.dtype, rows.shape[-1], handle.top_k,
+                                     sums=False, wire_dtype=WIRE_DTYPES[0]):
+    flat = _fused_on_cuda(
+        "exchange_rows",
+        functools.partial(peer_rows.dispatch_rows, axis_name=spec.axis_name, mesh=spec.mesh,
+                          wire_dtype=WIRE_DTYPES[0]),
+        lambda rows, *maps: rows_to_fp8_slabs(spec.on_all_to_all(), rows, handle).reshape(
+            -1, width),
+        rows, handle.send_token, handle.send_slot, handle.recv_pos, slabs.output_rows(handle))
+    return flat.reshape(shape)
+  if spec.ep_size == 1 or fused_rows(spec, jnp.uint8, width, handle.top_k, sums=False):
+    return rows_to_slabs(spec, ops.quantize_pack_expand(rows), handle)
+  wire = _exchanged_wire_rows(spec, rows, handle)
+  return ops.expand_rows(wire, handle.recv_pos.reshape(-1, handle.top_k),
+                         slabs.output_rows(handle)).reshape(shape)
+
+
+def _exchanged_wire_rows(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """R > 1: each token quantized once, fused with its expand into the send
+  rows, and the exchange: ``rows [T, H]`` -> received wire rows ``[R * S,
+  W]`` uint8."""
+  send_wire = spec.ops.quantize_pack_expand(rows, _wire_rows(handle),
+                                            handle.send_token.reshape(-1))
+  width = send_wire.shape[-1]
+  return exchange(spec, send_wire.reshape(spec.ep_size, -1, width),
+                  "exchange_rows").reshape(-1, width)
+
+
+def weights_to_routes(spec: Spec, slab_values: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """``[L, C]`` per-output-row float32 values -> ``[T, K]`` per route (0 if
+  dropped). Small: plain jnp on every backend."""
+  top_k = handle.top_k
+  per_member = _lookup(slab_values.reshape(-1), handle.recv_pos, 0.0)  # [R, S, K]
+  if spec.ep_size > 1:
+    per_member = exchange(spec, per_member, "exchange_weights")
+  member = jnp.where(handle.route_slot >= 0,
+                     handle.route_slot * top_k + jnp.arange(top_k, dtype=jnp.int32), -1)
+  return _lookup(per_member.reshape(-1), member, 0.0)
+
+
+# --- routing: the metadata exchange and the receiver's layout ------------------
+
+
+def _layout_sizes(spec: Spec, top_k: int) -> dict:
+  return dict(top_k=top_k, num_local_experts=spec.num_local_experts,
+              expert_capacity=spec.expert_capacity)
+
+
+def _exchanged_layout(spec: Spec, meta, top_k: int):
+  """The metadata exchange (R > 1), then the receiver's layout."""
+  if spec.ep_size > 1:
+    meta = exchange(spec, meta, "exchange_meta")
+  return slabs.lay_out(spec.ops, meta, **_layout_sizes(spec, top_k))
+
+
+def _route(spec: Spec, topk_idx, topk_weights):
+  """The sender's routing: ``(send_slot, send_token, route_slot, meta)``."""
+  return spec.ops.route(topk_idx, topk_weights.astype(jnp.float32), num_experts=spec.num_experts,
+                        ep_size=spec.ep_size, send_capacity=spec.send_capacity)
+
+
+def routing(spec: Spec, topk_idx, topk_weights):
+  """Dispatch's routing: ``(handle, slab weights [L, C], counts [L], demand
+  [L])`` from the ids and weights, with the metadata exchange."""
+  send_slot, send_token, route_slot, meta = _route(spec, topk_idx, topk_weights)
+  top_k = topk_idx.shape[1]
+  if fused_slab_layout(spec, top_k):  # decode: the exchange and the layout in one launch
+    layout = _fused_on_cuda(
+        "exchange_meta",
+        functools.partial(fused_layout.slab_layout, **_layout_sizes(spec, top_k),
+                          axis_name=spec.axis_name, mesh=spec.mesh),
+        lambda meta: _exchanged_layout(spec.on_all_to_all(), meta, top_k), meta)
+  else:
+    layout = _exchanged_layout(spec, meta, top_k)
+  recv_pos, slab_row, slab_weights, counts, demand = layout
+  if spec.grouped_rows is not None:
+    recv_pos, slab_row, slab_weights, counts = grouped.from_slabs(
+        recv_pos, slab_row, slab_weights, counts, spec.grouped_rows)
+  return (RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row), slab_weights,
+          counts, demand)
+
+
+def dispatch_in_one_launch(spec: Spec, tokens, topk_idx, topk_weights):
+  """Decode sizes on the peer path, where
+  :func:`~moe_ep.transport.exchange.one_launch_dispatch`:
+  route, then one launch for the metadata exchange, the layout and the rows
+  (:func:`~moe_ep.transport.peer.dispatch_layout.dispatch_with_layout`);
+  ``(handle, slabs [L, C, H], slab weights, counts, demand)``."""
+  send_slot, send_token, route_slot, meta = _route(spec, topk_idx, topk_weights)
+  top_k = topk_idx.shape[1]
+
+  def all_to_all_path(rows, meta, *maps):  # the maps: send_token, send_slot, as outside
+    on_all_to_all = spec.on_all_to_all()
+    recv_pos, slab_row, *rest = _exchanged_layout(on_all_to_all, meta, top_k)
+    handle = RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row)
+    return (_exchanged_rows_to_slabs(on_all_to_all, rows, handle), recv_pos, slab_row, *rest)
+
+  flat, recv_pos, slab_row, slab_weights, counts, demand = _fused_on_cuda(
+      "exchange_rows",
+      functools.partial(dispatch_layout.dispatch_with_layout, **_layout_sizes(spec, top_k),
+                        axis_name=spec.axis_name, mesh=spec.mesh),
+      all_to_all_path, tokens, meta, send_token, send_slot)
+  handle = RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row)
+  return (handle, flat.reshape(slabs.output_shape(handle, tokens.shape[-1])), slab_weights,
+          counts, demand)
+

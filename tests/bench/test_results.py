@@ -1,0 +1,47 @@
+"""benchmarks/results/ holds only what the README and docs/ cite, and its
+INDEX.md is what benchmarks/index.py writes from the files."""
+
+import importlib.util
+import pathlib
+import re
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results"
+CITING = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def index_module():
+  spec = importlib.util.spec_from_file_location("index", REPO / "benchmarks" / "index.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_index_is_up_to_date_and_lists_every_result():
+  index = index_module()
+  assert (RESULTS / "INDEX.md").read_text() == index.render(), \
+      "run python benchmarks/index.py"
+  listed = set(re.findall(r"\]\(([^)]+)\)", index.render()))
+  assert listed == {p.relative_to(RESULTS).as_posix() for p in index.result_files()}
+
+
+def test_index_reads_each_files_benchmark_device_date_and_commit():
+  facts = index_module().facts(RESULTS / "ep" / "ep-20261201-093403.json")
+  assert facts == {"benchmark": "ep", "device": "2 x NVIDIA H200", "date": "2026-12-01 09:34",
+                   "commit": "0c0d370ce4+dirty"}
+
+
+def test_every_kept_result_is_cited_and_every_cited_result_is_kept():
+  text = "\n".join(path.read_text() for path in CITING)
+  for path in RESULTS.rglob("*"):
+    if path.is_file() and path.name != "INDEX.md":
+      relative = path.relative_to(RESULTS).as_posix()
+      twin = path.with_suffix(".md" if path.suffix == ".json" else ".json")  # one report
+      assert relative in text or twin.relative_to(RESULTS).as_posix() in text, relative
+  cited = set(re.findall(r"`((?:[\w.-]+/)+[\w.-]+\.(?:json|md|csv))`", text))
+  for name in cited:
+    if name.startswith("benchmarks/results/"):
+      assert (REPO / name).is_file(), name
+    elif not name.startswith(("docs/", "configs/", "examples/", "tests/", "moe_ep/")):
+      assert (RESULTS / name).is_file(), name
+  assert len(cited) > 20
