@@ -266,11 +266,12 @@ class RunCheckpoints:
   def _set_aside(self, step: int) -> pathlib.Path:
     """Moves step ``step``'s folder into :attr:`unusable_directory` (process 0
     moves it, the others wait) and returns its new path."""
-    target, count = self.unusable_directory / str(step), 1
-    while target.exists():
-      count += 1
-      target = self.unusable_directory / f"{step}-{count}"
+    target = ""
     if jax.process_index() == 0:
+      target, count = self.unusable_directory / str(step), 1
+      while target.exists():  # the same step set aside by an earlier resume
+        count += 1
+        target = self.unusable_directory / f"{step}-{count}"
       target.parent.mkdir(parents=True, exist_ok=True)
       os.replace(self.directory / str(step), target)
     target = pathlib.Path(from_process_0(str(target)))

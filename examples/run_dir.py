@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -23,7 +24,8 @@ from examples.train_config import (Config, ConfigError, config_to_yaml, load_con
                                    resume_changes)
 
 RUNS_ROOT = pathlib.Path("runs")
-RESUMED_CONFIG = "config.resume-{}.yaml"
+# What each --resume writes beside config.yaml: config.resume-1.yaml, -2, ...
+RESUMED_CONFIG = re.compile(r"config\.resume-(\d+)\.yaml")
 
 
 def from_process_0(text: str, size: int = 4096) -> str:
@@ -44,8 +46,8 @@ def latest_link(name: str, root=RUNS_ROOT) -> pathlib.Path:
 
 def new_run_dir(name: str, root=RUNS_ROOT, now: datetime.datetime | None = None) -> pathlib.Path:
   """Creates ``root/<name>-<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... appended
-  when runs start within one second); :func:`link_latest` points at it once
-  it holds something."""
+  when runs start within one second); :func:`link_latest` points at it
+  (examples/pretrain.py: once its first step is done)."""
   root = pathlib.Path(root)
   root.mkdir(parents=True, exist_ok=True)
   stem = f"{name}-{(now or datetime.datetime.now()):%Y%m%d-%H%M%S}"
@@ -124,13 +126,18 @@ def choose_run_dir(run_dir: str | None, name: str, *, resume: bool) -> tuple[pat
 # --- the configs a run ran with ------------------------------------------------
 
 
+def _resumes(run_dir: pathlib.Path) -> dict[int, pathlib.Path]:
+  """``{k: config.resume-<k>.yaml}`` of the resumes recorded in ``run_dir``."""
+  matches = (RESUMED_CONFIG.fullmatch(path.name) for path in run_dir.glob("config.resume-*"))
+  return {int(match[1]): run_dir / match[0] for match in matches if match}
+
+
 def run_configs(run_dir: pathlib.Path) -> list[pathlib.Path]:
   """``config.yaml`` (the run's start) and each resume's
   ``config.resume-<k>.yaml``, oldest first, of those present."""
-  resumed = sorted((p for p in run_dir.glob(RESUMED_CONFIG.format("*"))
-                    if p.name.split("-")[-1].removesuffix(".yaml").isdigit()),
-                   key=lambda p: int(p.name.split("-")[-1].removesuffix(".yaml")))
-  return [p for p in [run_dir / "config.yaml"] if p.exists()] + resumed
+  resumes = _resumes(run_dir)
+  first = [run_dir / "config.yaml"] if (run_dir / "config.yaml").exists() else []
+  return first + [resumes[k] for k in sorted(resumes)]
 
 
 def check_resumed_config(run_dir: pathlib.Path, config: Config) -> list[str]:
@@ -161,7 +168,7 @@ def write_run_config(run_dir: pathlib.Path, config: Config, *, resumed_from: int
   if resumed_from is None:
     path, header = run_dir / "config.yaml", ""
   else:
-    path = run_dir / RESUMED_CONFIG.format(len(run_configs(run_dir)))
+    path = run_dir / f"config.resume-{max(_resumes(run_dir), default=0) + 1}.yaml"
     header = (f"# --resume from step {resumed_from}: "
               + ("; ".join(changes) if changes else "no changes") + "\n")
   path.write_text(header + config_to_yaml(config))

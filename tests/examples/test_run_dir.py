@@ -53,6 +53,17 @@ def test_each_resume_keeps_its_config_beside_the_first(tmp_path):
   assert load_config(paths[1]) == load_config(paths[0]) == config
 
 
+def test_a_resume_never_overwrites_an_earlier_config(tmp_path):
+  config = load_config(TINY_YAML)
+  (tmp_path / "config.resume-7.yaml").write_text("# kept\n")
+  (tmp_path / "config.resume-x.yaml").write_text("# not a resume's\n")
+  assert write_run_config(tmp_path, config, resumed_from=3, changes=[]).name == (
+      "config.resume-8.yaml")
+  assert (tmp_path / "config.resume-7.yaml").read_text() == "# kept\n"
+  assert [p.name for p in run_configs(tmp_path)] == ["config.resume-7.yaml",
+                                                      "config.resume-8.yaml"]
+
+
 def test_resume_compares_with_the_newest_saved_config(tmp_path):
   config = load_config(TINY_YAML)
   assert check_resumed_config(tmp_path, config) == []  # nothing saved: nothing to compare
