@@ -11,7 +11,7 @@ import tiny_run  # noqa: F401  (puts the repository on sys.path)
 from examples.run_control import FINITE_METRICS, SIGNAL_EXIT_CODES, StopRequests, is_finite
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
 def test_a_signal_stops_after_the_step_and_the_handlers_are_restored(signum):
   before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
   with StopRequests() as requests:

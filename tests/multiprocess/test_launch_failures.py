@@ -248,7 +248,7 @@ def signal_launcher(tmp_path, signum, *, ignoring: str = NO_FAILURE, grace_s: fl
   return launcher.returncode, err, time.monotonic() - start, pids
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_a_signal_to_the_launcher_is_passed_to_every_child(tmp_path, signum):
   code, err, _, pids = signal_launcher(tmp_path, signum)
   name = signal.Signals(signum).name

@@ -83,11 +83,12 @@ def test_sigterm_stops_both_processes_at_one_step_and_saves_it(job):
 
 def test_the_job_resumes_from_the_saved_step(job):
   resumed, step = job["resumed"], job["step"]
-  assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+  output = resumed.stdout[-3000:] + resumed.stderr[-3000:]
+  assert resumed.returncode == 0, output
   assert f"[p0] resuming {job['run_dir']} from step {step} with train.steps {STEPS} -> " \
-         f"{step + 2}" in resumed.stdout
-  assert [r["step"] for r in job["metrics"]] == list(range(1, step + 3))
-  assert sorted(p.name for p in (job["run_dir"] / "checkpoints").iterdir()) == [
-      str(step), str(step + 2)]
+         f"{step + 2}" in resumed.stdout, output
+  assert [r["step"] for r in job["metrics"]] == list(range(1, step + 3)), output
+  assert sorted((p.name for p in (job["run_dir"] / "checkpoints").iterdir()), key=int) == [
+      str(step), str(step + 2)], output
   assert [p.name for p in sorted(job["run_dir"].glob("config*.yaml"))] == [
-      "config.resume-1.yaml", "config.yaml"]
+      "config.resume-1.yaml", "config.yaml"], output
