@@ -35,7 +35,7 @@ import subprocess  # noqa: E402
 
 from examples import pretrain  # noqa: E402  (sets up the CPU devices before JAX starts)
 from examples import plots  # noqa: E402
-from examples.run_control import NonFiniteStep  # noqa: E402
+from examples.run_control import SIGNAL_EXIT_CODES, Interrupted, NonFiniteStep  # noqa: E402
 from examples.run_dir import RUNS_ROOT, held_steps, link_latest, new_run_dir  # noqa: E402
 from examples.train_config import (Config, ConfigError, load_config, read_yaml,  # noqa: E402
                                    split_config_path)
@@ -306,6 +306,9 @@ def main(argv=None) -> int:
   except (ConfigError, FileExistsError) as error:  # the sweep file, a variant, --out
     print(f"ablate.py: error: {error}", file=sys.stderr)
     return 2
+  except launch.LaunchStopped as stopped:  # a signal, passed to the variant's job
+    print(f"ablate.py: the sweep stopped: {stopped}", file=sys.stderr, flush=True)
+    return 128 + stopped.signum
   # A variant that failed to train: its own one line (in-process), or its
   # job's report (its last output).
   except (NonFiniteStep, launch.LaunchError) as error:
@@ -315,10 +318,10 @@ def main(argv=None) -> int:
     print(f"ablate.py: error: a variant failed: {shlex.join(error.cmd)} exited with "
           f"{error.returncode}", file=sys.stderr)
     return 1
-  except KeyboardInterrupt:
+  except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM during an in-process variant
     print("interrupted: the sweep stopped; the finished variants' runs are in its folder",
           flush=True)
-    return 130
+    return SIGNAL_EXIT_CODES[stop.signal_name if isinstance(stop, Interrupted) else "SIGINT"]
   return 0
 
 

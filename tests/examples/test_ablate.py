@@ -10,6 +10,7 @@ import jax
 import pytest
 import yaml
 
+from test_pretrain import interrupt_at
 from tiny_run import FAST_OVERRIDES, TINY_YAML, skip_unless_devices_fit
 from examples.ablate import (COLUMNS, NOT_AVAILABLE, Sweep, ablate, main, markdown_table,
                              parse_args)
@@ -142,3 +143,17 @@ def test_a_bad_sweep_or_override_is_one_line(tmp_path, capsys, text, args, messa
   code, err = run_main([str(sweep), *args, "--out", str(tmp_path / "out")], capsys)
   assert code == 2 and err.startswith(f"ablate.py: error: {message.format(sweep=sweep)}"), err
   assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_sigterm_during_a_variant_saves_it_and_exits_143(tmp_path, monkeypatch, capsys):
+  overrides = {key: yaml.safe_load(value) for key, value in
+               (item.split("=", 1) for item in FAST_OVERRIDES)}
+  sweep = write_sweep(tmp_path / "sweep.yaml",
+                      overrides={**overrides, "train.steps": 6, "train.checkpoint_every": 3},
+                      variants={"a": {}, "b": {"moe.top_k": 1}})
+  skip_unless_devices_fit(load_config(TINY_YAML, FAST_OVERRIDES))
+  interrupt_at(monkeypatch, 2, "signal", signal_name="SIGTERM")
+  assert main([str(sweep), "--out", str(tmp_path / "out")]) == 143
+  assert capsys.readouterr().out.startswith("interrupted: the sweep stopped")
+  assert sorted(p.name for p in (tmp_path / "out" / "a" / "checkpoints").iterdir()) == ["2"]
+  assert not (tmp_path / "out" / "b").exists()
