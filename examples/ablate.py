@@ -30,17 +30,21 @@ import csv  # noqa: E402
 import dataclasses  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
+import shlex  # noqa: E402
 import subprocess  # noqa: E402
-
-import yaml  # noqa: E402
 
 from examples import pretrain  # noqa: E402  (sets up the CPU devices before JAX starts)
 from examples import plots  # noqa: E402
-from examples.checkpoints import RUNS_ROOT, held_steps, new_run_dir  # noqa: E402
-from examples.train_config import Config, load_config, split_config_path  # noqa: E402
+from examples.run_control import SIGNAL_EXIT_CODES, Interrupted, NonFiniteStep  # noqa: E402
+from examples.run_dir import RUNS_ROOT, held_steps, link_latest, new_run_dir  # noqa: E402
+from examples.train_config import (Config, ConfigError, load_config, read_yaml,  # noqa: E402
+                                   split_config_path)
 from moe_ep import launch  # noqa: E402
+import jax  # noqa: E402
 
 PRETRAIN = pathlib.Path(pretrain.__file__).resolve()
+# The virtual CPU devices of a one-process run (examples/pretrain.py sets them).
+CPU_DEVICES = 8
 # name -> (header, format) of the table's columns, in order; a None value
 # (no MFU without a known device peak) shows as NOT_AVAILABLE.
 COLUMNS = {
@@ -81,21 +85,33 @@ class Sweep:
 
   @classmethod
   def load(cls, path) -> Sweep:
+    """Reads a sweep file; any problem raises ConfigError naming the file and key."""
     path = pathlib.Path(path)
-    data = yaml.safe_load(path.read_text()) or {}
+    data = read_yaml(path)
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+      raise ConfigError(f"{path} must hold a mapping (base, overrides, variants, grid), "
+                        f"got {type(data).__name__}")
     known = {"base", "overrides", "variants", "grid"}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(set(data) - known, key=str)
     if unknown:
-      raise ValueError(f"{path}: unknown key {unknown[0]!r} (known: {sorted(known)})")
-    if "base" not in data:
-      raise ValueError(f"{path}: needs a 'base' config")
-    grid = data.get("grid") or {}
-    for key, values in grid.items():
+      raise ConfigError(f"{path}: unknown key {unknown[0]!r} (known: {sorted(known)})")
+    if not isinstance(data.get("base"), str):
+      raise ConfigError(f"{path}: needs a 'base' config file, got {data.get('base')!r}")
+    sections = {key: data.get(key) or {} for key in ("overrides", "variants", "grid")}
+    for key, section in sections.items():
+      if not isinstance(section, dict):
+        raise ConfigError(f"{path}: {key} must be a mapping, got {section!r}")
+    for name, settings in sections["variants"].items():
+      if not isinstance(name, str):
+        raise ConfigError(f"{path}: variant name {name!r} must be a string")
+      if settings is not None and not isinstance(settings, dict):
+        raise ConfigError(f"{path}: variants.{name} must be a mapping of dotted.key: value "
+                          f"(or empty), got {settings!r}")
+    for key, values in sections["grid"].items():
       if not isinstance(values, list) or not values:
-        raise ValueError(f"{path}: grid.{key} must be a non-empty list of values")
-    return cls(name=path.stem, base=(path.parent / data["base"]).resolve(),
-               overrides=data.get("overrides") or {}, variants=data.get("variants") or {},
-               grid=grid)
+        raise ConfigError(f"{path}: grid.{key} must be a non-empty list of values")
+    return cls(name=path.stem, base=(path.parent / data["base"]).resolve(), **sections)
 
   def variant_overrides(self) -> dict[str, list[str]]:
     """``{variant name: ["dotted.key=value", ...]}``, sweep overrides first.
@@ -140,6 +156,19 @@ def _read_run(run_dir: pathlib.Path) -> tuple[dict, list[dict]]:
   return summary, records
 
 
+def cpu_devices_per_process(processes: int) -> int:
+  """CPU devices each process of a ``processes``-process CPU job gets (the 8
+  devices of a one-process run, split)."""
+  return max(1, CPU_DEVICES // processes)
+
+
+def job_device_count(processes: int, gpus_per_process: int | None) -> int:
+  """The devices a variant trains on: this process's, or the launched job's."""
+  if processes == 1:
+    return jax.device_count()
+  return processes * (gpus_per_process or cpu_devices_per_process(processes))
+
+
 def run_variant(name: str, config: Config, overrides: list[str], *, base: pathlib.Path,
                 subprocess_run: bool = False, processes: int = 1,
                 gpus_per_process: int | None = None, timeout_s: float = 3600) -> VariantResult:
@@ -154,7 +183,7 @@ def run_variant(name: str, config: Config, overrides: list[str], *, base: pathli
   if processes == 1:
     subprocess.run(command, check=True, timeout=timeout_s, stdout=subprocess.DEVNULL)
   else:
-    cpu_devices = None if gpus_per_process else max(1, 8 // processes)
+    cpu_devices = None if gpus_per_process else cpu_devices_per_process(processes)
     launch.launch(command, processes, timeout_s=timeout_s, cpu_devices_per_process=cpu_devices,
                   gpus_per_process=gpus_per_process)
   return VariantResult(name, *_read_run(run_dir))
@@ -192,14 +221,17 @@ def ablate(sweep_path, extra_overrides=(), *, out_dir=None, subprocess_run: bool
   """
   sweep = Sweep.load(sweep_path)
   variants = {}
+  devices = job_device_count(processes, gpus_per_process)
   for name, overrides in sweep.variant_overrides().items():
     overrides = [*overrides, *extra_overrides]
-    try:  # every variant is checked before any trains
+    try:  # every variant is checked, on the devices it will get, before any trains
       config = load_config(sweep.base, overrides)
+      config.mesh_shape(devices)
     except ValueError as error:
-      raise ValueError(f"sweep {sweep_path}, variant {name!r}: {error}") from error
+      raise ConfigError(f"sweep {sweep_path}, variant {name!r}: {error}") from None
     variants[name] = (config, overrides)
-  if out_dir is None:
+  created = out_dir is None
+  if created:
     out_dir = new_run_dir(sweep.name, root=RUNS_ROOT / "ablations")
   out_dir = pathlib.Path(out_dir)
   for name, (config, overrides) in variants.items():
@@ -217,6 +249,8 @@ def ablate(sweep_path, extra_overrides=(), *, out_dir=None, subprocess_run: bool
     result = run_variant(name, config, overrides, base=sweep.base, subprocess_run=subprocess_run,
                          processes=processes, gpus_per_process=gpus_per_process)
     results.append(result)
+    if created and len(results) == 1:
+      link_latest(out_dir, sweep.name, root=RUNS_ROOT / "ablations")
     if echo:
       row = result.row()
       print(f"{name}: " + ", ".join(f"{COLUMNS[key][0]} {_cell(row, key)}"
@@ -236,7 +270,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   """The command line; ``sweep`` and ``overrides`` come from words in any
   order (a word with ``=`` is an override)."""
   parser = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+      prog="ablate.py", description=__doc__.splitlines()[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
       usage="%(prog)s [-h] [--out DIR] [--subprocess] [--processes N] [--gpus-per-process N] "
             "SWEEP.yaml [key=value ...]")
   parser.add_argument("words", nargs="+", metavar="SWEEP.yaml key=value",
@@ -268,13 +303,25 @@ def main(argv=None) -> int:
   try:
     ablate(args.sweep, args.overrides, out_dir=args.out, subprocess_run=args.subprocess,
            processes=args.processes, gpus_per_process=args.gpus_per_process)
-  except FileExistsError as error:
+  except (ConfigError, FileExistsError) as error:  # the sweep file, a variant, --out
     print(f"ablate.py: error: {error}", file=sys.stderr)
     return 2
-  except KeyboardInterrupt:
+  except launch.LaunchStopped as stopped:  # a signal, passed to the variant's job
+    print(f"ablate.py: the sweep stopped: {stopped}", file=sys.stderr, flush=True)
+    return 128 + stopped.signum
+  # A variant that failed to train: its own one line (in-process), or its
+  # job's report (its last output).
+  except (NonFiniteStep, launch.LaunchError) as error:
+    print(f"ablate.py: error: a variant failed: {error}", file=sys.stderr)
+    return 1
+  except subprocess.CalledProcessError as error:
+    print(f"ablate.py: error: a variant failed: {shlex.join(error.cmd)} exited with "
+          f"{error.returncode}", file=sys.stderr)
+    return 1
+  except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM during an in-process variant
     print("interrupted: the sweep stopped; the finished variants' runs are in its folder",
           flush=True)
-    return 130
+    return SIGNAL_EXIT_CODES[stop.signal_name if isinstance(stop, Interrupted) else "SIGINT"]
   return 0
 
 

@@ -1,75 +1,154 @@
-"""A run's directory on disk: where a new run goes, what an old one holds,
-and its Orbax checkpoints (the model and optimizer states plus the data
-position, under ``run_dir/checkpoints``).
+"""A run's Orbax checkpoints: the model and optimizer states plus the data
+position, under ``run_dir/checkpoints``.
 
-Every process calls :meth:`RunCheckpoints.save` and :meth:`RunCheckpoints.restore`;
-Orbax writes each array's shards from the processes that hold them.
+Every process calls :meth:`RunCheckpoints.save` and the restores; Orbax
+writes each array's shards from the processes that hold them.
+
+Checkpoints are verified. Each is saved with a fingerprint of its state
+(:func:`state_fingerprint`), read back and compared before any older one is
+deleted; on resume, a step that does not restore, restores non-finite values
+or does not match its fingerprint is reported, moved aside (to
+``checkpoints-unusable/``, nothing is deleted) and the next older one tried.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
+import functools
+import gc
 import os
 import pathlib
+import sys
+import types
+from typing import Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-RUNS_ROOT = pathlib.Path("runs")
-
-
-def latest_link(name: str, root=RUNS_ROOT) -> pathlib.Path:
-  """``root/<name>-latest``: the link to the newest run named ``name``."""
-  return pathlib.Path(root) / f"{name}-latest"
+from examples.run_dir import from_process_0
 
 
-def new_run_dir(name: str, root=RUNS_ROOT, now: datetime.datetime | None = None) -> pathlib.Path:
-  """Creates ``root/<name>-<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... appended
-  when runs start within one second) and points :func:`latest_link` at it."""
-  root = pathlib.Path(root)
-  root.mkdir(parents=True, exist_ok=True)
-  stem = f"{name}-{(now or datetime.datetime.now()):%Y%m%d-%H%M%S}"
-  run_dir, count = root / stem, 1
-  while True:
-    try:
-      run_dir.mkdir()
-      break
-    except FileExistsError:
-      count += 1
-      run_dir = root / f"{stem}-{count}"
-  # A relative link, replaced atomically: the runs folder can move.
-  link = latest_link(name, root)
-  partial = link.with_name(f".{link.name}.{os.getpid()}")
-  partial.unlink(missing_ok=True)
-  partial.symlink_to(run_dir.name)
-  os.replace(partial, link)
-  return run_dir
+# --- fingerprints ----------------------------------------------------------------
+
+# An odd multiplier (the golden ratio's 32-bit fraction): every element's
+# weight is odd, so changing any one element always changes the sum mod 2**32.
+_WEIGHT = np.uint32(0x9E3779B1)
 
 
-def latest_run_dir(name: str, root=RUNS_ROOT) -> pathlib.Path | None:
-  """The run :func:`latest_link` points at, or None if there is none."""
-  link = latest_link(name, root)
-  if not (link.is_symlink() and link.resolve().is_dir()):
-    return None
-  return link.parent / os.readlink(link)
+def _leaf_sum(leaf: jax.Array) -> jax.Array:
+  """``sum(bits[i] * odd weight of i) mod 2**32`` over ``leaf``'s elements
+  (an 8-byte element counts as two 4-byte ones), without reshaping it, so a
+  sharded leaf is summed where it lies."""
+  if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    leaf = jax.random.key_data(leaf)
+  if leaf.dtype == jnp.bool_:
+    bits = leaf.astype(jnp.uint32)
+  else:
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[leaf.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(leaf, unsigned).astype(jnp.uint32)
+  index, stride = jnp.zeros(bits.shape, jnp.uint32), 1
+  for axis in reversed(range(bits.ndim)):
+    index += jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * np.uint32(stride % 2**32)
+    stride *= bits.shape[axis]
+  return jnp.sum(bits * ((2 * index + 1) * _WEIGHT), dtype=jnp.uint32)
 
 
-def held_steps(run_dir) -> tuple[int, int] | None:
-  """``(first, last)`` step an earlier run left in ``run_dir``: of its
-  ``metrics.jsonl`` records, else of its checkpoints; None if it holds none."""
-  run_dir = pathlib.Path(run_dir)
-  metrics = run_dir / "metrics.jsonl"
-  if metrics.exists():
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()
-             if line.strip()]
-    if steps:
-      return steps[0], steps[-1]
-  checkpoints = run_dir / "checkpoints"
-  if not checkpoints.is_dir():
-    return None
-  steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
-  return (steps[0], steps[-1]) if steps else None
+def _fingerprint_and_finite(leaves: list) -> tuple[jax.Array, jax.Array]:
+  sums = jnp.stack([_leaf_sum(leaf) for leaf in leaves])
+  finite = jnp.array(True)
+  for leaf in leaves:
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+      finite &= jnp.isfinite(leaf).all()
+  return sums, finite
+
+
+@functools.lru_cache(maxsize=8)
+def _fingerprint_program(replicated: NamedSharding | None):
+  return jax.jit(_fingerprint_and_finite, out_shardings=replicated)
+
+
+def state_fingerprint(state) -> tuple[list[int], bool]:
+  """``(fingerprint, finite)`` of a pytree of arrays: one position-weighted
+  sum of its bits per leaf (in ``jax.tree.leaves`` order), and whether every
+  floating value is finite. The same on every process; bitwise-equal states
+  have equal fingerprints, and any one changed element changes its leaf's."""
+  leaves = jax.tree.leaves(state)
+  shardings = [leaf.sharding for leaf in leaves if isinstance(leaf.sharding, NamedSharding)]
+  replicated = NamedSharding(shardings[0].mesh, P()) if shardings else None
+  sums, finite = _fingerprint_program(replicated)(leaves)
+  return ([int(v) for v in np.asarray(sums.addressable_data(0))],
+          bool(np.asarray(finite.addressable_data(0))))
+
+
+# --- checkpoints -----------------------------------------------------------------
+
+
+class CheckpointError(RuntimeError):
+  """Checkpoint ``step`` is unusable; ``reason`` says why in a few words."""
+
+  def __init__(self, step: int, reason: str):
+    super().__init__(f"checkpoint {step} {reason}")
+    self.step, self.reason = step, reason
+
+
+def _on_every_process(ok: bool) -> bool:
+  """Whether ``ok`` holds on every process (each reads its own shards, so a
+  damaged file can fail a restore on one process only)."""
+  if jax.process_count() == 1:
+    return ok
+  return bool(np.asarray(multihost_utils.process_allgather(np.array(ok))).all())
+
+
+def _first_line(error: BaseException) -> str:
+  """The first line of the innermost exception ``error`` was raised from
+  (TensorStore's reason rather than Orbax's wrapper), at most 200 characters."""
+  while error.__cause__ is not None or error.__context__ is not None:
+    error = error.__cause__ or error.__context__
+  lines = [line for line in str(error).splitlines() if line.strip()]
+  text = lines[0] if lines else type(error).__name__
+  return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _is_abandoned_read(unraisable) -> bool:
+  """Whether an unraisable exception is the leftover of an abandoned read:
+  Orbax reads a checkpoint's arrays in coroutines, and when one read fails
+  the others are dropped; Python then prints each dropped coroutine's error
+  ("Exception ignored in: <coroutine ...>", with a page of TensorStore spec)
+  when it is collected, and each TensorStore read that completes later
+  reports into Orbax's closed event loop ("Event loop is closed")."""
+  return (isinstance(unraisable.object, types.CoroutineType)
+          or (unraisable.object is None and isinstance(unraisable.exc_value, RuntimeError)
+              and str(unraisable.exc_value) == "Event loop is closed"))
+
+
+def _drop_abandoned_reads() -> None:
+  """From now on, :func:`_is_abandoned_read` leftovers are not printed (the
+  restore's first error is reported instead); everything else is. Called
+  once a restore has failed; the reads it abandoned may finish at any time."""
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_abandoned_reads", False):
+    return
+
+  def hook(unraisable):
+    if not _is_abandoned_read(unraisable):
+      previous(unraisable)
+
+  hook.drops_abandoned_reads = True
+  sys.unraisablehook = hook
+  gc.collect()  # the dropped coroutines, now
+
+
+def abstract_like(state, shardings=None):
+  """``jax.ShapeDtypeStruct`` leaves with ``shardings`` (default: the leaves'
+  own): a restore target."""
+  if shardings is None:
+    shardings = jax.tree.map(lambda value: value.sharding, state)
+  return jax.tree.map(lambda value, sharding: jax.ShapeDtypeStruct(
+      value.shape, value.dtype, sharding=sharding), state, shardings)
 
 
 class RunCheckpoints:
@@ -77,38 +156,130 @@ class RunCheckpoints:
 
   Args:
     directory: where the numbered step folders go.
-    max_to_keep: older steps are deleted as new ones are saved.
+    max_to_keep: older steps are deleted once a newer one has been saved and
+      read back intact.
+    report: prints a one-line notice (a checkpoint set aside, a save that did
+      not read back); called on every process.
   """
 
-  def __init__(self, directory, max_to_keep: int = 2):
+  def __init__(self, directory, max_to_keep: int = 2,
+               report: Callable[[str], None] = lambda line: None):
     self.directory = pathlib.Path(directory).resolve()
-    self.manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
+    self.max_to_keep, self.report = max_to_keep, report
+    # No max_to_keep for Orbax: it would delete before the read-back.
+    self.manager = ocp.CheckpointManager(self.directory)
+    self.failed_saves = 0
+
+  @property
+  def unusable_directory(self) -> pathlib.Path:
+    """Where unusable steps are moved: ``checkpoints-unusable/`` beside ``directory``."""
+    return self.directory.with_name(self.directory.name + "-unusable")
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def save(self, step: int, state, data_step: int) -> None:
-    """Saves after ``step`` optimizer updates; ``data_step`` is the next
-    batch index of the data stream."""
+  def save(self, step: int, state, data_step: int) -> bool:
+    """Saves after ``step`` optimizer updates (``data_step``: the next batch
+    index of the data stream), reads the step back and compares it with
+    ``state``; only then are the steps older than the newest ``max_to_keep``
+    deleted. Returns whether it read back intact; if not, it is reported and
+    deleted, and the older steps are kept.
+
+    Raises:
+      ValueError: ``state`` holds non-finite values (a checkpoint never does).
+    """
+    fingerprint, finite = state_fingerprint(state)
+    if not finite:
+      raise ValueError(f"step {step}: the state holds non-finite values; not saved")
     self.manager.save(step, force=True, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
-        position=ocp.args.JsonSave({"step": step, "data_step": data_step})))
+        position=ocp.args.JsonSave({"step": step, "data_step": data_step,
+                                    "fingerprint": fingerprint})))
+    self.manager.wait_until_finished()
+    try:
+      self.restore_verified(step, abstract_like(state))
+    except CheckpointError as error:
+      self.failed_saves += 1
+      self.report(f"{error}: deleted it and kept the older checkpoints")
+      self.manager.delete(step)
+      return False
+    for old in sorted(self.manager.all_steps())[:-self.max_to_keep]:
+      self.manager.delete(old)
+    return True
 
   def restore(self, step: int, abstract_state) -> tuple[object, int]:
     """``(state, data_step)`` of checkpoint ``step``, each array placed with
     the sharding of its ``jax.ShapeDtypeStruct`` in ``abstract_state``."""
+    restored, _ = self._restore(step, abstract_state)
+    return restored["state"], int(restored["position"]["data_step"])
+
+  def _restore(self, step: int, abstract_state) -> tuple[dict, dict]:
     restored = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state),
         position=ocp.args.JsonRestore()))
-    return restored["state"], int(restored["position"]["data_step"])
+    return restored, restored["position"]
+
+  def restore_verified(self, step: int, abstract_state) -> tuple[object, int]:
+    """:meth:`restore`, checked: raises :class:`CheckpointError` (on every
+    process alike) where the step does not restore, holds non-finite
+    values or does not match the fingerprint it was saved with."""
+    problem = None
+    try:
+      restored, position = self._restore(step, abstract_state)
+    # Orbax and TensorStore raise many types for a damaged step (ValueError,
+    # FileNotFoundError, RuntimeError, their own): all mean "unusable".
+    except Exception as error:  # noqa: BLE001
+      problem = f"does not restore ({_first_line(error)})"
+    if problem:
+      _drop_abandoned_reads()
+    if not _on_every_process(problem is None):
+      raise CheckpointError(step, problem or "does not restore on another process")
+    fingerprint, finite = state_fingerprint(restored["state"])
+    if not finite:
+      raise CheckpointError(step, "holds non-finite values")
+    if position.get("fingerprint", fingerprint) != fingerprint:
+      raise CheckpointError(step, "does not match the fingerprint it was saved with")
+    return restored["state"], int(position["data_step"])
+
+  def restore_newest_intact(self, abstract_state) -> tuple[object, int, int]:
+    """``(state, step, data_step)`` of the newest step that passes
+    :meth:`restore_verified`; each newer one is reported and moved to
+    :attr:`unusable_directory`.
+
+    Raises:
+      FileNotFoundError: no step is intact (or there is none).
+    """
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    for step in steps:
+      try:
+        state, data_step = self.restore_verified(step, abstract_state)
+        return state, step, data_step
+      except CheckpointError as error:
+        aside = self._set_aside(step)
+        older = [s for s in steps if s < step]
+        self.report(f"{error}; moved it to {aside}"
+                    + (f"; trying step {older[0]}" if older else ""))
+    raise FileNotFoundError(f"no intact checkpoint in {self.directory}"
+                            + (f" (steps {', '.join(map(str, steps))} are unusable)" if steps
+                               else ""))
+
+  def _set_aside(self, step: int) -> pathlib.Path:
+    """Moves step ``step``'s folder into :attr:`unusable_directory` (process 0
+    moves it, the others wait) and returns its new path."""
+    target = ""
+    if jax.process_index() == 0:
+      target, count = self.unusable_directory / str(step), 1
+      while target.exists():  # the same step set aside by an earlier resume
+        count += 1
+        target = self.unusable_directory / f"{step}-{count}"
+      target.parent.mkdir(parents=True, exist_ok=True)
+      os.replace(self.directory / str(step), target)
+    target = pathlib.Path(from_process_0(str(target)))
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"checkpoint {step} set aside")
+    self.manager.reload()
+    return target
 
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
-
-
-def abstract_like(state, shardings):
-  """``jax.ShapeDtypeStruct`` leaves with the given shardings: a restore target."""
-  return jax.tree.map(lambda value, sharding: jax.ShapeDtypeStruct(
-      value.shape, value.dtype, sharding=sharding), state, shardings)

@@ -13,8 +13,18 @@ it holds ``config.yaml``, Orbax ``checkpoints/``, ``metrics.jsonl`` (one line
 per step), ``metrics.png`` (loss curve and per-expert load) and
 ``summary.json`` (with the model FLOPs per token and the MFU against the
 device's dense bf16 peak, ``examples/flops.py``). The mesh fits the devices
-present (``mesh.dp``/``mesh.ep`` null). Ctrl-C finishes the step in progress,
-saves it and exits with code 130; ``--resume`` continues from there.
+present (``mesh.dp``/``mesh.ep`` null).
+
+Nothing good is lost: Ctrl-C (SIGINT) or SIGTERM (a scheduler's time limit;
+``moe_ep.launch`` passes both on) finishes the step in progress, saves it and
+exits with code 130 or 143, every process at the same step; ``--resume``
+continues from there. A step whose loss, gradient norm or parameters are not
+finite stops the run unsaved, exit code 1 (``train.skip_nonfinite`` skips a few
+instead). Every checkpoint is read back before an older one is deleted, and
+``--resume`` falls back past a damaged one. ``--resume`` refuses a config that
+changes the model (naming the fields); schedule changes are recorded in
+``config.resume-<k>.yaml``. ``runs/<config name>-latest`` moves once a run's
+first step is done.
 """
 
 from __future__ import annotations
@@ -44,9 +54,7 @@ import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import shlex  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from typing import Callable  # noqa: E402
 
@@ -60,13 +68,16 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from examples import flops, plots  # noqa: E402
 from examples import mesh as device_mesh  # noqa: E402
-from examples.checkpoints import (RunCheckpoints, abstract_like, held_steps,  # noqa: E402
-                                  latest_link, latest_run_dir, new_run_dir)
+from examples.checkpoints import RunCheckpoints, abstract_like  # noqa: E402
+from examples.run_dir import (check_resumed_config, choose_run_dir, latest_link,  # noqa: E402
+                              link_latest, write_run_config)
 from examples.data import make_corpus  # noqa: E402
 from examples.model import TransformerLM  # noqa: E402
 from examples.progress import ProgressReporter  # noqa: E402
-from examples.train_config import (DEFAULT_CONFIG, MESH_AXES, Config, DataConfig,  # noqa: E402
-                                   TrainConfig, config_to_yaml, load_config, split_config_path)
+from examples.run_control import (FINITE_METRICS, SIGNAL_EXIT_CODES, Interrupted,  # noqa: E402
+                                  NonFiniteStep, StopRequests, is_finite)
+from examples.train_config import (DEFAULT_CONFIG, MESH_AXES, Config, ConfigError,  # noqa: E402
+                                   DataConfig, TrainConfig, load_config, split_config_path)
 import moe_ep  # noqa: E402
 from moe_ep import MoEAux, distributed  # noqa: E402
 
@@ -91,21 +102,6 @@ class RunResult:
   summary: dict
   state: dict
   run_dir: pathlib.Path
-
-
-class Interrupted(KeyboardInterrupt):
-  """Ctrl-C (or another KeyboardInterrupt) stopped :func:`train`.
-
-  Attributes:
-    step: the steps completed when it stopped.
-    checkpoint_step: the newest checkpoint in ``run_dir`` (``step`` when the
-      stop was saved), or None (checkpoints off).
-    run_dir: the run's directory, holding its metrics and summary so far.
-  """
-
-  def __init__(self, step: int, checkpoint_step: int | None, run_dir: pathlib.Path):
-    super().__init__(f"interrupted at step {step}")
-    self.step, self.checkpoint_step, self.run_dir = step, checkpoint_step, run_dir
 
 
 def make_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
@@ -189,6 +185,9 @@ def make_train_step(config: Config, setup: Setup):
     return ce_loss + moe_ep.total_aux_loss(model), ce_loss
 
   def step(state, tokens):
+    # The merged modules update the state's variables in place: a step that
+    # may be skipped keeps its input in new variables.
+    kept = jax.tree.map(lambda value: value, state) if config.train.skip_nonfinite else None
     model = nnx.merge(setup.model_def, state["model"])
     optimizer = nnx.merge(setup.optimizer_def, state["optimizer"])
     (loss, ce_loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, tokens)
@@ -204,10 +203,22 @@ def make_train_step(config: Config, setup: Setup):
         "dropped_fraction": aux.dropped_fraction.mean(),
         "expert_load": aux.tokens_per_expert / routes,  # [num_moe_layers, E]
         "grad_norm": optax.tree.norm(grads),
+        "param_norm": optax.tree.norm(nnx.state(model, nnx.Param)),
     }
-    return {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}, metrics
+    new_state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+    if config.train.skip_nonfinite:
+      new_state = _kept_if_finite(metrics, new_state, kept)
+    return new_state, metrics
 
   return step
+
+
+def _kept_if_finite(metrics: dict, new_state: dict, old_state: dict) -> dict:
+  """``new_state`` where the step's :data:`FINITE_METRICS` are finite, else
+  ``old_state``: the step is skipped, expert biases and optimizer count included."""
+  finite = functools.reduce(jnp.logical_and, [jnp.isfinite(metrics[key])
+                                              for key in FINITE_METRICS])
+  return jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, old_state)
 
 
 def _stacked_aux(per_layer: dict) -> MoEAux:
@@ -304,7 +315,8 @@ def parameter_count(abstract_state: dict) -> int:
 
 
 def summarize(records: list[dict], *, config: Config, mesh, compile_s: float, wall_s: float,
-              peak_memory: int, interrupted: bool = False) -> dict:
+              peak_memory: int, interrupted: bool = False,
+              nonfinite_step: int | None = None) -> dict:
   """The run's headline numbers (step times exclude compilation).
 
   Throughput: ``tokens_per_s`` (global, from the median step),
@@ -312,10 +324,13 @@ def summarize(records: list[dict], *, config: Config, mesh, compile_s: float, wa
   ``model_tflops_per_device`` (the model TFLOP/s each device achieves),
   ``peak_tflops`` (:func:`device_peak_tflops`), ``mfu`` (their ratio; None
   where the peak is unknown and ``train.peak_tflops`` unset) and ``device_kind``.
+  The final losses average the last finite steps (None: there is none);
+  ``skipped_steps`` counts the steps ``train.skip_nonfinite`` skipped and
+  ``nonfinite_step`` is the step that stopped the run (None: none did).
   """
   step_times = [r["step_time_s"] for r in records[1:]] or [r["step_time_s"] for r in records]
   median_step = statistics.median(step_times)
-  last = records[-FINAL_LOSS_WINDOW:]
+  last = [r for r in records if is_finite(r)][-FINAL_LOSS_WINDOW:]
   tokens_per_s = config.train.batch_size * config.train.seq_len / median_step
   flops_per_token = flops.training_flops_per_token(config)
   device = mesh.devices.flat[0]
@@ -324,8 +339,10 @@ def summarize(records: list[dict], *, config: Config, mesh, compile_s: float, wa
       "steps": records[-1]["step"],
       "steps_this_run": len(records),
       "interrupted": interrupted,
-      "final_loss": statistics.fmean(r["ce_loss"] for r in last),
-      "final_total_loss": statistics.fmean(r["loss"] for r in last),
+      "nonfinite_step": nonfinite_step,
+      "skipped_steps": sum(r.get("skipped", False) for r in records),
+      "final_loss": statistics.fmean(r["ce_loss"] for r in last) if last else None,
+      "final_total_loss": statistics.fmean(r["loss"] for r in last) if last else None,
       "dropped_fraction": statistics.fmean(r["dropped_fraction"] for r in records),
       "median_step_s": median_step,
       "tokens_per_s": tokens_per_s,
@@ -343,73 +360,14 @@ def summarize(records: list[dict], *, config: Config, mesh, compile_s: float, wa
   }
 
 
-def _from_process_0(text: str, size: int = 1024) -> str:
-  """Process 0's ``text`` on every process; every process calls this."""
-  if jax.process_count() == 1:
-    return text
-  from jax.experimental import multihost_utils  # noqa: PLC0415 (multi-process only)
-  encoded = np.zeros(size, np.int32)
-  encoded[:len(text.encode())] = np.frombuffer(text.encode(), np.uint8)
-  received = np.asarray(multihost_utils.broadcast_one_to_all(encoded))
-  return bytes(received[received > 0].astype(np.uint8)).decode()
-
-
-def choose_run_dir(run_dir: str | None, name: str, *, resume: bool) -> tuple[pathlib.Path, bool]:
-  """``(directory, whether this call created it)`` of a run.
-
-  An explicit ``run_dir`` is used as it is, but a fresh run (not ``resume``)
-  refuses one that holds another run's outputs. Without one, a fresh run gets
-  a new ``runs/<name>-<YYYYmmdd-HHMMSS>`` (made by process 0, its name shared
-  with the others) and ``resume`` continues the one ``runs/<name>-latest``
-  links.
-  """
-  if run_dir is not None:
-    run_dir = pathlib.Path(run_dir)
-    held = held_steps(run_dir)
-    if held and not resume:
-      raise FileExistsError(f"{run_dir} holds a run (steps {held[0]}-{held[1]}); use --resume "
-                            "to continue it or choose another train.run_dir")
-    return run_dir, False
-  if resume:
-    latest = latest_run_dir(name)
-    if latest is None:
-      raise FileNotFoundError(f"--resume: no earlier run of {name} to continue "
-                              f"({latest_link(name)} does not exist); name its directory "
-                              "with train.run_dir=...")
-    return latest, False
-  created = str(new_run_dir(name)) if jax.process_index() == 0 else ""
-  return pathlib.Path(_from_process_0(created)), True
-
-
-class StopOnCtrlC:
-  """Within ``with``, a first Ctrl-C (SIGINT) only sets :attr:`requested`,
-  so the training loop can finish the step in progress and save it; a
-  second one raises KeyboardInterrupt as usual.
-
-  Only in the main thread of a single-process run: the processes of a job
-  could see the signal at different steps, and their checkpoint is collective.
-  """
-
-  def __init__(self):
-    self.enabled = (jax.process_count() == 1
-                    and threading.current_thread() is threading.main_thread())
-    self.requested = False
-    self.previous = None
-
-  def _handle(self, signum, frame):
-    if self.requested:
-      raise KeyboardInterrupt
-    self.requested = True
-
-  def __enter__(self):
-    if self.enabled:
-      self.previous = signal.signal(signal.SIGINT, self._handle)
-    return self
-
-  def __exit__(self, *exc):
-    if self.enabled:
-      signal.signal(signal.SIGINT, self.previous)
-    return False
+def open_corpus(config: Config):
+  """The run's corpus (:func:`make_corpus`); a data file that cannot be used
+  raises :class:`ConfigError` naming ``data.path``."""
+  try:
+    return make_corpus(config)
+  except (OSError, ValueError) as error:
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+    raise ConfigError(f"data.path={config.data.path!r}: {reason}") from None
 
 
 def _is_intact(state) -> bool:
@@ -424,8 +382,8 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
 
   Args:
     config: the run.
-    resume: continue from the latest checkpoint in ``train.run_dir`` (with
-      ``train.run_dir`` null: of the latest run named ``name``).
+    resume: continue from the newest intact checkpoint in ``train.run_dir``
+      (with ``train.run_dir`` null: of the latest run named ``name``).
     stop_at: leave after this step count (and checkpoint there), as a run
       cut short by a job time limit would; ``--resume`` continues it.
     progress: print the start-up lines and the progress bar (process 0 only).
@@ -436,36 +394,45 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
       onto any device count and mesh its batch and experts divide.
 
   Raises:
+    ConfigError: the data file cannot be used, the run to resume is finished,
+      or ``config`` changes its model or computation.
     FileExistsError: a fresh run's explicit ``train.run_dir`` holds another run.
-    FileNotFoundError: ``resume`` finds no checkpoint.
+    FileNotFoundError: ``resume`` finds no (intact) checkpoint.
     ValueError: the mesh does not fit the devices (the message says how to fix it).
-    Interrupted: Ctrl-C stopped the loop; the last completed step was
-      checkpointed (when checkpoints are on) and this run's ``summary.json``
-      and ``metrics.png`` written first.
+    Interrupted: Ctrl-C or SIGTERM stopped the loop; the last completed step
+      was checkpointed (when checkpoints are on) and this run's
+      ``summary.json`` and ``metrics.png`` written first.
+    NonFiniteStep: a step was not finite; it was not saved (summary and plot
+      written as for Interrupted).
   """
   wall_start = time.perf_counter()
   is_main = jax.process_index() == 0
   say = functools.partial(print, flush=True) if progress and is_main else lambda *_: None
+  # Checkpoint notices (a damaged step set aside) show even without progress.
+  notice = functools.partial(print, file=sys.stderr, flush=True) if is_main else say
   devices = jax.devices() if devices is None else list(devices)
-  # Device-count errors before anything is written.
+  # Device-count and data errors before anything is written.
   mesh_shape = device_mesh.mesh_shape(config, devices)
+  corpus = open_corpus(config)
   run_dir, created = choose_run_dir(config.train.run_dir, name, resume=resume)
   config = dataclasses.replace(config, train=dataclasses.replace(config.train,
                                                                  run_dir=str(run_dir)))
+  changes = check_resumed_config(run_dir, config) if resume else []
   train_config = config.train
   every = train_config.checkpoint_every
-  checkpoints = RunCheckpoints(run_dir / "checkpoints") if every else None
-  start = 0
-  if resume:
-    start = checkpoints.latest_step() if checkpoints else None
-    if start is None:
-      raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
+  checkpoints = RunCheckpoints(run_dir / "checkpoints", report=notice) if every else None
   end = train_config.steps if stop_at is None else min(stop_at, train_config.steps)
-  if start >= end:
-    raise ValueError(f"the checkpoint is at step {start}, the run ends at {end}: "
-                     "raise train.steps to train further")
+  if resume:
+    newest = checkpoints.latest_step() if checkpoints else None
+    if newest is None:
+      raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
+    if newest >= end:
+      raise ConfigError(f"--resume: {run_dir} is finished: its newest checkpoint is step "
+                        f"{newest} and the run ends at step {end}; raise train.steps to "
+                        "train further")
 
-  say(f"run dir: {run_dir}" + (f" ({latest_link(name)} links to it)" if created else ""))
+  say(f"run dir: {run_dir}"
+      + (f" ({latest_link(name)} links to it once its first step is done)" if created else ""))
   processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
   chosen = f" ({config.mesh.chosen})" if config.mesh.chosen else ""
   say(f"mesh: dp={mesh_shape[0]} x ep={mesh_shape[1]} over {len(devices)} "
@@ -475,9 +442,6 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
     say(f"note: train.warmup_steps={train_config.warmup_steps} is not below "
         f"train.steps={train_config.steps}: warming up over {used} step{'s' * (used != 1)} "
         "(steps // 10) instead")
-  if resume:
-    say(f"resuming {run_dir} from step {start}")
-  corpus = make_corpus(config)
   say(f"{corpus.describe()}; compiling the train step...")
   compile_start = time.perf_counter()
   setup, train_step = build_program(program_config(config), tuple(devices))
@@ -493,8 +457,11 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
       "attention); " + (f"MFU against {peak:g} TFLOP/s per device" if peak is not None else
                         f"no MFU: no known peak for {devices[0].device_kind!r} "
                         "(set train.peak_tflops)"))
+  start = 0
   if resume:
-    state, start = checkpoints.restore(start, setup.abstract_state)
+    state, _, start = checkpoints.restore_newest_intact(setup.abstract_state)
+    say(f"resuming {run_dir} from step {start}"
+        + (f" with {'; '.join(changes)}" if changes else ""))
   else:
     state = setup.create()
 
@@ -502,7 +469,7 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
   previous = _read_records(metrics_path, start) if resume else []
   if is_main:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config_to_yaml(config))
+    write_run_config(run_dir, config, resumed_from=start if resume else None, changes=changes)
     metrics_path.write_text("".join(json.dumps(r) + "\n" for r in previous))
   batch_shape = (train_config.batch_size, train_config.seq_len + 1)
   make_batch = functools.partial(global_batch, corpus, sharding=setup.batch_sharding,
@@ -511,10 +478,10 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
 
   records = []
   state_step, checkpoint_step = start, (start if resume else None)
-  interrupted = False
+  stopped_by, nonfinite, nonfinite_in_row = None, None, 0
   reporter = ProgressReporter(total=end, start=start, enabled=progress and is_main,
                               log_every=train_config.log_every)
-  with reporter, contextlib.ExitStack() as files, StopOnCtrlC() as ctrl_c:
+  with reporter, contextlib.ExitStack() as files, StopRequests() as stop_requests:
     metrics_file = files.enter_context(metrics_path.open("a")) if is_main else None
     try:
       batch = make_batch(start)
@@ -525,36 +492,44 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
         # The next batch is made while the device runs this step (dispatch is
         # asynchronous); a Ctrl-C meanwhile stops the run once this step is
         # recorded.
-        stop = None
+        interrupt = None
         if step + 1 < end:
           try:
             batch = make_batch(step + 1)
           except KeyboardInterrupt as error:
-            stop = error
+            interrupt = error
         record = {"step": step + 1, **_host(metrics)}
         now = time.perf_counter()
         record["step_time_s"], tick = now - tick, now
         record["tokens_per_s"] = tokens_per_step / record["step_time_s"]
         record["mfu"] = flops.mfu(record["tokens_per_s"] / len(devices), flops_per_token, peak)
+        nonfinite_in_row = 0 if is_finite(record) else nonfinite_in_row + 1
+        if nonfinite_in_row:
+          record["skipped"] = nonfinite_in_row <= train_config.skip_nonfinite
         records.append(record)
         if metrics_file:
           metrics_file.write(json.dumps(record) + "\n")
           metrics_file.flush()
+        if nonfinite_in_row > train_config.skip_nonfinite:
+          nonfinite = record
+          break
+        if created and is_main and len(records) == 1:
+          link_latest(run_dir, name)  # the run has started
         if checkpoints and ((step + 1) % every == 0 or step + 1 == end):
-          checkpoints.save(step + 1, state, data_step=step + 1)
-          checkpoint_step = step + 1
+          if checkpoints.save(step + 1, state, data_step=step + 1):
+            checkpoint_step = step + 1
         reporter.update(record)
-        if stop is not None:
-          raise stop
-        if ctrl_c.requested:
-          interrupted = True
+        if interrupt is not None:
+          raise interrupt
+        stopped_by = stop_requests.stop_after(step + 1)
+        if stopped_by:
           break
     except KeyboardInterrupt:
       if jax.process_count() > 1:
         raise  # the processes may be at different steps: no collective save
-      interrupted = True
-  if interrupted and checkpoints and state_step != checkpoint_step and _is_intact(state):
-    checkpoints.save(state_step, state, data_step=state_step)
+      stopped_by = "SIGINT"
+  if (stopped_by and checkpoints and state_step != checkpoint_step and _is_intact(state)
+      and checkpoints.save(state_step, state, data_step=state_step)):
     checkpoint_step = state_step
   if checkpoints:
     checkpoints.close()
@@ -563,13 +538,18 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
   if records:
     summary = summarize(records, config=config, mesh=mesh, compile_s=compile_s,
                         wall_s=time.perf_counter() - wall_start,
-                        peak_memory=peak_memory_bytes(train_step), interrupted=interrupted)
+                        peak_memory=peak_memory_bytes(train_step),
+                        interrupted=stopped_by is not None,
+                        nonfinite_step=nonfinite and nonfinite["step"])
     if is_main:
       (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
       plots.plot_run(previous + records, run_dir / "metrics.png",
                      loss_floor=getattr(corpus, "entropy_floor", None))
-  if interrupted:
-    raise Interrupted(state_step, checkpoint_step, run_dir)
+  if nonfinite:
+    raise NonFiniteStep(nonfinite["step"], {key: nonfinite[key] for key in FINITE_METRICS},
+                        checkpoint_step, run_dir)
+  if stopped_by:
+    raise Interrupted(state_step, checkpoint_step, run_dir, stopped_by)
   return RunResult(records, summary, state, run_dir)
 
 
@@ -577,7 +557,7 @@ def parse_args(argv=None) -> tuple[Config, bool, str]:
   """``(config, resume, name)`` from the command line; ``name`` (the config
   file's stem) names new run directories."""
   parser = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
+      prog="pretrain.py", description=__doc__.splitlines()[0],
       usage="%(prog)s [-h] [--data PATH] [--resume] [CONFIG.yaml] [key=value ...]",
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog="Overrides use dotted keys of the YAML sections: model., moe., train., data., "
@@ -596,8 +576,8 @@ def parse_args(argv=None) -> tuple[Config, bool, str]:
     if args.data:
       overrides.append(f"data.path={json.dumps(args.data)}")
     config = load_config(config_path, overrides)
-  except (ValueError, FileNotFoundError) as error:
-    parser.error(str(error))
+  except ValueError as error:  # a bad file or override: its one line, not the usage
+    parser.exit(2, f"{parser.prog}: error: {error}\n")
   name = pathlib.Path(config_path or DEFAULT_CONFIG).stem
   return config, args.resume, name
 
@@ -615,14 +595,26 @@ def resume_command(argv: list[str], run_dir: pathlib.Path) -> str:
 
 
 def interrupted_line(stop: Interrupted, argv: list[str]) -> str:
-  """The one line printed when Ctrl-C stops a run."""
+  """The one line printed when Ctrl-C or SIGTERM stops a run."""
+  what = (f"interrupted at step {stop.step}" if stop.signal_name == "SIGINT"
+          else f"stopped by {stop.signal_name} at step {stop.step}")
   if stop.checkpoint_step is None:
-    return (f"interrupted at step {stop.step}: no checkpoint (train.checkpoint_every=0); "
+    return (f"{what}: no checkpoint (train.checkpoint_every=0); "
             f"metrics and summary in {stop.run_dir}/")
   saved = ("saved a checkpoint" if stop.checkpoint_step == stop.step
            else f"the latest checkpoint is step {stop.checkpoint_step}")
-  return (f"interrupted at step {stop.step}: {saved}; "
-          f"resume with: {resume_command(argv, stop.run_dir)}")
+  return f"{what}: {saved}; resume with: {resume_command(argv, stop.run_dir)}"
+
+
+def nonfinite_line(stop: NonFiniteStep, argv: list[str]) -> str:
+  """The one line printed when a step that is not finite stops a run."""
+  if stop.checkpoint_step is None:
+    saved = f"no checkpoint; metrics and summary in {stop.run_dir}/"
+  else:
+    saved = (f"the newest checkpoint is step {stop.checkpoint_step}; resume from it with: "
+             f"{resume_command(argv, stop.run_dir)}")
+  return (f"{stop}: stopped without saving it; {saved} (a lower train.learning_rate, or "
+          "train.skip_nonfinite=N to skip up to N such steps in a row, may get past it)")
 
 
 def main(argv=None) -> int:
@@ -647,21 +639,33 @@ def main(argv=None) -> int:
   except Interrupted as stop:
     if is_main:
       print(interrupted_line(stop, argv), flush=True)
-    return 130
+    return SIGNAL_EXIT_CODES[stop.signal_name]
   except KeyboardInterrupt:
     if is_main:
       print("interrupted outside the training steps: nothing more saved", flush=True)
-    return 130
-  except (FileExistsError, FileNotFoundError) as error:  # the run dir, --resume, --data
+    return SIGNAL_EXIT_CODES["SIGINT"]
+  except NonFiniteStep as stop:
+    if is_main:
+      print(f"pretrain.py: error: {nonfinite_line(stop, argv)}", file=sys.stderr, flush=True)
+    return 1
+  # The run dir, --resume (no checkpoint, a finished run, another model), --data.
+  except (ConfigError, FileExistsError, FileNotFoundError) as error:
     return fail(error)
   if is_main:
-    summary = result.summary
-    mfu = "" if summary["mfu"] is None else f" (MFU {flops.format_mfu(summary['mfu'])})"
-    print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.3f} "
+    print(done_line(result.summary, result.run_dir), flush=True)
+  return 0
+
+
+def done_line(summary: dict, run_dir: pathlib.Path) -> str:
+  """The one line printed when a run finishes."""
+  mfu = "" if summary["mfu"] is None else f" (MFU {flops.format_mfu(summary['mfu'])})"
+  skipped = summary["skipped_steps"]
+  skipped = f", {skipped} non-finite step{'s' * (skipped != 1)} skipped" if skipped else ""
+  loss = "n/a" if summary["final_loss"] is None else f"{summary['final_loss']:.3f}"
+  return (f"done: {summary['steps']} steps{skipped}, final loss {loss} "
           f"(mean of the last {min(FINAL_LOSS_WINDOW, summary['steps_this_run'])}), "
           f"{summary['tokens_per_s']:,.0f} tokens/s{mfu}, wall {summary['wall_s']:.0f} s "
-          f"(compile {summary['compile_s']:.0f} s); outputs in {result.run_dir}/")
-  return 0
+          f"(compile {summary['compile_s']:.0f} s); outputs in {run_dir}/")
 
 
 if __name__ == "__main__":

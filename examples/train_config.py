@@ -3,7 +3,9 @@
 
 A YAML file has one section per dataclass (``model``, ``moe``, ``train``,
 ``data``, ``mesh``); ``moe`` is :class:`moe_ep.MoEConfig` itself. Unknown keys
-are errors naming the key, in the file and in overrides alike:
+are errors naming the key, in the file and in overrides alike; so are a key
+given twice in one mapping and YAML syntax errors (with the file and line).
+Numbers read as YAML 1.2 reads them (``1e-3`` is a float, not a string):
 
 >>> load_config("configs/tiny.yaml", ["moe.top_k=4", "train.steps=500"]).moe.top_k
 4
@@ -11,8 +13,11 @@ are errors naming the key, in the file and in overrides alike:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
 import pathlib
+import re
 import typing
 
 import jax.numpy as jnp
@@ -32,6 +37,11 @@ ATTENTION_IMPLEMENTATIONS = {"auto": None, "xla": "xla", "cudnn": "cudnn"}
 # ModelConfig.remat_policy values (examples/model.py maps them to policies).
 REMAT_POLICIES = ("moe", "save_dots", "full")
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
+
+class ConfigError(ValueError):
+  """A config file, override or run setting that cannot be used; the message
+  is the one line a command line prints (it names the file, key or field)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +147,11 @@ class TrainConfig:
       :attr:`warmup_steps_used`.
     weight_decay: AdamW decoupled decay of matrices (not norm scales).
     grad_clip_norm: clip the global gradient norm to this (None: no clipping).
+    skip_nonfinite: a step whose loss, gradient norm or updated parameters
+      are not finite (NaN or inf) stops the run, unsaved, naming the step;
+      with N > 0 up to N such steps in a row are skipped instead (their
+      update discarded, the model and optimizer state left as they were;
+      counted in ``summary.json``) and the run stops at the N+1-th.
     checkpoint_every: save an Orbax checkpoint every this many steps and at
       the end (0: never).
     log_every: print a plain progress line every this many steps when the
@@ -160,6 +175,7 @@ class TrainConfig:
   final_lr_fraction: float = 0.1
   weight_decay: float = 0.1
   grad_clip_norm: float | None = 1.0
+  skip_nonfinite: int = 0
   checkpoint_every: int = 100
   log_every: int = 25
   peak_tflops: float | None = None
@@ -169,15 +185,15 @@ class TrainConfig:
     _check_int(self, "seed", 0)
     for field in ("steps", "batch_size", "seq_len", "log_every"):
       _check_int(self, field, 1)
-    for field in ("warmup_steps", "checkpoint_every"):
+    for field in ("warmup_steps", "skip_nonfinite", "checkpoint_every"):
       _check_int(self, field, 0)
     _check_number(self, "learning_rate", 0.0)
     _check_number(self, "weight_decay", 0.0)
     _check_number(self, "grad_clip_norm", 0.0, optional=True)
     peak = self.peak_tflops
     if peak is not None and (not isinstance(peak, (int, float)) or isinstance(peak, bool)
-                             or not peak > 0):
-      _fail(self, "peak_tflops", "must be a number > 0 (TFLOP/s per device) or null")
+                             or not 0 < peak < math.inf):
+      _fail(self, "peak_tflops", "must be a finite number > 0 (TFLOP/s per device) or null")
     if not 0.0 <= self.final_lr_fraction <= 1.0:
       _fail(self, "final_lr_fraction", "must be in [0, 1]")
     if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
@@ -296,6 +312,11 @@ class Config:
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
   def __post_init__(self):
+    for field in dataclasses.fields(self):
+      section_type = typing.get_type_hints(Config)[field.name]
+      if not isinstance(getattr(self, field.name), section_type):
+        raise ValueError(f"config.{field.name} must be a mapping of {section_type.__name__} "
+                         f"keys, got {getattr(self, field.name)!r}")
     if self.moe.hidden_size != self.model.d_model:
       raise ValueError(f"MoEConfig.hidden_size={self.moe.hidden_size} must equal "
                        f"ModelConfig.d_model={self.model.d_model}")
@@ -317,6 +338,58 @@ class Config:
 
 # --- YAML and overrides --------------------------------------------------------
 
+# YAML 1.2 floats with an exponent ("1e-3", "5E+4", "2.5e3"), which PyYAML's
+# YAML 1.1 rules read as strings.
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$")
+
+
+class _ConfigLoader(yaml.SafeLoader):
+  """PyYAML's safe loader, refusing a key given twice in one mapping."""
+
+  def construct_mapping(self, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+      key = self.construct_object(key_node, deep=deep)
+      if isinstance(key, typing.Hashable) and key in seen:
+        raise yaml.constructor.ConstructorError(problem=f"duplicate key {key!r}",
+                                                problem_mark=key_node.start_mark)
+      seen.add(key)
+    return super().construct_mapping(node, deep=deep)
+
+
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT,
+                                    list("-+.0123456789"))
+
+
+def parse_yaml(text: str, where: str, lines: bool = True):
+  """``text`` read as YAML (:class:`_ConfigLoader`); a syntax error or a
+  duplicate key raises :class:`ConfigError` naming ``where`` (and the line
+  and column where ``lines``)."""
+  try:
+    return yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader)
+  except yaml.YAMLError as error:
+    mark = getattr(error, "problem_mark", None)
+    if lines and mark is not None:
+      where = f"{where}, line {mark.line + 1}, column {mark.column + 1}"
+    context = getattr(error, "context", None)
+    problem = getattr(error, "problem", None) or str(error)
+    raise ConfigError(f"{where}: {problem}" + (f" ({context})" if context else "")) from None
+
+
+def read_yaml(path):
+  """The YAML file at ``path``; an unreadable file or bad YAML raises
+  :class:`ConfigError` naming the file (and the line)."""
+  path = pathlib.Path(path)
+  try:
+    text = path.read_text()
+  except IsADirectoryError:
+    raise ConfigError(f"{path} is a directory, not a YAML file") from None
+  except UnicodeDecodeError:
+    raise ConfigError(f"{path} is not a text (UTF-8) file") from None
+  except OSError as error:
+    raise ConfigError(f"cannot read {path}: {error.strerror}") from None
+  return parse_yaml(text, str(path))
+
 
 def _section_type(cls, key: str, dotted: str):
   """The type of field ``key`` of dataclass ``cls``; errors name ``dotted``."""
@@ -331,7 +404,7 @@ def parse_override(text: str) -> tuple[str, object]:
   key, sep, value = text.partition("=")
   if not sep or not key:
     raise ValueError(f"override {text!r} must look like section.key=value")
-  return key.strip(), yaml.safe_load(value)
+  return key.strip(), parse_yaml(value, f"override {text!r}", lines=False)
 
 
 def apply_overrides(data: dict, overrides) -> dict:
@@ -340,23 +413,26 @@ def apply_overrides(data: dict, overrides) -> dict:
   Every key is checked against the dataclasses first, so a typo fails with
   its dotted name instead of being silently added.
   """
-  data = yaml.safe_load(yaml.safe_dump(data))  # a deep copy of plain data
+  data = copy.deepcopy(data)
   for text in overrides:
     key, value = parse_override(text)
     parts = key.split(".")
     cls, node = Config, data
     for depth, part in enumerate(parts):
-      field_type = _section_type(cls, part, ".".join(parts[:depth + 1]))
+      dotted = ".".join(parts[:depth + 1])
+      field_type = _section_type(cls, part, dotted)
       if depth == len(parts) - 1:
+        if dataclasses.is_dataclass(field_type) and not isinstance(value, dict):
+          raise ValueError(f"override {text!r}: {dotted} is a section; set its keys "
+                           f"({dotted}.<key>=value)")
         node[part] = value
       elif dataclasses.is_dataclass(field_type):
         cls = field_type
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-          raise ValueError(f"override {text!r}: {'.'.join(parts[:depth + 1])} is not a section")
+          raise ValueError(f"override {text!r}: {dotted} is not a section")
       else:
-        raise ValueError(f"override {text!r}: {'.'.join(parts[:depth + 1])} is a value, "
-                         "not a section")
+        raise ValueError(f"override {text!r}: {dotted} is a value, not a section")
   return data
 
 
@@ -382,7 +458,9 @@ def split_config_path(args, what: str = "config file") -> tuple[str | None, list
 def load_config(path=None, overrides=()) -> Config:
   """Reads a YAML config (default ``configs/tiny.yaml``) and applies overrides."""
   path = pathlib.Path(path or DEFAULT_CONFIG)
-  data = yaml.safe_load(path.read_text()) or {}
+  data = read_yaml(path)
+  if data is None:
+    data = {}
   if not isinstance(data, dict):
     raise ValueError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
   return config_from_dict(apply_overrides(data, overrides))
@@ -390,3 +468,40 @@ def load_config(path=None, overrides=()) -> Config:
 
 def config_to_yaml(config: Config) -> str:
   return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+# --- resuming ------------------------------------------------------------------
+
+# What a resumed run may change: the training schedule and bookkeeping
+# (train.*), the data, the mesh, and the execution choices below (the same
+# arithmetic on other kernels, or with other values saved for the backward
+# pass). Every other model and moe field changes the parameters or what the
+# step computes, so a run's checkpoints do not continue under it.
+RESUMABLE = ("train.", "data.", "mesh.", "model.remat_blocks", "model.remat_policy",
+             "model.attention", "moe.transport", "moe.exchange", "moe.remat")
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+  """Nested dicts -> ``{"section.key": value}``."""
+  flat = {}
+  for key, value in data.items():
+    if isinstance(value, dict):
+      flat.update(_flat(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def resume_changes(saved: Config, new: Config) -> tuple[list[str], list[str]]:
+  """``(refused, allowed)``: each field where ``new`` differs from the
+  ``saved`` config of the run it resumes, as ``"moe.top_k 2 -> 4"``
+  (``train.run_dir`` aside). Refused: fields that change the parameters or
+  the computation; allowed: those :data:`RESUMABLE` names."""
+  before, after = _flat(to_dict(saved)), _flat(to_dict(new))
+  refused, allowed = [], []
+  for key in after:
+    if key != "train.run_dir" and before.get(key) != after[key]:
+      change = f"{key} {before.get(key)!r} -> {after[key]!r}"
+      resumable = any(key == name or key.startswith(name.rstrip(".") + ".") for name in RESUMABLE)
+      (allowed if resumable else refused).append(change)
+  return refused, allowed

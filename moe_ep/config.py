@@ -361,6 +361,11 @@ def from_dict(cls, data: dict | None, path: str | None = None):
   unknown = sorted(set(data) - set(fields))
   if unknown:
     raise ValueError(f"unknown key {path}.{unknown[0]} (known: {sorted(fields)})")
+  missing = [name for name, field in fields.items() if name not in data
+             and field.default is dataclasses.MISSING
+             and field.default_factory is dataclasses.MISSING]
+  if missing:
+    raise ValueError(f"{path} needs {', '.join(missing)} (no default)")
   types = _field_types(cls)
   kwargs = {}
   for name, value in data.items():

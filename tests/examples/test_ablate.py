@@ -1,14 +1,19 @@
 """examples/ablate.py: sweep files expand to named variants, and a sweep
-writes a markdown table, a CSV and a PNG with one row / curve per variant."""
+writes a markdown table, a CSV and a PNG with one row / curve per variant;
+every variant is checked before any trains, and a bad sweep file or override
+is one line."""
 
 import csv
 import json
 
+import jax
 import pytest
 import yaml
 
+from test_pretrain import interrupt_at
 from tiny_run import FAST_OVERRIDES, TINY_YAML, skip_unless_devices_fit
-from examples.ablate import COLUMNS, NOT_AVAILABLE, Sweep, ablate, markdown_table, parse_args
+from examples.ablate import (COLUMNS, NOT_AVAILABLE, Sweep, ablate, main, markdown_table,
+                             parse_args)
 from examples.train_config import load_config
 
 pytestmark = pytest.mark.slow
@@ -98,3 +103,57 @@ def test_an_out_dir_holding_an_earlier_sweep_is_refused_before_anything_trains(t
   with pytest.raises(FileExistsError, match=r"b holds a run \(steps 1-5\) of an earlier sweep"):
     ablate(sweep, out_dir=out, echo=False)
   assert sorted(p.name for p in out.iterdir()) == ["b"]  # variant a did not train
+
+
+def run_main(args, capsys) -> tuple[int, str]:
+  try:
+    code = main(args)
+  except SystemExit as exit_:
+    code = exit_.code
+  return code, capsys.readouterr().err
+
+
+def test_every_variant_is_checked_on_its_devices_before_any_trains(tmp_path, capsys):
+  sweep = write_sweep(tmp_path / "sweep.yaml", overrides={"train.steps": 2},
+                      variants={"fits": {}, "ep3": {"mesh.ep": 3}})
+  count = jax.device_count()
+  code, err = run_main([str(sweep), "--out", str(tmp_path / "out")], capsys)
+  assert code == 2
+  assert err.startswith(f"ablate.py: error: sweep {sweep}, variant 'ep3': MeshConfig dp=None "
+                        f"ep=3 does not tile the {count} devices") and len(err.splitlines()) == 1
+  assert not (tmp_path / "out").exists()  # variant 'fits' did not train
+
+
+@pytest.mark.parametrize("text, args, message", [
+    ("base: {tiny}\nvariants: [a, b]\n", [], "{sweep}: variants must be a mapping, got ['a', 'b']"),
+    ("base: {tiny}\nvariants:\n  a: 5\n", [],
+     "{sweep}: variants.a must be a mapping of dotted.key: value (or empty), got 5"),
+    ("base: {tiny}\nvariants:\n  a: {{}}\n  a: {{}}\n", [],
+     "{sweep}, line 4, column 3: duplicate key 'a'"),
+    ("base: {tiny}\nvariants: {{a: [}}\n", [], "{sweep}, line 2, column "),
+    ("variants: {{}}\n", [], "{sweep}: needs a 'base' config file, got None"),
+    ("base: {tiny}\n", ["moe.top_k=100"],
+     "sweep {sweep}, variant 'base': MoEConfig.top_k=100 must be <= num_experts=8"),
+    ("base: {tiny}\n", ["train.learning_rate=1e-3", "moe=5"],
+     "sweep {sweep}, variant 'base': override 'moe=5': moe is a section"),
+])
+def test_a_bad_sweep_or_override_is_one_line(tmp_path, capsys, text, args, message):
+  sweep = tmp_path / "sweep.yaml"
+  sweep.write_text(text.format(tiny=TINY_YAML))
+  code, err = run_main([str(sweep), *args, "--out", str(tmp_path / "out")], capsys)
+  assert code == 2 and err.startswith(f"ablate.py: error: {message.format(sweep=sweep)}"), err
+  assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_sigterm_during_a_variant_saves_it_and_exits_143(tmp_path, monkeypatch, capsys):
+  overrides = {key: yaml.safe_load(value) for key, value in
+               (item.split("=", 1) for item in FAST_OVERRIDES)}
+  sweep = write_sweep(tmp_path / "sweep.yaml",
+                      overrides={**overrides, "train.steps": 6, "train.checkpoint_every": 3},
+                      variants={"a": {}, "b": {"moe.top_k": 1}})
+  skip_unless_devices_fit(load_config(TINY_YAML, FAST_OVERRIDES))
+  interrupt_at(monkeypatch, 2, "signal", signal_name="SIGTERM")
+  assert main([str(sweep), "--out", str(tmp_path / "out")]) == 143
+  assert capsys.readouterr().out.startswith("interrupted: the sweep stopped")
+  assert sorted(p.name for p in (tmp_path / "out" / "a" / "checkpoints").iterdir()) == ["2"]
+  assert not (tmp_path / "out" / "b").exists()

@@ -14,7 +14,7 @@ import pytest
 
 from tiny_run import TINY_YAML, fast_overrides, skip_unless_devices_fit
 from examples import flops, pretrain
-from examples.checkpoints import held_steps
+from examples.run_dir import held_steps
 from examples.data import ByteCorpus, SyntheticCorpus, make_corpus
 from examples.progress import progress_line
 from examples.train_config import load_config
@@ -156,29 +156,29 @@ class InterruptingCorpus:
   """The run's corpus, except that asking for batch ``at`` (0-based, so
   after ``at`` steps) interrupts: ``"raise"`` raises KeyboardInterrupt, as
   Ctrl-C inside the data pipeline would; ``"signal"`` sends this process
-  SIGINT, as Ctrl-C in a terminal does."""
+  ``signal_name``, as Ctrl-C in a terminal (SIGINT) or a scheduler (SIGTERM) does."""
 
-  def __init__(self, corpus, at: int, how: str):
-    self.corpus, self.at, self.how = corpus, at, how
+  def __init__(self, corpus, at: int, how: str, signal_name: str = "SIGINT"):
+    self.corpus, self.at, self.how, self.signal_name = corpus, at, how, signal_name
 
   def rows(self, step, start, stop):
     if step == self.at:
       if self.how == "raise":
         raise KeyboardInterrupt
-      signal.raise_signal(signal.SIGINT)
+      signal.raise_signal(signal.Signals[self.signal_name])
     return self.corpus.rows(step, start, stop)
 
   def __getattr__(self, name):
     return getattr(self.corpus, name)
 
 
-def interrupt_at(monkeypatch, at: int, how: str):
-  monkeypatch.setattr(pretrain, "make_corpus",
-                      lambda config: InterruptingCorpus(make_corpus(config), at, how))
+def interrupt_at(monkeypatch, at: int, how: str, signal_name: str = "SIGINT"):
+  monkeypatch.setattr(pretrain, "make_corpus", lambda config: InterruptingCorpus(
+      make_corpus(config), at, how, signal_name))
 
 
-def interrupted_line(output: str) -> str:
-  (line,) = [line for line in output.splitlines() if line.startswith("interrupted")]
+def interrupted_line(output: str, start: str = "interrupted") -> str:
+  (line,) = [line for line in output.splitlines() if line.startswith(start)]
   return line
 
 

@@ -1,14 +1,17 @@
-"""examples/train_config.py: YAML maps 1:1 onto the config dataclasses, and
-unknown keys or invalid values fail naming the key."""
+"""examples/train_config.py: YAML maps 1:1 onto the config dataclasses;
+unknown keys, invalid or non-finite values, duplicate keys and bad YAML fail
+naming the key (and the file and line); resuming refuses model changes."""
 
+import dataclasses
+import re
 
 import pytest
 import yaml
 
 from tiny_run import REPO, TINY_YAML
-from examples.train_config import (Config, MeshConfig, TrainConfig, apply_overrides,
-                                   config_from_dict, config_to_yaml, load_config,
-                                   split_config_path)
+from examples.train_config import (Config, ConfigError, MeshConfig, TrainConfig,
+                                   apply_overrides, config_from_dict, config_to_yaml,
+                                   load_config, resume_changes, split_config_path)
 from moe_ep import RematConfig
 from moe_ep.config import to_dict
 
@@ -74,8 +77,10 @@ def test_unknown_yaml_key_is_an_error_naming_it(tmp_path):
      r"ModelConfig.attention='cudnn' needs a head size .* multiple of 8 .* got 4"),
     (["model.dtype=floaty"], r"ModelConfig.dtype='floaty' is not a dtype name"),
     (["model.remat_policy=dots"], r"ModelConfig.remat_policy='dots' must be one of \('moe', "),
-    (["train.peak_tflops=0"], r"TrainConfig.peak_tflops=0 must be a number > 0"),
-    (["train.peak_tflops=fast"], r"TrainConfig.peak_tflops='fast' must be a number > 0"),
+    (["train.peak_tflops=0"], r"TrainConfig.peak_tflops=0 must be a finite number > 0"),
+    (["train.peak_tflops=fast"], r"TrainConfig.peak_tflops='fast' must be a finite number > 0"),
+    (["train.skip_nonfinite=-1"], r"TrainConfig.skip_nonfinite=-1 must be an integer >= 0"),
+    (["train.learning_rate=-1e-9"], r"TrainConfig.learning_rate=-1e-09 must be a finite number"),
 ])
 def test_invalid_values_name_the_field_and_the_rule(overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -156,3 +161,124 @@ def test_overrides_leave_the_input_dict_unchanged():
   assert apply_overrides(data, ["moe.top_k=4"]) == {"moe": {"top_k": 4}}
   assert data == {"moe": {"top_k": 2}}
   assert isinstance(config_from_dict({}), Config)
+
+
+@pytest.mark.parametrize("field", ["learning_rate", "weight_decay", "grad_clip_norm",
+                                   "peak_tflops"])
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_non_finite_numbers_are_refused_naming_the_field(field, value):
+  with pytest.raises(ValueError, match=rf"TrainConfig\.{field}=-?(nan|inf) must be a finite"):
+    load_config(TINY_YAML, [f"train.{field}={value}"])
+  with pytest.raises(ValueError, match=r"ModelConfig\.rope_base=-?(nan|inf) must be a finite"):
+    load_config(TINY_YAML, [f"model.rope_base={value}"])
+
+
+def test_the_smallest_legal_values_are_accepted():
+  config = load_config(TINY_YAML, ["train.learning_rate=0", "train.weight_decay=0",
+                                   "train.grad_clip_norm=0", "train.skip_nonfinite=0",
+                                   "train.warmup_steps=0", "train.checkpoint_every=0"])
+  assert (config.train.learning_rate, config.train.skip_nonfinite) == (0, 0)
+
+
+@pytest.mark.parametrize("text, value", [
+    ("1e-3", 0.001), ("5E+4", 50000.0), ("2.5e3", 2500.0), ("-1e-2", -0.01), (".5e1", 5.0),
+    ("0.001", 0.001), ("1000", 1000), ("0x10", 16), ("1e", "1e"), ("e5", "e5")])
+def test_numbers_read_as_yaml_1_2_reads_them(text, value, tmp_path):
+  key = "train.learning_rate" if isinstance(value, float) else "data.path"
+  parsed = apply_overrides({}, [f"{key}={text}"])[key.split(".")[0]][key.split(".")[1]]
+  assert parsed == value and type(parsed) is type(value)
+  path = tmp_path / "c.yaml"
+  path.write_text(f"train:\n  learning_rate: {text}\n")
+  if isinstance(value, float) and value >= 0:
+    assert load_config(path).train.learning_rate == value
+
+
+def write(tmp_path, text: str, name: str = "c.yaml"):
+  path = tmp_path / name
+  path.write_text(text)
+  return path
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train:\n  steps: 5\n  seq_len: [64\n", "line 4, column 1: expected ',' or ']'"),
+    ("train:\n  steps: 5\n key: 1\n", "line 3, column 2: "),
+    ("train:\n  steps: 5\n  seq_len: 8\n  steps: 7\n", "line 4, column 3: duplicate key 'steps'"),
+    ("moe:\n  top_k: 1\nmoe:\n  top_k: 2\n", "line 3, column 1: duplicate key 'moe'"),
+])
+def test_bad_yaml_and_keys_given_twice_name_the_file_and_line(tmp_path, text, message):
+  path = write(tmp_path, text)
+  with pytest.raises(ConfigError, match=f"^{re.escape(f'{path}, {message}')}"):
+    load_config(path)
+
+
+def test_the_same_key_in_two_mappings_is_fine(tmp_path):
+  config = load_config(write(tmp_path, "train:\n  seed: 5\ndata:\n  num_topics: 5\n"))
+  assert (config.train.seed, config.data.num_topics) == (5, 5)
+
+
+def test_a_config_path_that_is_no_yaml_file_is_named(tmp_path):
+  with pytest.raises(ConfigError, match=rf"^{tmp_path} is a directory, not a YAML file$"):
+    load_config(tmp_path)
+  with pytest.raises(ConfigError, match=rf"^cannot read {tmp_path}/nope.yaml: No such file"):
+    load_config(tmp_path / "nope.yaml")
+  (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00")
+  with pytest.raises(ConfigError, match=r"bin.yaml is not a text \(UTF-8\) file"):
+    load_config(tmp_path / "bin.yaml")
+  with pytest.raises(ValueError, match=r"must hold a mapping of sections, got list"):
+    load_config(write(tmp_path, "- 1\n"))
+
+
+@pytest.mark.parametrize("text, overrides, message", [
+    ("moe: 5\n", [], r"config\.moe must be a mapping of MoEConfig keys, got 5"),
+    ("moe:\n", [], r"config\.moe must be a mapping of MoEConfig keys, got None"),
+    ("train: [1, 2]\n", [], r"config\.train must be a mapping of TrainConfig keys"),
+    ("moe:\n  top_k: 2\n", [], r"config\.moe needs hidden_size, ffn_size, num_experts"),
+    ("", ["moe=5"], r"override 'moe=5': moe is a section; set its keys \(moe\.<key>=value\)"),
+    ("", ["moe.remat=[]"], r"override 'moe.remat=\[\]': moe\.remat is a section"),
+    ("moe: null\n", ["moe.top_k=2"], r"override 'moe.top_k=2': moe is not a section"),
+])
+def test_a_section_given_as_a_value_is_refused_by_name(tmp_path, text, overrides, message):
+  with pytest.raises(ValueError, match=message):
+    load_config(write(tmp_path, text), overrides)
+
+
+def test_overrides_fill_a_section_the_file_does_not_have(tmp_path):
+  path = write(tmp_path, "train:\n  steps: 5\n")
+  config = load_config(path, ["data.num_topics=7", "mesh.ep=2"])
+  assert (config.train.steps, config.data.num_topics, config.mesh.ep) == (5, 7, 2)
+  # MoEConfig has no default sizes: a moe section begun by an override needs them.
+  with pytest.raises(ValueError, match=r"config\.moe needs hidden_size, ffn_size, num_experts"):
+    load_config(path, ["moe.top_k=2"])
+
+
+def changed(config: Config, **sections) -> Config:
+  """``config`` with ``section={field: value}`` replaced."""
+  return dataclasses.replace(config, **{
+      name: dataclasses.replace(getattr(config, name), **fields)
+      for name, fields in sections.items()})
+
+
+def test_resume_refuses_changes_to_the_parameters_or_the_computation():
+  saved = load_config(TINY_YAML)
+  new = changed(saved, model={"num_layers": 4, "dtype": "bfloat16"},
+                moe={"top_k": 1, "capacity_factor": None, "aux_loss_coeff": 0.5})
+  refused, allowed = resume_changes(saved, new)
+  assert refused == ["model.num_layers 2 -> 4", "model.dtype 'float32' -> 'bfloat16'",
+                     "moe.top_k 2 -> 1", "moe.aux_loss_coeff 0.001 -> 0.5",
+                     "moe.capacity_factor 1.25 -> None"]
+  assert allowed == []
+
+
+def test_resume_allows_schedule_data_mesh_and_execution_changes():
+  saved = load_config(TINY_YAML)
+  new = changed(saved, train={"steps": 2000, "learning_rate": 1e-3, "run_dir": "elsewhere"},
+                data={"path": "corpus.txt"}, mesh={"ep": 4},
+                model={"remat_blocks": True, "attention": "xla"},
+                moe={"transport": "xla", "remat": dataclasses.replace(saved.moe.remat, save=())})
+  refused, allowed = resume_changes(saved, new)
+  assert refused == []
+  assert allowed == ["model.remat_blocks False -> True", "model.attention 'auto' -> 'xla'",
+                     "moe.transport 'auto' -> 'xla'", "moe.remat.save ['dispatch'] -> []",
+                     "train.steps 1000 -> 2000", "train.learning_rate 0.003 -> 0.001",
+                     "data.path None -> 'corpus.txt'", "mesh.ep None -> 4"]
+  assert resume_changes(saved, saved) == ([], [])

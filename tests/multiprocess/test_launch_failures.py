@@ -1,10 +1,15 @@
-"""moe_ep.launch: a failing child's traceback is reported, the job's
-processes do not outlive a failed or timed-out job, and the children's output
-comes back without Gloo's connection notices. The children are plain Python
-one-liners (one starts JAX), so these tests take a few seconds."""
+"""moe_ep.launch: a failing child's traceback is reported (from the child
+that said why, naming a process that stopped responding), the job's
+processes do not outlive a failed, timed-out or signalled job, SIGINT and
+SIGTERM are passed to the children (killed after the grace period), bad
+arguments are refused up front, and the children's output comes back
+without Gloo's connection notices. The children are plain Python one-liners
+(one starts JAX), so these tests take a few seconds."""
 
 import os
+import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from moe_ep.launch import LaunchError, is_noise, launch
+from moe_ep.launch import main as launch_main
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -138,3 +144,163 @@ def test_two_process_cpu_job_output_has_no_gloo_lines():
   for result in results:
     assert "total 3" in result.output, result.output  # the gloo collective ran
     assert "Gloo" not in result.output, result.output
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(num_processes=0), "num_processes=0 must be an integer >= 1"),
+    (dict(num_processes=2.0), "num_processes=2.0 must be an integer >= 1"),
+    (dict(cpu_devices_per_process=0), "cpu_devices_per_process=0 must be an integer >= 1"),
+    (dict(gpus_per_process=0), "gpus_per_process=0 must be an integer >= 1"),
+    (dict(timeout_s=0), "timeout_s=0 must be a finite number of seconds > 0"),
+    (dict(timeout_s=-1), "timeout_s=-1 must be a finite number of seconds > 0"),
+    (dict(timeout_s=float("inf")), "timeout_s=inf must be a finite number of seconds > 0"),
+    (dict(grace_s=float("nan")), "grace_s=nan must be a finite number of seconds > 0"),
+    (dict(cpu_devices_per_process=1, gpus_per_process=1),
+     "give cpu_devices_per_process or gpus_per_process, not both"),
+])
+def test_bad_launch_arguments_are_refused_before_anything_starts(arguments, message, tmp_path):
+  marker = tmp_path / "started"
+  arguments = {"num_processes": 2, **arguments}
+  with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+    launch([sys.executable, "-c", f"open({str(marker)!r}, 'w')"], **arguments)
+  assert not marker.exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-processes", "0"], "--num-processes=0 must be an integer >= 1"),
+    (["--num-processes", "2", "--cpu-devices-per-process", "0"],
+     "--cpu-devices-per-process=0 must be an integer >= 1"),
+    (["--num-processes", "2", "--timeout", "0"], "--timeout=0.0 must be a finite number"),
+    (["--num-processes", "2", "--timeout", "-1"], "--timeout=-1.0 must be a finite number"),
+    (["--num-processes", "2", "--grace", "nan"], "--grace=nan must be a finite number"),
+])
+def test_bad_launcher_flags_are_one_line(flags, message, capsys):
+  with pytest.raises(SystemExit) as exit_:
+    launch_main([*flags, "--", sys.executable, "-c", "pass"])
+  err = capsys.readouterr().err
+  assert exit_.value.code == 2 and err.startswith(f"moe_ep.launch: error: {message}")
+  assert len(err.splitlines()) == 1
+
+
+def test_a_failed_job_exits_non_zero_with_its_report(capsys):
+  code = launch_main(["--num-processes", "2", "--", sys.executable, "-c",
+                      "import sys; print('bad input'); sys.exit(3)"])
+  err = capsys.readouterr().err
+  assert code == 1 and "exited with 3" in err and "bad input" in err
+
+
+# Process 0 prints what went wrong, a moment after the others exit silently
+# (as examples/pretrain.py's processes do on a config error: process 0 prints).
+SILENT_OTHERS = """
+import os, sys, time
+if os.environ["MOE_EP_PROCESS_ID"] == "0":
+  time.sleep(0.5)
+  print("error: train.batch_size=8 must be divisible by the 3 devices")
+sys.exit(2)
+"""
+
+
+def test_the_report_shows_the_failed_process_that_said_why():
+  with pytest.raises(LaunchError) as error:
+    launch([sys.executable, "-c", SILENT_OTHERS], 3, timeout_s=60)
+  message = str(error.value)
+  assert message.startswith("process 0 of 3 exited with 2 (also failed: process ")
+  assert re.search(r"also failed: process [12] with 2, process [12] with 2\)", message)
+  assert message.endswith("error: train.batch_size=8 must be divisible by the 3 devices\n")
+
+
+# Each child marks itself ready (its pid), then waits; SIGTERM or SIGINT makes
+# it write the signal's number (its "checkpoint") and exit with 128 + it,
+# except process IGNORING, which ignores them.
+TRAPPING_CHILD = """
+import os, signal, sys, time
+out_dir, ignoring = sys.argv[1], sys.argv[2]
+process_id = os.environ["MOE_EP_PROCESS_ID"]
+def save_and_exit(signum, frame):
+  with open(os.path.join(out_dir, process_id + ".saved"), "w") as f:
+    f.write(str(signum))
+  sys.exit(128 + signum)
+for signum in (signal.SIGINT, signal.SIGTERM):
+  signal.signal(signum, signal.SIG_IGN if process_id == ignoring else save_and_exit)
+with open(os.path.join(out_dir, process_id + ".partial"), "w") as f:
+  f.write(str(os.getpid()))
+os.rename(os.path.join(out_dir, process_id + ".partial"), os.path.join(out_dir, process_id))
+time.sleep(600)
+"""
+
+
+def signal_launcher(tmp_path, signum, *, ignoring: str = NO_FAILURE, grace_s: float = 30):
+  """Runs ``python -m moe_ep.launch`` with 2 TRAPPING_CHILD processes, sends
+  it ``signum`` once both are ready; returns ``(exit code, stderr, seconds
+  from the signal to the launcher's exit, child pids)``."""
+  launcher = subprocess.Popen(
+      [sys.executable, "-m", "moe_ep.launch", "--num-processes", "2", "--grace", str(grace_s),
+       "--", sys.executable, "-c", TRAPPING_CHILD, str(tmp_path), ignoring],
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 60
+  while not all((tmp_path / str(i)).exists() for i in (0, 1)):
+    assert time.monotonic() < deadline and launcher.poll() is None, "the children never started"
+    time.sleep(0.05)
+  pids = [int((tmp_path / str(i)).read_text()) for i in (0, 1)]
+  start = time.monotonic()
+  launcher.send_signal(signum)
+  _, err = launcher.communicate(timeout=grace_s + 30)
+  return launcher.returncode, err, time.monotonic() - start, pids
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_to_the_launcher_is_passed_to_every_child(tmp_path, signum):
+  code, err, _, pids = signal_launcher(tmp_path, signum)
+  name = signal.Signals(signum).name
+  assert code == 128 + signum
+  assert err == (f"moe_ep.launch: {name}: passed it to the 2 processes; every process exited "
+                 f"(codes {128 + signum}, {128 + signum})\n")
+  for process_id in (0, 1):
+    assert (tmp_path / f"{process_id}.saved").read_text() == str(int(signum))
+    assert is_gone(pids[process_id])
+
+
+def test_a_child_that_ignores_the_signal_is_killed_after_the_grace_period(tmp_path):
+  code, err, seconds, pids = signal_launcher(tmp_path, signal.SIGTERM, ignoring="1", grace_s=1)
+  assert code == 128 + signal.SIGTERM
+  assert err == ("moe_ep.launch: SIGTERM: passed it to the 2 processes; process 1 did not exit "
+                 "within 1s and was killed\n")
+  assert (tmp_path / "0.saved").exists() and not (tmp_path / "1.saved").exists()
+  assert 1 <= seconds < 15
+  assert all(is_gone(pid) for pid in pids)
+
+
+# Process 1 stops itself (as SIGSTOP or a hung node would leave it); process 0
+# then dies as JAX does when a peer's heartbeats stop: XLA's fatal log line
+# naming the task, and a C++ stack trace.
+STOPPED_PEER = """
+import os, signal, sys, time
+out_dir = sys.argv[1]
+if os.environ["MOE_EP_PROCESS_ID"] == "1":
+  open(os.path.join(out_dir, "1"), "w").write(str(os.getpid()))
+  os.kill(os.getpid(), signal.SIGSTOP)
+  time.sleep(600)
+while not os.path.exists(os.path.join(out_dir, "1")):
+  time.sleep(0.01)
+time.sleep(0.3)
+print("E1202 coordination_service.cc:1549] The following tasks are unhealthy "
+      "(stopped sending heartbeats):\\n1\\nThe tasks have crashed.")
+print("F1202 client.h:80] Terminating process because the JAX distributed service "
+      "detected fatal errors.")
+print("*** Check failure stack trace: ***")
+print("    @     0x7f6abaa40634  absl::log_internal::LogMessage::SendToLog()")
+print("    @     0x7f6ac22a71f5  (unknown)")
+sys.stdout.flush()
+os.abort()
+"""
+
+
+def test_a_process_that_stopped_responding_is_named(tmp_path):
+  with pytest.raises(LaunchError) as error:
+    launch([sys.executable, "-c", STOPPED_PEER, str(tmp_path)], 2, timeout_s=60)
+  message = str(error.value)
+  assert message.startswith(f"process 1 of 2 stopped responding; process 0 of 2 exited with "
+                            f"{-signal.SIGABRT}; last output:\n")
+  assert "Terminating process because the JAX distributed service" in message
+  assert "0x7f6a" not in message and "stack trace" not in message
+  assert is_gone(int((tmp_path / "1").read_text()))

@@ -1,0 +1,190 @@
+"""examples/checkpoints.py: a checkpoint is read back before an older one is
+deleted, and a resume falls back past a step that does not restore, holds
+non-finite values or does not match its fingerprint, setting it aside.
+
+The states are a few small arrays sharded over the 8 CPU devices (no model),
+so each test takes about a second."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tiny_run  # noqa: F401  (puts the repository on sys.path)
+from examples.checkpoints import RunCheckpoints, abstract_like, state_fingerprint
+
+
+def make_state(seed: int) -> dict:
+  """``{"w": [8, 6] float32 over 8 devices, "b": [5] bfloat16, "count": int32}``."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]), ("ep",))
+  rng = np.random.default_rng(seed)
+  return {
+      "w": jax.device_put(rng.normal(size=(8, 6)).astype(np.float32),
+                          NamedSharding(mesh, P("ep"))),
+      "b": jax.device_put(jnp.asarray(rng.normal(size=5), jnp.bfloat16),
+                          NamedSharding(mesh, P())),
+      "count": jax.device_put(jnp.int32(seed), NamedSharding(mesh, P())),
+  }
+
+
+def reference_fingerprint(state: dict) -> list[int]:
+  """The documented formula in numpy (uint64 arithmetic, then mod 2**32):
+  per leaf, sum of bits[i] * (2 i + 1) * 0x9E3779B1 over row-major i."""
+  sums = []
+  for leaf in jax.tree.leaves(state):
+    value = np.asarray(leaf)
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[value.dtype.itemsize]
+    bits = value.view(unsigned).ravel().astype(np.uint64)
+    weights = (2 * np.arange(bits.size, dtype=np.uint64) + 1) * np.uint64(0x9E3779B1)
+    sums.append(int((bits * (weights % 2**32)).sum() % 2**32))
+  return sums
+
+
+def assert_same(got: dict, want: dict):
+  for key in want:
+    np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=key)
+
+
+def test_fingerprint_follows_its_formula_and_sees_any_one_flipped_bit():
+  state = make_state(0)
+  fingerprint, finite = state_fingerprint(state)
+  assert fingerprint == reference_fingerprint(state) and finite
+  w = np.asarray(state["w"])
+  for index in [(0, 0), (3, 5), (7, 5)]:
+    for bit in (0, 22, 31):  # mantissa, exponent-adjacent, sign: the sign bit's
+      flipped = w.copy()     # change of 2**31 needs odd weights to show
+      flipped.view(np.uint32)[index] ^= np.uint32(1 << bit)
+      changed = {**state, "w": jax.device_put(flipped, state["w"].sharding)}
+      assert state_fingerprint(changed)[0][2] != fingerprint[2], (index, bit)
+  assert state_fingerprint({**state, "b": state["b"].at[1].set(jnp.nan)})[1] is False
+
+
+def saved(tmp_path, steps, **kwargs) -> tuple[RunCheckpoints, dict, list[str]]:
+  """A RunCheckpoints with ``make_state(step)`` saved at each of ``steps``."""
+  lines = []
+  checkpoints = RunCheckpoints(tmp_path / "checkpoints", report=lines.append, **kwargs)
+  for step in steps:
+    assert checkpoints.save(step, make_state(step), data_step=step)
+  return checkpoints, lines
+
+
+def test_save_keeps_the_newest_steps_and_deletes_only_after_the_read_back(tmp_path,
+                                                                            monkeypatch):
+  checkpoints, lines = saved(tmp_path, [1, 2, 3], max_to_keep=2)
+  assert sorted(checkpoints.manager.all_steps()) == [2, 3] and lines == []
+  # Step 4 is written but reads back wrong (as a failing disk would return it):
+  # it is deleted, and steps 2 and 3 are kept.
+  real_restore = RunCheckpoints._restore
+
+  def damaged_read(self, step, abstract_state):
+    restored, position = real_restore(self, step, abstract_state)
+    if step == 4:
+      restored["state"]["w"] = restored["state"]["w"] + 1
+    return restored, position
+
+  monkeypatch.setattr(RunCheckpoints, "_restore", damaged_read)
+  assert checkpoints.save(4, make_state(4), data_step=4) is False
+  assert lines == ["checkpoint 4 does not match the fingerprint it was saved with: deleted it "
+                   "and kept the older checkpoints"]
+  assert sorted(checkpoints.manager.all_steps()) == [2, 3]
+  assert checkpoints.failed_saves == 1
+  monkeypatch.setattr(RunCheckpoints, "_restore", real_restore)
+  assert checkpoints.save(5, make_state(5), data_step=5)
+  assert sorted(checkpoints.manager.all_steps()) == [3, 5]
+  checkpoints.close()
+
+
+def test_save_refuses_a_non_finite_state(tmp_path):
+  checkpoints, _ = saved(tmp_path, [1])
+  state = make_state(2)
+  state["w"] = state["w"].at[0, 0].set(jnp.inf)
+  with pytest.raises(ValueError, match="step 2: the state holds non-finite values; not saved"):
+    checkpoints.save(2, state, data_step=2)
+  assert sorted(checkpoints.manager.all_steps()) == [1]
+  checkpoints.close()
+
+
+def data_files(step_dir: pathlib.Path) -> list[pathlib.Path]:
+  """The files holding the arrays of checkpoint ``step_dir`` (OCDBT data files)."""
+  return [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+
+
+def truncate(path: pathlib.Path):
+  path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+
+
+def rewrite_step_with_one_value_changed(checkpoints: RunCheckpoints, step: int):
+  """Checkpoint ``step``'s data changed after it was fingerprinted, as bytes
+  that still decode (silent corruption) leave it: one value of ``w`` differs
+  from the one saved, the recorded fingerprint is the original's."""
+  state, position = checkpoints._restore(step, abstract_like(make_state(step)))
+  state["state"]["w"] = state["state"]["w"].at[2, 3].add(1.0)
+  checkpoints.manager.delete(step)
+  checkpoints.manager.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state["state"]), position=ocp.args.JsonSave(position)))
+  checkpoints.manager.wait_until_finished()
+
+
+def write_non_finite_step(checkpoints: RunCheckpoints, step: int):
+  """A step holding NaN, as this trainer wrote them before its guard (no fingerprint)."""
+  state = make_state(step)
+  state["w"] = state["w"] * jnp.nan
+  checkpoints.manager.delete(step)
+  checkpoints.manager.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state),
+      position=ocp.args.JsonSave({"step": step, "data_step": step})))
+  checkpoints.manager.wait_until_finished()
+
+
+DAMAGES = {
+    "truncated data files": (lambda ck, step_dir: [truncate(p) for p in data_files(step_dir)],
+                             "does not restore ("),
+    "missing data files": (lambda ck, step_dir: [p.unlink() for p in data_files(step_dir)],
+                           "does not restore ("),
+    "silently changed value": (lambda ck, step_dir: rewrite_step_with_one_value_changed(ck, 2),
+                               "does not match the fingerprint it was saved with"),
+    "non-finite values": (lambda ck, step_dir: write_non_finite_step(ck, 2),
+                          "holds non-finite values"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_resume_falls_back_past_a_damaged_newest_step_and_sets_it_aside(tmp_path, damage):
+  checkpoints, _ = saved(tmp_path, [1, 2])
+  damage_fn, reason = DAMAGES[damage]
+  damage_fn(checkpoints, checkpoints.directory / "2")
+  checkpoints.close()
+
+  lines = []
+  resumed = RunCheckpoints(tmp_path / "checkpoints", report=lines.append)
+  state, step, data_step = resumed.restore_newest_intact(abstract_like(make_state(1)))
+  assert (step, data_step) == (1, 1)
+  assert_same(state, make_state(1))
+  aside = tmp_path / "checkpoints-unusable" / "2"
+  (line,) = lines
+  assert line.startswith(f"checkpoint 2 {reason}") and line.endswith(
+      f"; moved it to {aside}; trying step 1"), line
+  assert "\n" not in line and len(line) < 400
+  assert aside.is_dir() and sorted(resumed.manager.all_steps()) == [1]
+  # Training on saves step 2 again, where the damaged one was.
+  assert resumed.save(2, make_state(2), data_step=2)
+  assert_same(resumed.restore(2, abstract_like(make_state(2)))[0], make_state(2))
+  resumed.close()
+
+
+def test_no_intact_step_is_an_error_naming_every_step(tmp_path):
+  checkpoints, _ = saved(tmp_path, [1, 2])
+  for step in (1, 2):
+    for path in data_files(checkpoints.directory / str(step)):
+      path.unlink()
+  checkpoints.close()
+  resumed = RunCheckpoints(tmp_path / "checkpoints")
+  with pytest.raises(FileNotFoundError, match=r"no intact checkpoint in .* \(steps 2, 1 are "
+                                              r"unusable\)"):
+    resumed.restore_newest_intact(abstract_like(make_state(1)))
+  assert sorted(p.name for p in (tmp_path / "checkpoints-unusable").iterdir()) == ["1", "2"]
