@@ -27,7 +27,7 @@ SMOKE = {
     "transport": dict(tokens=256, hidden=64, num_experts=8, top_k=2, backends=("xla",), iters=2,
                       copy_bytes=1 << 20),
     "experts": dict(shapes=((64, 32, 4),), total_rows=128, iters=2, matmul_size=128,
-                    grouped_shapes=((256, 2, 64, 32, 4),)),
+                    grouped_shapes=(((256, 2, 64, 32, 4), {}),)),
     "layer": dict(hidden=64, ffn=32, num_experts=4, top_k=2, tokens=256, seq=64,
                   backend="xla", iters=2, matmul_size=128),
     "ep": dict(token_counts=(64,), expert_counts=(8,), hidden=32, backend="xla", iters=2),
