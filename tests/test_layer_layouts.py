@@ -43,6 +43,13 @@ def skewed_layer(cfg, mesh):
   return layer
 
 
+def both_layouts(mesh, x, **overrides):
+  """``{layout: ((loss, (y, aux)), grads)}`` for the slab and grouped layouts."""
+  return {layout: value_and_grads(skewed_layer(config(expert_layout=layout, **overrides), mesh),
+                                  x)
+          for layout in ("slabs", "grouped")}
+
+
 def assert_close(got, want, tol):
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
@@ -56,10 +63,7 @@ def _cases():
 def test_dropless_grouped_equals_slabs_at_the_dropless_capacity(backend, mesh_shape):
   mesh = make_mesh(mesh_shape, ("dp", "ep"), backend)
   x = np.random.default_rng(0).normal(size=(8, 6, HIDDEN)).astype(np.float32)
-  results = {}
-  for layout in ("slabs", "grouped"):
-    layer = skewed_layer(config(transport=backend, expert_layout=layout), mesh)
-    results[layout] = value_and_grads(layer, x)
+  results = both_layouts(mesh, x, transport=backend)
   (loss_s, (y_s, aux_s)), grads_s = results["slabs"]
   (loss_g, (y_g, aux_g)), grads_g = results["grouped"]
   assert float(aux_g.dropped_fraction) == 0.0 == float(aux_s.dropped_fraction)
@@ -74,10 +78,7 @@ def test_grouped_keeps_and_drops_what_slabs_keep_and_drop(capacity_factor):
   """With a capacity the grouped layout keeps exactly the slab layout's rows."""
   mesh = make_mesh((2, 4), ("dp", "ep"))
   x = np.random.default_rng(1).normal(size=(8, 6, HIDDEN)).astype(np.float32)
-  outs = {}
-  for layout in ("slabs", "grouped"):
-    layer = skewed_layer(config(expert_layout=layout, capacity_factor=capacity_factor), mesh)
-    outs[layout] = value_and_grads(layer, x)
+  outs = both_layouts(mesh, x, capacity_factor=capacity_factor)
   (_, (y_s, aux_s)), grads_s = outs["slabs"]
   (_, (y_g, aux_g)), grads_g = outs["grouped"]
   assert float(aux_s.dropped_fraction) > 0
@@ -123,11 +124,8 @@ def test_hopper_grouped_layer_matches_slabs_in_bfloat16():
     pytest.skip("needs a GPU of compute capability 9.0")
   mesh = make_mesh((1, 1), ("dp", "ep"), "cupy")
   x = np.random.default_rng(4).normal(size=(4, 512, 256)).astype(np.float32)
-  outs = {}
-  for layout in ("slabs", "grouped"):
-    cfg = config(hidden_size=256, ffn_size=256, dtype="bfloat16", transport="cupy",
-                 expert_layout=layout)
-    outs[layout] = value_and_grads(skewed_layer(cfg, mesh), x)
+  outs = both_layouts(mesh, x, hidden_size=256, ffn_size=256, dtype="bfloat16",
+                      transport="cupy")
   (_, (y_s, _)), grads_s = outs["slabs"]
   (_, (y_g, aux_g)), grads_g = outs["grouped"]
   assert float(aux_g.dropped_fraction) == 0.0
