@@ -19,12 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_ep.transport.names import BACKENDS, CHECKPOINT_FIELDS, EXCHANGES, check_wire_dtype
+from moe_ep.transport.names import (BACKENDS, CHECKPOINT_FIELDS, EXCHANGES, TOKEN_DTYPES,
+                                   check_wire_dtype)
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("swiglu", "geglu", "gelu")
 # Floating dtypes the layer computes exactly; float64 is refused (see _check_dtype).
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = TOKEN_DTYPES  # the layer computes in what the transport moves exactly
 # Where the expert bank's rows sit (MoEConfig.expert_layout).
 EXPERT_LAYOUTS = ("auto", "slabs", "grouped")
 

@@ -53,6 +53,15 @@ def cpu_compiler_options() -> dict:
   return options
 
 
+def x64_enabled():
+  """``jax_enable_x64`` on inside the block, restored after (jax.enable_x64 on
+  newer JAX, jax.experimental.enable_x64 on older)."""
+  if hasattr(jax, "enable_x64"):
+    return jax.enable_x64(True)
+  from jax.experimental import enable_x64  # pylint: disable=g-import-not-at-top
+  return enable_x64()
+
+
 def gpu_devices() -> list:
   try:
     return jax.devices("gpu")

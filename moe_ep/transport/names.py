@@ -14,8 +14,10 @@ import jax.numpy as jnp
 BACKENDS = ("auto", "xla", "cupy")
 EXCHANGES = ("auto", "all_to_all", "peer")
 WIRE_DTYPES = ("float8_e4m3fn",)
-# Token dtypes an FP8 wire takes (the quantize reads them exactly).
-FP8_TOKEN_DTYPES = ("float32", "bfloat16", "float16")
+# Floating dtypes the transport moves exactly: its sums and routing weights
+# are float32, so float64 would silently lose precision (refused by name).
+# The FP8 wire's quantize reads the same three exactly.
+TOKEN_DTYPES = ("bfloat16", "float16", "float32")
 # The values dispatch names f"{checkpoint_name}.{field}" (and their residual).
 CHECKPOINT_FIELDS = ("tokens", "weights", "handle", "counts")
 

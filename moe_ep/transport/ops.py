@@ -22,7 +22,7 @@ from moe_ep.transport.exchange import Spec, one_launch_dispatch, resolve_exchang
 from moe_ep.transport.exchange import ep_size as ep_size_of
 from moe_ep.transport.layout import (Dispatched, RoutingHandle, check_experts, check_num_tokens,
                                      expert_capacity_for, positive_int)
-from moe_ep.transport.names import (FP8_TOKEN_DTYPES, NAMED_SCOPES, check_backend,
+from moe_ep.transport.names import (NAMED_SCOPES, TOKEN_DTYPES, check_backend,
                                     check_wire_dtype)
 
 __all__ = ["combine", "dispatch"]
@@ -76,6 +76,16 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 def _check_rank(name: str, value, rank: int, shape_doc: str) -> None:
   if value.ndim != rank:
     raise ValueError(f"{name} must be {shape_doc} (rank {rank}); got shape {value.shape}")
+
+
+def _check_rows(name: str, rows: jax.Array) -> None:
+  """ValueError naming ``name`` unless its rows have channels and a dtype the
+  transport moves exactly (float64 would lose precision in its float32 sums)."""
+  if jnp.dtype(rows.dtype).name not in TOKEN_DTYPES:
+    raise ValueError(f"{name} dtype {rows.dtype} must be one of {TOKEN_DTYPES}: the "
+                     "transport sums rows and routing weights in float32; cast first")
+  if rows.shape[-1] == 0:
+    raise ValueError(f"{name} has shape {rows.shape}: rows need H >= 1 channels")
 
 
 def valid_ids(topk_idx: jax.Array, num_experts: int) -> jax.Array:
@@ -210,9 +220,7 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
     raise ValueError(f"tokens has 0 rows: dispatch needs T >= 1 (got shape {tokens.shape})")
   if checkpoint_name is not None and not isinstance(checkpoint_name, str):
     raise ValueError(f"checkpoint_name={checkpoint_name!r} must be a string or None")
-  if wire_dtype is not None and jnp.dtype(tokens.dtype).name not in FP8_TOKEN_DTYPES:
-    raise ValueError(f"tokens dtype {tokens.dtype} must be one of {FP8_TOKEN_DTYPES} "
-                     f"with wire_dtype={wire_dtype!r}")
+  _check_rows("tokens", tokens)
   num_tokens, top_k = topk_idx.shape
   ep_size = ep_size_of(axis_name, "dispatch")
   num_experts, top_k, ep_size = check_experts(num_experts, top_k, ep_size)
@@ -287,6 +295,7 @@ def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int
   else:
     _check_rank("expert_outputs", expert_outputs, 3, "[L, C, H]")
     slabs.check_outputs(expert_outputs, handle)
+  _check_rows("expert_outputs", expert_outputs)
   num_tokens = check_num_tokens(num_tokens, "combine")
   if num_tokens != handle.num_tokens:
     raise ValueError(f"num_tokens={num_tokens} does not match the handle's "

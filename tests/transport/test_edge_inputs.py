@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import make_mesh
+from conftest import make_mesh, x64_enabled
 from moe_ep.transport import combine, dispatch, expert_capacity_for
 from reference import dense_moe, make_routing
 
@@ -25,15 +25,6 @@ TOP_K = 3
 # through two such sums.
 F32_TOL = dict(rtol=1e-5, atol=1e-5)
 F32_GRAD_TOL = dict(rtol=1e-4, atol=1e-4)
-
-
-def x64_enabled():
-  """``jax_enable_x64`` on inside the block, restored after (jax.enable_x64 on
-  newer JAX, jax.experimental.enable_x64 on older)."""
-  if hasattr(jax, "enable_x64"):
-    return jax.enable_x64(True)
-  from jax.experimental import enable_x64  # pylint: disable=g-import-not-at-top
-  return enable_x64()
 
 
 def run_transport(tokens, topk_idx, topk_weights, maps, *, ep_size, expert_capacity):

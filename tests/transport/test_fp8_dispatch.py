@@ -195,8 +195,7 @@ def test_bad_wire_dtype_and_tokens_are_named():
   with pytest.raises(ValueError, match=r"wire_dtype='float16' must be None or one of "
                                        r"\('float8_e4m3fn',\)"):
     call(tokens, idx, weights, wire_dtype="float16")
-  with pytest.raises(ValueError, match=r"tokens dtype int32 must be one of .* with "
-                                       r"wire_dtype='float8_e4m3fn'"):
+  with pytest.raises(ValueError, match=r"tokens dtype int32 must be one of "):
     call(tokens.astype(jnp.int32), idx, weights, wire_dtype=FP8)
 
 

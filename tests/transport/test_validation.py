@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import make_mesh
+from conftest import make_mesh, x64_enabled
 from moe_ep.transport import backend as transport_backend
 from moe_ep.transport import combine, dispatch, expert_capacity_for, send_capacity_for
 from moe_ep.transport import cupy as cupy_backend
@@ -173,3 +173,19 @@ def test_fp8_wire_rows_the_fused_kernel_cannot_pad_are_refused(monkeypatch):
     monkeypatch.setattr(fp8, "wire_bytes", lambda h, w=width: w)
     assert f"not {zeros}" in peer_rows.fused_rows_problem(jnp.bfloat16, 1024, 2, 8, sums=False,
                                                           wire_dtype="float8_e4m3fn")
+
+
+def test_float64_rows_and_rows_without_channels_are_refused_by_name():
+  """The transport sums in float32: float64 rows are refused (as the layer
+  refuses them), not silently rounded; rows need channels."""
+  with x64_enabled():
+    with pytest.raises(ValueError, match=r"tokens dtype float64 must be one of"):
+      call(tokens=jnp.zeros((6, 4), jnp.float64))
+    handle = call().handle
+    with pytest.raises(ValueError, match=r"expert_outputs dtype float64 must be one of"):
+      combine(jnp.zeros(handle.slab_row.shape + (4,), jnp.float64), handle, num_tokens=6,
+              backend="xla")
+  with pytest.raises(ValueError, match=r"tokens has shape \(6, 0\): rows need H >= 1"):
+    call(tokens=jnp.zeros((6, 0), jnp.float32))
+  with pytest.raises(ValueError, match=r"tokens dtype int32 must be one of"):
+    call(tokens=jnp.zeros((6, 4), jnp.int32))
