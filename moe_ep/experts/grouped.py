@@ -27,6 +27,7 @@ from moe_ep import sharding
 from moe_ep.experts import hopper
 from moe_ep.experts.slabs import Namer, _no_name, activate
 from moe_ep.transport.grouped import ROW_TILE, group_starts
+
 IMPLEMENTATIONS = ("auto", "hopper", "xla")
 
 

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
+from moe_ep.sharding import varying_axes
 from moe_ep.transport import kernel_source
 
 INSTALL_HINT = ("backend='cupy' needs CuPy: pip install 'moe_ep[cuda13]' (CUDA 13) "
@@ -183,16 +184,6 @@ def on_xla_stream(ctx, buffer, load):
 
   with cupy.cuda.Device(ordinal), xla_stream(ordinal, ctx.stream):
     yield launch
-
-
-def varying_axes(x) -> frozenset:
-  """The shard_map axes ``x`` varies over (``aval.mat.varying`` in newer
-  JAX, ``aval.vma`` in older)."""
-  aval = jax.typeof(x)
-  manual_axis_type = getattr(aval, "mat", None)
-  if manual_axis_type is not None:
-    return frozenset(manual_axis_type.varying)
-  return frozenset(getattr(aval, "vma", ()) or ())
 
 
 def varying_like(outputs, inputs, also=frozenset()) -> list:
