@@ -117,11 +117,13 @@ def varying_axes(x) -> frozenset:
   return frozenset(getattr(aval, "vma", ()) or ())
 
 
-def vary_like(x: jax.Array, *others: jax.Array) -> jax.Array:
+def vary_like(x: jax.Array, *others: jax.Array, also=frozenset()) -> jax.Array:
   """``x`` marked varying over every ``shard_map`` axis that any of ``others``
-  varies over: what a custom rule or a kernel call needs where its inputs
-  mix replicated and varying values (its transpose sums over the added axes)."""
-  missing = frozenset().union(*(varying_axes(o) for o in others)) - varying_axes(x)
+  varies over (and ``also``): what a custom rule or a kernel call needs where
+  its inputs mix replicated and varying values (its transpose sums over the
+  added axes), or where a kernel call dropped its outputs' axes."""
+  wanted = frozenset(also).union(*(varying_axes(o) for o in others))
+  missing = wanted - varying_axes(x)
   if not missing:
     return x
   return jax.lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")

@@ -18,7 +18,7 @@ import numpy as np
 
 from moe_ep.bench import common
 from moe_ep.experts import expert_mlp, grouped_expert_mlp
-from moe_ep.transport.grouped import ROW_TILE, grouped_rows_for
+from moe_ep.transport.grouped import ROW_TILE, group_of_rows, group_starts, grouped_rows_for
 
 SHAPES = ((4096, 14336, 8), (2048, 1408, 64), (7168, 2048, 32))  # (H, F, E)
 GROUP_SIZES = ("uniform", "skewed", "one_empty", "all_in_one")
@@ -73,12 +73,13 @@ def _fwd_bwd(mlp):
 
 def _grouped_rows(sizes: np.ndarray, num_rows: int, hidden: int, seed: int) -> jax.Array:
   """``[M, H]`` bf16 rows in the grouped layout of ``sizes`` (zero padding)."""
-  starts = np.concatenate([[0], np.cumsum(-(-sizes // ROW_TILE) * ROW_TILE)])[:-1]
-  in_group = np.zeros(num_rows, bool)
-  for start, size in zip(starts, sizes):
-    in_group[start:start + size] = True
+  counts = jnp.asarray(sizes)
+  starts, padded = group_starts(counts, num_rows)
+  row = jnp.arange(num_rows, dtype=jnp.int32)
+  group = group_of_rows(starts, padded, row)
+  in_group = (group >= 0) & (row - starts[jnp.maximum(group, 0)] < counts[jnp.maximum(group, 0)])
   rows = jax.random.normal(jax.random.key(seed), (num_rows, hidden), jnp.bfloat16)
-  return jnp.where(jnp.asarray(in_group)[:, None], rows, 0)
+  return jnp.where(in_group[:, None], rows, 0)
 
 
 def _measure(fn, *args, iters: int) -> dict:

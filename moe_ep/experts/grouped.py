@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from moe_ep import sharding
 from moe_ep.experts import hopper
 from moe_ep.experts.slabs import Namer, _no_name, activate
-from moe_ep.transport.grouped import ROW_TILE, group_starts
+from moe_ep.transport.grouped import ROW_TILE, group_of_rows, group_starts
 
 IMPLEMENTATIONS = ("auto", "hopper", "xla")
 
@@ -52,9 +52,7 @@ def group_tiles(counts: jax.Array, num_rows: int) -> GroupTiles:
   (a multiple of ``ROW_TILE``) rows."""
   starts, rows = group_starts(counts, num_rows)
   tile_rows = jnp.arange(num_rows // ROW_TILE, dtype=jnp.int32) * ROW_TILE
-  tile_group = jnp.searchsorted(starts + rows, tile_rows, side="right").astype(jnp.int32)
-  tile_group = jnp.where(tile_group < counts.shape[0], tile_group, -1)
-  return GroupTiles(starts, rows, tile_group)
+  return GroupTiles(starts, rows, group_of_rows(starts, rows, tile_rows))
 
 
 def check_implementation(implementation: str) -> None:
@@ -76,9 +74,11 @@ def kernels_apply(dtype, hidden: int, ffn: int) -> bool:
   """Whether every GEMM of a bank of ``hidden`` and ``ffn`` sizes in
   ``dtype`` runs on the Hopper kernels here (what ``expert_layout="auto"``
   asks)."""
-  tile = 2 * hopper.TileConfig().tile_n
-  return (hopper_available() and jnp.dtype(dtype).name in hopper.DTYPES
-          and hidden % tile == 0 and ffn % tile == 0)
+  # The bank's GEMMs contract over H into F columns and over F into H
+  # columns (the gradients too, transposed).
+  return hopper_available() and all(
+      hopper.supports(dtype, rows=ROW_TILE, contraction=inner, columns=outer)
+      for inner, outer in ((hidden, ffn), (ffn, hidden)))
 
 
 def _uses_hopper(implementation: str, dtype, rows: int, contraction: int, columns: int) -> bool:

@@ -68,6 +68,14 @@ def group_starts(counts: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array
   return starts, ends - starts
 
 
+def group_of_rows(starts: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array:
+  """``positions``' int32 group (the one whose ``[start, start + rows)`` holds
+  each buffer row), -1 past the last group (:func:`group_starts` gives
+  ``starts`` and ``rows``)."""
+  group = jnp.searchsorted(starts + rows, positions, side="right").astype(jnp.int32)
+  return jnp.where(group < starts.shape[0], group, -1)
+
+
 def from_slabs(recv_pos: jax.Array, slab_row: jax.Array, slab_weights: jax.Array,
                counts: jax.Array, num_rows: int):
   """The grouped layout of a slab layout.
@@ -85,7 +93,7 @@ def from_slabs(recv_pos: jax.Array, slab_row: jax.Array, slab_weights: jax.Array
     ``slab_weights``, per buffer row), ``counts [L]`` rows kept.
   """
   num_local_experts, capacity = slab_row.shape
-  starts, _ = group_starts(counts, num_rows)
+  starts, rows = group_starts(counts, num_rows)
   kept = jnp.clip(num_rows - starts, 0, counts)
   expert = jnp.clip(recv_pos // capacity, 0, num_local_experts - 1)
   column = recv_pos % capacity
@@ -94,10 +102,10 @@ def from_slabs(recv_pos: jax.Array, slab_row: jax.Array, slab_weights: jax.Array
                           recv_pos)
 
   row = jnp.arange(num_rows, dtype=jnp.int32)
-  row_expert = jnp.clip(jnp.searchsorted(starts, row, side="right") - 1, 0,
-                        num_local_experts - 1).astype(jnp.int32)
+  row_group = group_of_rows(starts, rows, row)
+  row_expert = jnp.maximum(row_group, 0)
   row_column = row - starts[row_expert]
-  filled = row_column < kept[row_expert]
+  filled = (row_group >= 0) & (row_column < kept[row_expert])
   slab_index = row_expert * capacity + jnp.minimum(row_column, capacity - 1)
   row_source = jnp.where(filled, slab_row.reshape(-1)[slab_index], -1)
   row_weights = jnp.where(filled, slab_weights.reshape(-1)[slab_index], 0.0)

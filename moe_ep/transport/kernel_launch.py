@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from moe_ep.sharding import varying_axes
+from moe_ep.sharding import vary_like
 from moe_ep.transport import kernel_source
 
 INSTALL_HINT = ("backend='cupy' needs CuPy: pip install 'moe_ep[cuda13]' (CUDA 13) "
@@ -189,11 +189,7 @@ def on_xla_stream(ctx, buffer, load):
 def varying_like(outputs, inputs, also=frozenset()) -> list:
   """buffer_callback drops shard_map's varying-axes type; restore the union
   of the inputs' (and ``also``), so both platform branches agree."""
-  axes = frozenset(also).union(*(varying_axes(x) for x in inputs))
-  if not axes:
-    return list(outputs)
-  axes = tuple(sorted(axes, key=str))
-  return [jax.lax.pcast(out, axes, to="varying") for out in outputs]
+  return [vary_like(out, *inputs, also=also) for out in outputs]
 
 
 def call(scope: str, callback, result_shapes, *inputs) -> list:
