@@ -41,8 +41,10 @@ def test_no_cluster_stays_a_single_process_without_initializing(calls):
   assert distributed.detect_cluster() is None
   job = distributed.initialize_from_env()
   assert job == distributed.Job(None, 0, 1) and calls == []
-  assert job.describe().startswith(f"single process: process 0 of 1, {jax.local_device_count()} "
-                                   f"local devices of {jax.device_count()} (cpu)")
+  local = jax.local_device_count()  # 1 on a one-GPU machine: "1 local device"
+  assert job.describe().startswith(
+      f"single process: process 0 of 1, {local} local device{'' if local == 1 else 's'} "
+      f"of {jax.device_count()} ({jax.devices()[0].platform}) on node ")
 
 
 def test_slurm_task_is_found_by_jax_and_joined_with_jax_s_own_parameters(calls, monkeypatch):

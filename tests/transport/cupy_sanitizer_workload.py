@@ -12,7 +12,9 @@ and, where there are two, with EP=2 across them on both exchanges: XLA's
 all_to_all and the peer path (the fused row kernels where rows are whole
 16-byte vectors, the drop-in exchange elsewhere); and the FP8 dispatch
 (float8_e4m3fn wire rows: the quantize and dequantize kernels, and on the
-peer path the dispatch that quantizes as it sends). The peer kernels of two
+peer path the dispatch that quantizes as it sends); and the grouped layout
+(rows written to their grouped positions, a buffer too small for every row
+so some are dropped). The peer kernels of two
 GPUs wait for each other, so run it as one process per GPU, each under the
 sanitizer (which serializes the kernels of its own process only):
 
@@ -32,7 +34,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_ep.distributed import initialize_from_env
-from moe_ep.transport import combine, dispatch
+from moe_ep.transport import combine, dispatch, grouped_rows_for
+from moe_ep.transport.grouped import ROW_TILE
 
 CASES = [  # tokens, hidden, dtype, experts, top_k, capacity, send_capacity
     (300, 256, jnp.bfloat16, 16, 4, 40, None),
@@ -52,17 +55,24 @@ FP8_VARIANTS = [(FP8, None), (FP8, "moe.dispatch")]
 
 
 def round_trip(tokens, hidden, dtype, experts, top_k, capacity, send_capacity, axis,
-               exchange="auto", mesh=None, wire_dtype=None, checkpoint_name=None):
+               exchange="auto", mesh=None, wire_dtype=None, checkpoint_name=None,
+               grouped_rows=None):
   paths = dict(backend="cupy", exchange=exchange, mesh=mesh)
 
   def loss(x, idx, w):
     d = dispatch(x, idx, w, num_experts=experts, expert_capacity=capacity, axis_name=axis,
                  send_capacity=send_capacity, wire_dtype=wire_dtype,
-                 checkpoint_name=checkpoint_name, **paths)
+                 checkpoint_name=checkpoint_name, grouped_rows=grouped_rows, **paths)
     out = (d.tokens.astype(jnp.float32) * d.weights[..., None]).astype(x.dtype)
     y = combine(out, d.handle, num_tokens=x.shape[0], axis_name=axis, **paths)
     return jnp.sum(y.astype(jnp.float32) ** 2) + d.counts.sum() * 0.0
   return jax.value_and_grad(loss, argnums=(0, 2))
+
+
+def grouped_buffers(tokens, experts, top_k, ranks=1):
+  """Grouped buffer sizes: room for every row, and a buffer that drops some."""
+  room = grouped_rows_for(tokens, top_k, experts, ranks)
+  return (room, max(ROW_TILE, room // 4 // ROW_TILE * ROW_TILE))
 
 
 def inputs(rng, ranks, tokens, hidden, dtype, experts, top_k):
@@ -83,6 +93,9 @@ def main():
                                         checkpoint_name=wire[1]))(x, idx, weights)
       assert np.isfinite(float(value)) and all(np.isfinite(np.asarray(g, np.float32)).all()
                                                for g in grads)
+    for rows in grouped_buffers(*case[:1], *case[3:5]):
+      jax.block_until_ready(jax.jit(round_trip(*case, axis=None, grouped_rows=rows))(
+          x, idx, weights))
   if len(gpus) >= 2:
     mesh = jax.sharding.Mesh(np.array(gpus[:2]), ("ep",))
     for case in CASES:
@@ -95,6 +108,12 @@ def main():
         for wire in [(None, None)] + (FP8_VARIANTS if case[1] % 16 == 0 else []):
           fn = jax.shard_map(round_trip(*case, axis="ep", exchange=exchange, mesh=mesh,
                                         wire_dtype=wire[0], checkpoint_name=wire[1]),
+                             mesh=mesh, in_specs=P("ep"), out_specs=(P(), P("ep")),
+                             check_vma=False)
+          jax.block_until_ready(jax.jit(fn)(*args))
+        for rows in grouped_buffers(case[0], case[3], case[4], ranks=2):
+          fn = jax.shard_map(round_trip(*case, axis="ep", exchange=exchange, mesh=mesh,
+                                        grouped_rows=rows),
                              mesh=mesh, in_specs=P("ep"), out_specs=(P(), P("ep")),
                              check_vma=False)
           jax.block_until_ready(jax.jit(fn)(*args))

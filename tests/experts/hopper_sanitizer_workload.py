@@ -1,0 +1,94 @@
+"""A workload for ``compute-sanitizer`` on the grouped bank's Hopper kernels.
+
+Not a pytest module: run it on an H100/H200 under the sanitizer, with XLA
+allocating each buffer on its own (so an access past one is out of bounds
+for memcheck, not inside XLA's pool):
+
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck \\
+        --target-processes application-only --error-exitcode 7 \\
+        python tests/experts/hopper_sanitizer_workload.py
+    (the same with --tool racecheck, and --tool synccheck)
+
+It runs the forward, the input gradient and the weight gradient of
+``grouped_matmul`` on the edge cases of the layout: empty groups, a group of
+one row, a group holding every row, row tiles of no group at the buffer's
+end, groups cut off by the end of the buffer, and many small groups; then the
+SwiGLU bank forward and backward. Each result is checked against the
+``ragged_dot`` implementation, so a kernel that the sanitizer passes but that
+computes the wrong rows still fails (exit code 1).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_ep.experts import grouped
+from moe_ep.experts.grouped import ROW_TILE
+
+CASES = [  # group sizes, spare row tiles of no group, K, N
+    ([300, 0, 1, 129, 128, 64], 2, 256, 512),
+    ([0, 0, 517, 0], 1, 512, 256),
+    ([5, 0, 0], 0, 256, 256),
+    ([700, 700], -3, 256, 256),  # the buffer ends inside the second group
+    ([37] * 64, 0, 256, 256),  # many groups of one tile each
+]
+
+
+def grouped_problem(rng, sizes, spare_tiles, contraction, columns):
+  """``(lhs [M, K], rhs [G, K, N], cotangent [M, N], counts [G])`` bf16, with
+  zero rows outside the groups."""
+  padded = sum(-(-s // ROW_TILE) * ROW_TILE for s in sizes)
+  num_rows = padded + spare_tiles * ROW_TILE
+  counts = jnp.asarray(sizes, jnp.int32)
+  tiles = grouped.group_tiles(counts, num_rows)
+  in_group = np.zeros(num_rows, bool)
+  for start, rows, size in zip(np.asarray(tiles.group_start), np.asarray(tiles.group_rows), sizes):
+    in_group[start:start + min(rows, size)] = True
+  lhs = rng.normal(size=(num_rows, contraction)) * in_group[:, None]
+  rhs = rng.normal(size=(len(sizes), contraction, columns)) / contraction ** 0.5
+  cotangent = rng.normal(size=(num_rows, columns)) * in_group[:, None]
+  cast = lambda a: jnp.asarray(a, jnp.bfloat16)
+  return cast(lhs), cast(rhs), cast(cotangent), tiles, in_group
+
+
+def passes(implementation):
+  def run(lhs, rhs, cotangent, tiles):
+    out, vjp = jax.vjp(lambda a, b: grouped.grouped_matmul(a, b, tiles, implementation), lhs, rhs)
+    return (out, *vjp(cotangent))
+  return jax.jit(run)
+
+
+def main():
+  if not grouped.hopper_available():
+    raise SystemExit("needs a GPU of compute capability 9.0")
+  rng = np.random.default_rng(0)
+  failures = []
+  for sizes, spare, contraction, columns in CASES:
+    lhs, rhs, cotangent, tiles, in_group = grouped_problem(rng, sizes, spare, contraction, columns)
+    got = passes("hopper")(lhs, rhs, cotangent, tiles)
+    want = passes("xla")(lhs, rhs, cotangent, tiles)
+    for name, g, w in zip(("forward", "input gradient", "weight gradient"), got, want):
+      g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+      if name != "weight gradient":  # rows of no group are unspecified
+        g, w = g[in_group], w[in_group]
+      # Both accumulate in float32 and round once to bf16: within 2 bf16 ulps.
+      if not np.allclose(g, w, rtol=2 ** -7, atol=2 ** -7 * np.abs(w).max()):
+        failures.append(f"{name} of {sizes}: max error {np.abs(g - w).max()}")
+  hidden, ffn, counts = 256, 512, jnp.asarray([300, 0, 129, 1], jnp.int32)
+  rows = sum(-(-int(c) // ROW_TILE) * ROW_TILE for c in counts) + ROW_TILE
+  x = jnp.asarray(rng.normal(size=(rows, hidden)), jnp.bfloat16)
+  w_in = jnp.asarray(rng.normal(size=(4, hidden, 2 * ffn)) / hidden ** 0.5, jnp.bfloat16)
+  w_out = jnp.asarray(rng.normal(size=(4, ffn, hidden)) / ffn ** 0.5, jnp.bfloat16)
+  loss = lambda x, a, b: jnp.sum(grouped.grouped_expert_mlp(
+      x, counts, a, b, "swiglu", implementation="hopper").astype(jnp.float32) ** 2)
+  value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, w_in, w_out)
+  if not (np.isfinite(float(value)) and all(np.isfinite(np.asarray(g, np.float32)).all()
+                                            for g in grads)):
+    failures.append("the SwiGLU bank's loss or gradients are not finite")
+  if failures:
+    raise SystemExit("\n".join(failures))
+  print(f"hopper sanitizer workload done: {len(CASES)} grouped_matmul cases and the SwiGLU bank")
+
+
+if __name__ == "__main__":
+  main()
