@@ -7,7 +7,9 @@ for memcheck, not inside XLA's pool):
     XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck \\
         --target-processes application-only --error-exitcode 7 \\
         python tests/experts/hopper_sanitizer_workload.py
-    (the same with --tool racecheck, and --tool synccheck)
+    (the same with --tool racecheck and --no-reference: the reference's
+    cuBLAS kernels report shared-memory hazards of their own under racecheck,
+    and make the run many times longer)
 
 It runs the forward, the input gradient and the weight gradient of
 ``grouped_matmul`` on the edge cases of the layout: empty groups, a group of
@@ -17,6 +19,8 @@ SwiGLU bank forward and backward. Each result is checked against the
 ``ragged_dot`` implementation, so a kernel that the sanitizer passes but that
 computes the wrong rows still fails (exit code 1).
 """
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +62,7 @@ def passes(implementation):
   return jax.jit(run)
 
 
-def main():
+def main(check_reference: bool = True):
   if not grouped.hopper_available():
     raise SystemExit("needs a GPU of compute capability 9.0")
   rng = np.random.default_rng(0)
@@ -66,6 +70,9 @@ def main():
   for sizes, spare, contraction, columns in CASES:
     lhs, rhs, cotangent, tiles, in_group = grouped_problem(rng, sizes, spare, contraction, columns)
     got = passes("hopper")(lhs, rhs, cotangent, tiles)
+    if not check_reference:
+      jax.block_until_ready(got)
+      continue
     want = passes("xla")(lhs, rhs, cotangent, tiles)
     for name, g, w in zip(("forward", "input gradient", "weight gradient"), got, want):
       g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
@@ -91,4 +98,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  main(check_reference="--no-reference" not in sys.argv[1:])
