@@ -1,7 +1,9 @@
 """P4: the whole layer, forward+backward with gradients for the input: MFU
 against the dense matmul rate of one device measured in the same run, on one
 device and with the experts spread over all devices of the process (EP=R,
-``tokens`` per device), on each exchange path, with bf16 and FP8 dispatch."""
+``tokens`` per device), on each exchange path, with bf16 and FP8 dispatch;
+on one device also dropless on the grouped expert layout, and the slab
+layout beside the grouped one where ``expert_layout="auto"`` picks grouped."""
 
 from __future__ import annotations
 
@@ -15,18 +17,26 @@ from jax.sharding import PartitionSpec as P
 from moe_ep import ExpertParallelMoE, MoEConfig
 from moe_ep.bench import common, hlo
 from moe_ep.bench.experts import bank_flops
+from moe_ep.experts import kernels_apply
 
 FP8 = "float8_e4m3fn"
 
 
+def _layout(expert_layout: str, hidden: int, ffn: int) -> str:
+  """The expert layout the layer runs (what ``"auto"`` picks for bf16)."""
+  if expert_layout != "auto":
+    return expert_layout
+  return "grouped" if kernels_apply(jnp.bfloat16, hidden, ffn) else "slabs"
+
+
 def _variant(mesh, *, hidden, ffn, num_experts, top_k, tokens, seq, factor, backend, exchange,
-             dispatch_dtype, iters, peak_tflops) -> dict:
+             dispatch_dtype, iters, peak_tflops, expert_layout="auto") -> dict:
   """One layer config timed on ``mesh`` (None: one device), ``tokens`` per device."""
   devices = 1 if mesh is None else mesh.size
   config = MoEConfig(hidden_size=hidden, ffn_size=ffn, num_experts=num_experts, top_k=top_k,
                      capacity_factor=factor, aux_loss_coeff=1e-2, dtype="bfloat16",
                      param_dtype="bfloat16", transport=backend, exchange=exchange,
-                     dispatch_dtype=dispatch_dtype)
+                     dispatch_dtype=dispatch_dtype, expert_layout=expert_layout)
   layer = ExpertParallelMoE(config, mesh=mesh, rngs=nnx.Rngs(0))
   graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
   x = jax.random.normal(jax.random.key(1), (devices * tokens // seq, seq, hidden), jnp.bfloat16)
@@ -49,7 +59,7 @@ def _variant(mesh, *, hidden, ffn, num_experts, top_k, tokens, seq, factor, back
   flops = bank_flops(kept_rows, hidden, ffn) + 3 * 2 * total_tokens * hidden * num_experts
   tflops_per_device = flops / devices / timing["median_ms"] / 1e9
   return {"ep_size": devices, "exchange": exchange, "dispatch_dtype": dispatch_dtype,
-          "capacity_factor": factor, "expert_capacity": config.expert_capacity or None,
+          "expert_layout": _layout(expert_layout, hidden, ffn), "capacity_factor": factor, "expert_capacity": config.expert_capacity or None,
           "dropped_fraction": float(aux.dropped_fraction), "useful_flops": flops,
           "tflops_per_device": tflops_per_device, "mfu": tflops_per_device / peak_tflops,
           **({"fp8_fusions": fp8_fusions} if dispatch_dtype else {}), **timing}
@@ -58,9 +68,11 @@ def _variant(mesh, *, hidden, ffn, num_experts, top_k, tokens, seq, factor, back
 def run(hidden=4096, ffn=14336, num_experts=8, top_k=2, tokens=16384, seq=2048,
         capacity_factors=(1.0, 1.25), backend="auto", iters=5, matmul_size=8192,
         fp8=True, multi_device=True) -> dict:
-  """One device: every capacity factor, and FP8 dispatch at the first. With
-  more than one device (and ``multi_device``): EP over all of them at the
-  first capacity factor, on each exchange path, bf16 and FP8 dispatch."""
+  """One device: every capacity factor, and FP8 dispatch at the first, on
+  the layout ``"auto"`` picks; slabs at the first factor where that is
+  grouped; dropless on the grouped layout. With more than one device (and
+  ``multi_device``): EP over all of them at the first capacity factor, on
+  each exchange path, bf16 and FP8 dispatch."""
   peak = common.matmul_tflops(matmul_size)
   shared = dict(hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k, tokens=tokens,
                 seq=seq, backend=backend, iters=iters, peak_tflops=peak["tflops"])
@@ -71,6 +83,12 @@ def run(hidden=4096, ffn=14336, num_experts=8, top_k=2, tokens=16384, seq=2048,
       name = f"ep1_cf{factor}" + ("_fp8" if dtype else "")
       variants[name] = _variant(None, factor=factor, exchange="auto", dispatch_dtype=dtype,
                                 **shared)
+  if _layout("auto", hidden, ffn) == "grouped":
+    variants[f"ep1_cf{capacity_factors[0]}_slabs"] = _variant(
+        None, factor=capacity_factors[0], exchange="auto", dispatch_dtype=None,
+        expert_layout="slabs", **shared)
+  variants["ep1_dropless"] = _variant(None, factor=None, exchange="auto", dispatch_dtype=None,
+                                      expert_layout="grouped", **shared)
   devices = jax.devices()
   if multi_device and len(devices) > 1 and num_experts % len(devices) == 0:
     mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
@@ -95,7 +113,7 @@ def summary(result: dict) -> str:
     if "skipped" in v:
       lines.append(f"  {name}: skipped ({v['skipped']})")
       continue
-    lines.append(f"  {name}: {v['median_ms']:.2f} ms, {v['tflops_per_device']:.0f} TFLOP/s "
+    lines.append(f"  {name} ({v['expert_layout']}): {v['median_ms']:.2f} ms, {v['tflops_per_device']:.0f} TFLOP/s "
                  f"useful per device, MFU {100 * v['mfu']:.0f}%, dropped "
                  f"{100 * v['dropped_fraction']:.1f}%")
     for f in v.get("fp8_fusions", []):

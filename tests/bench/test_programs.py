@@ -71,6 +71,16 @@ def test_fp8_dispatch_leaves_routing_and_drops_unchanged_in_the_layer(smoke):
   assert variants["ep1_cf1.0_fp8"]["dispatch_dtype"] == "float8_e4m3fn"
 
 
+def test_the_layer_runs_dropless_on_the_grouped_layout_dropping_nothing(smoke):
+  variants = smoke["layer"]["variants"]
+  # On CPU "auto" is the slab layout; the dropless variant asks for grouped.
+  assert variants["ep1_cf1.0"]["expert_layout"] == "slabs"
+  assert variants["ep1_cf1.0"]["dropped_fraction"] > 0  # the smoke shapes overflow at 1.0
+  dropless = variants["ep1_dropless"]
+  assert (dropless["expert_layout"], dropless["capacity_factor"]) == ("grouped", None)
+  assert dropless["dropped_fraction"] == 0.0
+
+
 def test_remat_variants_rerun_the_dispatch_exchange_only_when_nothing_is_saved(smoke):
   variants = smoke["remat"]["variants"]
   assert smoke["remat"]["shapes"]["mesh"]["ep"] > 1
