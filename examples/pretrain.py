@@ -314,6 +314,18 @@ def parameter_count(abstract_state: dict) -> int:
   return sum(leaf.size for leaf in jax.tree.leaves(params))
 
 
+def peak_rank_load(records: list[dict], num_experts: int) -> dict[str, float]:
+  """``{R: load}`` for every EP size ``R > 1`` that divides ``num_experts``:
+  the largest share of the routes that one rank's experts (a contiguous
+  block of ``E / R``) received in any step and layer, times ``R``. The
+  balanced load is 1; with the whole batch in one EP group (dp = 1) it is the
+  smallest ``moe.receive_factor`` that would have kept every route of this
+  run on the grouped layout (the buffer's alignment rows add headroom)."""
+  load = np.asarray([r["expert_load"] for r in records], np.float64)  # [steps, layers, E]
+  return {str(ranks): float(load.reshape(*load.shape[:2], ranks, -1).sum(-1).max() * ranks)
+          for ranks in range(2, num_experts + 1) if num_experts % ranks == 0}
+
+
 def summarize(records: list[dict], *, config: Config, mesh, compile_s: float, wall_s: float,
               peak_memory: int, interrupted: bool = False,
               nonfinite_step: int | None = None) -> dict:
@@ -324,7 +336,8 @@ def summarize(records: list[dict], *, config: Config, mesh, compile_s: float, wa
   ``model_tflops_per_device`` (the model TFLOP/s each device achieves),
   ``peak_tflops`` (:func:`device_peak_tflops`), ``mfu`` (their ratio; None
   where the peak is unknown and ``train.peak_tflops`` unset) and ``device_kind``.
-  The final losses average the last finite steps (None: there is none);
+  ``peak_rank_load`` is :func:`peak_rank_load`. The final losses average
+  the last finite steps (None: there is none);
   ``skipped_steps`` counts the steps ``train.skip_nonfinite`` skipped and
   ``nonfinite_step`` is the step that stopped the run (None: none did).
   """
@@ -344,6 +357,7 @@ def summarize(records: list[dict], *, config: Config, mesh, compile_s: float, wa
       "final_loss": statistics.fmean(r["ce_loss"] for r in last) if last else None,
       "final_total_loss": statistics.fmean(r["loss"] for r in last) if last else None,
       "dropped_fraction": statistics.fmean(r["dropped_fraction"] for r in records),
+      "peak_rank_load": peak_rank_load(records, config.moe.num_experts),
       "median_step_s": median_step,
       "tokens_per_s": tokens_per_s,
       "flops_per_token": flops_per_token,

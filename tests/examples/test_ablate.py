@@ -35,6 +35,25 @@ def test_variants_cross_the_grid_and_apply_overrides_first(tmp_path):
       "train.steps=5", "moe.top_k=1", "moe.capacity_factor=2.0"]
 
 
+SWEEPS = sorted((TINY_YAML.parent / "ablations").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
+def test_every_shipped_sweep_expands_to_valid_configs(path):
+  sweep = Sweep.load(path)
+  variants = sweep.variant_overrides()
+  assert len(variants) >= 2, path.name  # a sweep compares something
+  for name, overrides in variants.items():
+    config = load_config(sweep.base, overrides)  # raises ConfigError naming the key
+    for override in overrides:  # each setting reaches the config
+      key, value = override.split("=", 1)
+      section, field = key.split(".", 1)
+      got = getattr(getattr(config, section), field.split(".")[0])
+      if "." not in field:
+        assert json.dumps(got if not isinstance(got, tuple) else list(got)) == value, (
+            name, key)
+
+
 def test_sweep_file_errors_name_the_key_and_the_variant(tmp_path):
   with pytest.raises(ValueError, match="unknown key 'variant'"):
     Sweep.load(write_sweep(tmp_path / "a.yaml", variant={}))

@@ -93,6 +93,23 @@ def test_summary_and_records_report_model_flops_and_mfu_against_the_peak(uninter
   assert "MFU" not in progress_line({**record, "mfu": None})  # no known peak: no MFU
 
 
+def test_peak_rank_load_is_the_largest_rank_share_of_any_step_and_layer(uninterrupted):
+  run_dir, result = uninterrupted
+  summary = json.loads((run_dir / "summary.json").read_text())
+  num_experts = 8
+  expected = {}
+  for ranks in (2, 4, 8):  # the EP sizes that divide 8 experts
+    per_rank = num_experts // ranks
+    expected[str(ranks)] = max(
+        ranks * sum(layer[rank * per_rank:(rank + 1) * per_rank])
+        for record in result.records for layer in record["expert_load"]
+        for rank in range(ranks))
+  assert summary["peak_rank_load"].keys() == expected.keys()
+  for ranks, load in expected.items():
+    assert summary["peak_rank_load"][ranks] == pytest.approx(load, rel=1e-12)
+    assert load >= 1.0  # some rank holds at least the balanced share
+
+
 def test_expert_bias_moves_per_layer_outside_the_optimizer(uninterrupted):
   _, result = uninterrupted
   bias = np.asarray(result.state["model"]["groups"]["moe_block"]["moe"]["expert_bias"][...])
