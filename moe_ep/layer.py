@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from moe_ep import router
 from moe_ep import sharding
 from moe_ep.config import DTYPES, MoEConfig
-from moe_ep.experts import expert_mlp, grouped_expert_mlp, kernels_apply
+from moe_ep.experts import bank_layout, expert_mlp, grouped_expert_mlp
 from moe_ep.transport import (combine, dispatch, expert_capacity_for, grouped_rows_for,
                               send_capacity_for)
 
@@ -164,9 +164,8 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, mesh, dtype, num_valid: 
 
 def _grouped_layout(config: MoEConfig, dtype) -> bool:
   """Whether the expert bank runs on the grouped layout (``expert_layout``)."""
-  if config.expert_layout == "auto":
-    return kernels_apply(dtype, config.hidden_size, config.ffn_size)
-  return config.expert_layout == "grouped"
+  return bank_layout(config.expert_layout, dtype, config.hidden_size,
+                     config.ffn_size) == "grouped"
 
 
 def _real_rows(layout: _ShardLayout, num_tokens: int, num_valid: int) -> jax.Array | None:

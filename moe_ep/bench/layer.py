@@ -17,16 +17,9 @@ from jax.sharding import PartitionSpec as P
 from moe_ep import ExpertParallelMoE, MoEConfig
 from moe_ep.bench import common, hlo
 from moe_ep.bench.experts import bank_flops
-from moe_ep.experts import kernels_apply
+from moe_ep.experts import bank_layout
 
 FP8 = "float8_e4m3fn"
-
-
-def _layout(expert_layout: str, hidden: int, ffn: int) -> str:
-  """The expert layout the layer runs (what ``"auto"`` picks for bf16)."""
-  if expert_layout != "auto":
-    return expert_layout
-  return "grouped" if kernels_apply(jnp.bfloat16, hidden, ffn) else "slabs"
 
 
 def _variant(mesh, *, hidden, ffn, num_experts, top_k, tokens, seq, factor, backend, exchange,
@@ -59,7 +52,8 @@ def _variant(mesh, *, hidden, ffn, num_experts, top_k, tokens, seq, factor, back
   flops = bank_flops(kept_rows, hidden, ffn) + 3 * 2 * total_tokens * hidden * num_experts
   tflops_per_device = flops / devices / timing["median_ms"] / 1e9
   return {"ep_size": devices, "exchange": exchange, "dispatch_dtype": dispatch_dtype,
-          "expert_layout": _layout(expert_layout, hidden, ffn), "capacity_factor": factor, "expert_capacity": config.expert_capacity or None,
+          "expert_layout": bank_layout(expert_layout, jnp.bfloat16, hidden, ffn),
+          "capacity_factor": factor, "expert_capacity": config.expert_capacity or None,
           "dropped_fraction": float(aux.dropped_fraction), "useful_flops": flops,
           "tflops_per_device": tflops_per_device, "mfu": tflops_per_device / peak_tflops,
           **({"fp8_fusions": fp8_fusions} if dispatch_dtype else {}), **timing}
@@ -83,7 +77,7 @@ def run(hidden=4096, ffn=14336, num_experts=8, top_k=2, tokens=16384, seq=2048,
       name = f"ep1_cf{factor}" + ("_fp8" if dtype else "")
       variants[name] = _variant(None, factor=factor, exchange="auto", dispatch_dtype=dtype,
                                 **shared)
-  if _layout("auto", hidden, ffn) == "grouped":
+  if bank_layout("auto", jnp.bfloat16, hidden, ffn) == "grouped":
     variants[f"ep1_cf{capacity_factors[0]}_slabs"] = _variant(
         None, factor=capacity_factors[0], exchange="auto", dispatch_dtype=None,
         expert_layout="slabs", **shared)
@@ -113,9 +107,9 @@ def summary(result: dict) -> str:
     if "skipped" in v:
       lines.append(f"  {name}: skipped ({v['skipped']})")
       continue
-    lines.append(f"  {name} ({v['expert_layout']}): {v['median_ms']:.2f} ms, {v['tflops_per_device']:.0f} TFLOP/s "
-                 f"useful per device, MFU {100 * v['mfu']:.0f}%, dropped "
-                 f"{100 * v['dropped_fraction']:.1f}%")
+    lines.append(f"  {name} ({v['expert_layout']}): {v['median_ms']:.2f} ms, "
+                 f"{v['tflops_per_device']:.0f} TFLOP/s useful per device, "
+                 f"MFU {100 * v['mfu']:.0f}%, dropped {100 * v['dropped_fraction']:.1f}%")
     for f in v.get("fp8_fusions", []):
       lines.append(f"    reads FP8: {f['kind']}{' GEMM' if f['gemm'] else ''} -> {f['shape']} "
                    f"({f['op_name'][-60:]})")

@@ -81,6 +81,14 @@ def kernels_apply(dtype, hidden: int, ffn: int) -> bool:
       for inner, outer in ((hidden, ffn), (ffn, hidden)))
 
 
+def bank_layout(expert_layout: str, dtype, hidden: int, ffn: int) -> str:
+  """``"grouped"`` or ``"slabs"``: the layout a bank of ``expert_layout``
+  (``"auto"``: grouped wherever :func:`kernels_apply`) runs on here."""
+  if expert_layout == "auto":
+    return "grouped" if kernels_apply(dtype, hidden, ffn) else "slabs"
+  return expert_layout
+
+
 def _uses_hopper(implementation: str, dtype, rows: int, contraction: int, columns: int) -> bool:
   if implementation == "xla":
     return False

@@ -28,6 +28,7 @@ import numpy as np
 
 from moe_ep.experts import grouped
 from moe_ep.experts.grouped import ROW_TILE
+from moe_ep.transport.layout import round_up
 
 CASES = [  # group sizes, spare row tiles of no group, K, N
     ([300, 0, 1, 129, 128, 64], 2, 256, 512),
@@ -39,10 +40,10 @@ CASES = [  # group sizes, spare row tiles of no group, K, N
 
 
 def grouped_problem(rng, sizes, spare_tiles, contraction, columns):
-  """``(lhs [M, K], rhs [G, K, N], cotangent [M, N], counts [G])`` bf16, with
-  zero rows outside the groups."""
-  padded = sum(-(-s // ROW_TILE) * ROW_TILE for s in sizes)
-  num_rows = padded + spare_tiles * ROW_TILE
+  """``(lhs [M, K], rhs [G, K, N], cotangent [M, N], tiles, in_group [M])``:
+  bf16 operands with zero rows outside the groups, the layout's
+  :class:`GroupTiles` and which rows hold a group's row."""
+  num_rows = sum(round_up(s, ROW_TILE) for s in sizes) + spare_tiles * ROW_TILE
   counts = jnp.asarray(sizes, jnp.int32)
   tiles = grouped.group_tiles(counts, num_rows)
   in_group = np.zeros(num_rows, bool)
@@ -82,7 +83,7 @@ def main(check_reference: bool = True):
       if not np.allclose(g, w, rtol=2 ** -7, atol=2 ** -7 * np.abs(w).max()):
         failures.append(f"{name} of {sizes}: max error {np.abs(g - w).max()}")
   hidden, ffn, counts = 256, 512, jnp.asarray([300, 0, 129, 1], jnp.int32)
-  rows = sum(-(-int(c) // ROW_TILE) * ROW_TILE for c in counts) + ROW_TILE
+  rows = sum(round_up(int(c), ROW_TILE) for c in counts) + ROW_TILE
   x = jnp.asarray(rng.normal(size=(rows, hidden)), jnp.bfloat16)
   w_in = jnp.asarray(rng.normal(size=(4, hidden, 2 * ffn)) / hidden ** 0.5, jnp.bfloat16)
   w_out = jnp.asarray(rng.normal(size=(4, ffn, hidden)) / ffn ** 0.5, jnp.bfloat16)

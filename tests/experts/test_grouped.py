@@ -149,6 +149,19 @@ def test_grouped_matmul_refuses_rows_off_the_tile():
     grouped.grouped_matmul(jnp.zeros((128, 4)), jnp.zeros((1, 4, 4)), tiles, "cuda")
 
 
+def test_auto_layout_is_grouped_only_where_the_kernels_apply(monkeypatch):
+  assert grouped.bank_layout("auto", jnp.bfloat16, 256, 512) == (
+      "grouped" if grouped.hopper_available() else "slabs")
+  monkeypatch.setattr(grouped, "hopper_available", lambda: True)  # an H100/H200
+  assert grouped.bank_layout("auto", jnp.bfloat16, 256, 512) == "grouped"
+  assert grouped.bank_layout("auto", jnp.float32, 256, 512) == "slabs"  # 16-bit operands only
+  assert grouped.bank_layout("auto", jnp.bfloat16, 256, 200) == "slabs"  # F off the tile
+  monkeypatch.setattr(grouped, "hopper_available", lambda: False)
+  assert grouped.bank_layout("auto", jnp.bfloat16, 256, 512) == "slabs"
+  for insisted in ("grouped", "slabs"):
+    assert grouped.bank_layout(insisted, jnp.float32, 3, 5) == insisted
+
+
 def test_hopper_branch_traces_inside_shard_map_with_the_types_of_the_jax_branch(monkeypatch):
   """Both platform branches must agree in type, shard_map's varying axes
   included (a kernel call drops them): checked by tracing the layer's

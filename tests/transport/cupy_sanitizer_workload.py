@@ -13,8 +13,8 @@ all_to_all and the peer path (the fused row kernels where rows are whole
 16-byte vectors, the drop-in exchange elsewhere); and the FP8 dispatch
 (float8_e4m3fn wire rows: the quantize and dequantize kernels, and on the
 peer path the dispatch that quantizes as it sends); and the grouped layout
-(rows written to their grouped positions, a buffer too small for every row
-so some are dropped). The peer kernels of two
+(rows written to their grouped positions, in a buffer with room for every
+row and in one too small, so that some are dropped). The peer kernels of two
 GPUs wait for each other, so run it as one process per GPU, each under the
 sanitizer (which serializes the kernels of its own process only):
 
