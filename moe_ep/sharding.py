@@ -94,17 +94,20 @@ def _type_spec(x: jax.Array):
 
 def like_input(rows: jax.Array, x: jax.Array, mesh) -> jax.Array:
   """Inverse of :func:`token_rows`: the first ``prod(x.shape[:-1])`` rows in
-  ``x``'s shape and dtype, and on Explicit axes with ``x``'s sharding (on Auto
-  axes XLA propagates it)."""
+  ``x``'s shape and dtype, and on Explicit axes with ``x``'s sharding
+  (replicated where ``x``'s type carries none; on Auto axes XLA propagates
+  it)."""
   count = math.prod(x.shape[:-1])
 
   def unflatten(rows):
     return rows[:count].reshape(x.shape).astype(x.dtype)
 
-  spec = _type_spec(x) if mesh is not None else None
-  if spec is None:
+  if mesh is None or not is_explicit(mesh):
     return unflatten(rows)
-  return _on_mesh(mesh, unflatten, spec, rows)
+  # x without a sharding in its type (a NumPy array, or one made outside the
+  # mesh) is whole on every device: so is y.
+  spec = _type_spec(x)
+  return _on_mesh(mesh, unflatten, P() if spec is None else spec, rows)
 
 
 def varying_axes(x) -> frozenset:

@@ -201,6 +201,43 @@ def test_any_token_count_shape_and_sharding(mesh_kind, shape, spec):
   np.testing.assert_allclose(float(aux.z_loss), float(want_aux.z_loss), **TOL)
 
 
+INPUT_KINDS = {
+    "numpy": lambda x, mesh: x,
+    "jnp made before the mesh": lambda x, mesh: jnp.asarray(x),
+    "device_put numpy": lambda x, mesh: jax.device_put(x),
+}
+
+
+@pytest.mark.parametrize("mesh_kind, kind, shape", [
+    ("make_mesh", "numpy", (4, 16, HIDDEN)),
+    ("make_mesh", "numpy", (3, 5, HIDDEN)),                       # padded to 8 rows
+    ("make_mesh", "jnp made before the mesh", (2, 32, HIDDEN)),
+    ("make_mesh", "device_put numpy", (60, HIDDEN)),
+    ("Mesh", "numpy", (4, 16, HIDDEN)),
+])
+def test_input_without_a_mesh_sharding_is_taken_on_a_full_ep_mesh(mesh_kind, kind, shape):
+  """x that carries no sharding of the mesh (a data loader's NumPy batch, an
+  array made before entering the mesh) runs on a (dp=1, ep=8) mesh, inside
+  nnx.jit (and once eagerly), and gives each token the output of a one-device layer
+  with the same parameters; y comes back whole (replicated)."""
+  mesh = cpu_mesh(mesh_kind, shape=(1, 8))
+  x_host = np.random.default_rng(3).normal(size=shape).astype(np.float32)
+  single = ExpertParallelMoE(moe_config(return_aux=True), mesh=None, rngs=nnx.Rngs(5))
+  with jax.default_device(jax.devices("cpu")[0]):
+    want_y, _ = nnx.jit(lambda m, v: m(v))(single, x_host)
+    x = INPUT_KINDS[kind](x_host, mesh)
+  with on(mesh):
+    layer = ExpertParallelMoE(moe_config(return_aux=True), rngs=nnx.Rngs(5))
+    y_jit, _ = nnx.jit(lambda m, v: m(v))(layer, x)
+    # Eagerly (every op dispatched on its own: slow on CPU) once.
+    outputs = [y_jit, layer(x)[0]] if shape == (3, 5, HIDDEN) else [y_jit]
+  for y in outputs:
+    assert y.shape == shape and y.dtype == np.float32
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want_y), **TOL)
+  if mesh_kind == "make_mesh":
+    assert all(axis is None for axis in jax.typeof(y_jit).sharding.spec)
+
+
 def test_float32_input_computes_in_float32_by_default():
   """dtype=None: float32 in -> float32 compute, equal to the float32 dense
   reference to float32 rounding (bfloat16 compute would be ~1e-2 off); a
