@@ -78,7 +78,7 @@ def test_the_cycle_finder_finds_a_cycle():
 @pytest.mark.parametrize("module, kept_out", [
     ("moe_ep.config", ("moe_ep.transport.ops", "moe_ep.transport.row_paths",
                        "moe_ep.transport.peer", "moe_ep.transport.cupy", "moe_ep.layer")),
-    ("moe_ep.transport.names", ("moe_ep.transport.ops", "moe_ep.transport.layout")),
+    ("moe_ep.transport.names", ("moe_ep.transport.ops", "moe_ep.transport.handle")),
     ("moe_ep.transport.kernel_source", ("moe_ep.transport.ops", "jax")),
     ("moe_ep.transport.peer", ("moe_ep.transport.ops", "moe_ep.transport.row_paths",
                                "moe_ep.layer")),

@@ -18,7 +18,7 @@ import numpy as np
 
 from moe_ep.bench import common
 from moe_ep.experts import expert_mlp, grouped_expert_mlp
-from moe_ep.transport.grouped import ROW_TILE, group_of_rows, group_starts, grouped_rows_for
+from moe_ep.row_groups import ROW_TILE, group_of_rows, group_starts, grouped_rows_for
 
 SHAPES = ((4096, 14336, 8), (2048, 1408, 64), (7168, 2048, 32))  # (H, F, E)
 GROUP_SIZES = ("uniform", "skewed", "one_empty", "all_in_one")

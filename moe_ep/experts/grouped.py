@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from moe_ep import sharding
 from moe_ep.experts import hopper
 from moe_ep.experts.slabs import Namer, _no_name, activate
-from moe_ep.transport.grouped import ROW_TILE, group_of_rows, group_starts
+from moe_ep.row_groups import ROW_TILE, group_of_rows, group_starts
 
 IMPLEMENTATIONS = ("auto", "hopper", "xla")
 

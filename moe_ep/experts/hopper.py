@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from moe_ep.transport.grouped import ROW_TILE  # a group's rows start at a multiple of it
+from moe_ep.row_groups import ROW_TILE  # a group's rows start at a multiple of it
 DTYPES = ("bfloat16", "float16")
 
 

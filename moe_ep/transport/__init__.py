@@ -10,8 +10,9 @@ differentiable core:
 * ``exchange``, ``row_paths``, ``slabs``, ``grouped``: which exchange
   carries the rows, the row paths over it, the receiver's layouts (``[L, C]``
   slabs or each expert's rows contiguous in ``[M, H]``);
-* ``layout``, ``meta``, ``names``: capacity math and the routing handle, the
-  metadata's wire format, the shared constants;
+* ``handle``, ``meta``, ``names``: the routing handle, the metadata's wire
+  format, the shared constants (capacity math and the grouped layout's row
+  groups live below, in :mod:`moe_ep.capacity` and :mod:`moe_ep.row_groups`);
 * ``backend``, ``xla``, ``cupy``, ``kernel_launch``, ``kernel_source``: the
   local passes, pure JAX or ``kernels/*.cu`` on XLA's stream;
 * ``fp8``: the FP8 wire format; ``peer``: direct stores into the other
@@ -22,7 +23,8 @@ from moe_ep.lazy import exports
 
 __all__, __getattr__, __dir__ = exports(__name__, {
     "ops": ("combine", "dispatch"),
-    "layout": ("Dispatched", "RoutingHandle", "expert_capacity_for", "send_capacity_for"),
-    "grouped": ("ROW_TILE", "grouped_rows_for"),
+    "handle": ("Dispatched", "RoutingHandle"),
+    "moe_ep.capacity": ("expert_capacity_for", "send_capacity_for"),
+    "moe_ep.row_groups": ("ROW_TILE", "grouped_rows_for"),
     "names": ("CHECKPOINT_FIELDS", "EXCHANGES", "NAMED_SCOPES", "WIRE_DTYPES", "check_wire_dtype"),
 })

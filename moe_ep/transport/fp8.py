@@ -68,7 +68,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_ep.transport.layout import round_up
+from moe_ep.capacity import round_up
 
 BLOCK = 128
 E4M3_MAX = 448.0

@@ -20,8 +20,9 @@ import jax.numpy as jnp
 from moe_ep.transport import grouped, row_paths, slabs
 from moe_ep.transport.exchange import Spec, one_launch_dispatch, resolve_exchange
 from moe_ep.transport.exchange import ep_size as ep_size_of
-from moe_ep.transport.layout import (Dispatched, RoutingHandle, check_experts, check_num_tokens,
-                                     expert_capacity_for, positive_int)
+from moe_ep.capacity import check_experts, check_num_tokens, expert_capacity_for, positive_int
+from moe_ep.row_groups import ROW_TILE
+from moe_ep.transport.handle import Dispatched, RoutingHandle
 from moe_ep.transport.names import (NAMED_SCOPES, TOKEN_DTYPES, check_backend,
                                     check_wire_dtype)
 
@@ -192,7 +193,7 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
       the bf16 residual, at the cost of one more pass over the slabs in the
       forward (without a name the dequantize is fused into the receive).
     grouped_rows: None: the rows land in ``[L, C, H]`` slabs. ``M`` (a
-      multiple of ``ROW_TILE``, see :func:`~moe_ep.transport.grouped.grouped_rows_for`):
+      multiple of ``ROW_TILE``, see :func:`~moe_ep.row_groups.grouped_rows_for`):
       in the grouped layout, ``[M, H]`` with each local expert's kept rows
       contiguous from a multiple of ``ROW_TILE`` on
       (:mod:`~moe_ep.transport.grouped`); ``expert_capacity`` still caps each
@@ -228,8 +229,8 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
   expert_capacity = min(positive_int("expert_capacity", expert_capacity), dropless_capacity)
   send_capacity = (num_tokens if send_capacity is None
                    else min(positive_int("send_capacity", send_capacity), num_tokens))
-  if grouped_rows is not None and positive_int("grouped_rows", grouped_rows) % grouped.ROW_TILE:
-    raise ValueError(f"grouped_rows={grouped_rows} must be a multiple of {grouped.ROW_TILE} "
+  if grouped_rows is not None and positive_int("grouped_rows", grouped_rows) % ROW_TILE:
+    raise ValueError(f"grouped_rows={grouped_rows} must be a multiple of {ROW_TILE} "
                      "(the grouped GEMM's row tile); see grouped_rows_for")
   topk_idx, topk_weights = merge_duplicate_routes(valid_ids(topk_idx, num_experts),
                                                    topk_weights)

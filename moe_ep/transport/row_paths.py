@@ -3,7 +3,7 @@ rules: ``rows [T, H]`` -> the receiver's ``[L, C, H]`` slabs and back, the
 metadata exchange and the receiver's layout, and the routing weights'
 way back.
 
-Data flow of a forward dispatch on each rank (``layout.py`` names them)::
+Data flow of a forward dispatch on each rank (``handle.py`` names them)::
 
   route(topk_idx, w)      -> send_slot, send_token, route_slot, meta [R, 2SK+L]
   exchange(meta)          -> recv_meta                               (small exchange)
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from moe_ep.transport import fp8, grouped, slabs
 from moe_ep.transport.exchange import Spec, exchange, fused_rows, fused_slab_layout
-from moe_ep.transport.layout import RoutingHandle
+from moe_ep.transport.handle import RoutingHandle
 from moe_ep.transport.names import WIRE_DTYPES
 from moe_ep.transport.peer import dispatch_layout, fused_layout, rows as peer_rows
 

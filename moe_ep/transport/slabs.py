@@ -4,7 +4,7 @@ member's row lands, in one place.
 The layout of *slabs*: local expert ``l``'s rows at ``[l, 0 ..
 counts[l])`` of an ``[L, C, H]`` buffer (``C`` = ``expert_capacity``), in
 (source rank, slot, k) order, the rest zero. The handle holds it as two flat
-maps (:class:`~moe_ep.transport.layout.RoutingHandle`): ``recv_pos [R, S,
+maps (:class:`~moe_ep.transport.handle.RoutingHandle`): ``recv_pos [R, S,
 K]``, member -> output row ``l * C + c``, and ``slab_row [L, C]``, output
 row -> received row ``src * S + s``. The row paths
 (:mod:`~moe_ep.transport.row_paths`) move rows along those maps over flat
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import jax
 
-from moe_ep.transport.layout import RoutingHandle
+from moe_ep.transport.handle import RoutingHandle
 
 
 def lay_out(ops, recv_meta: jax.Array, *, top_k: int, num_local_experts: int,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from moe_ep.transport import fp8
 from moe_ep.transport import meta as meta_layout
-from moe_ep.transport.layout import DROPPED_MEMBER
+from moe_ep.transport.handle import DROPPED_MEMBER
 
 
 def route(topk_idx: jax.Array, topk_weights: jax.Array, *, num_experts: int, ep_size: int,
@@ -32,7 +32,7 @@ def route(topk_idx: jax.Array, topk_weights: jax.Array, *, num_experts: int, ep_
 
   Returns:
     ``send_slot [T, R]``, ``send_token [R, S]``, ``route_slot [T, K]`` (see
-    :class:`~moe_ep.transport.layout.RoutingHandle`) and ``meta [R, W]``
+    :class:`~moe_ep.transport.handle.RoutingHandle`) and ``meta [R, W]``
     (see :mod:`moe_ep.transport.meta`).
   """
   send_slot, send_token, route_slot = _route_table(
@@ -100,7 +100,7 @@ def slab_layout(recv_meta: jax.Array, *, top_k: int, num_local_experts: int,
 
   Returns:
     ``recv_pos [R, S, K]`` (-2 where dropped, see
-    :class:`~moe_ep.transport.layout.RoutingHandle`), ``slab_row [L, C]``,
+    :class:`~moe_ep.transport.handle.RoutingHandle`), ``slab_row [L, C]``,
     ``slab_weights [L, C]`` float32, ``counts [L]``, ``demand [L]`` (all
     int32 but the weights).
   """

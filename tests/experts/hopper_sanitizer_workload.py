@@ -28,7 +28,7 @@ import numpy as np
 
 from moe_ep.experts import grouped
 from moe_ep.experts.grouped import ROW_TILE
-from moe_ep.transport.layout import round_up
+from moe_ep.capacity import round_up
 
 CASES = [  # group sizes, spare row tiles of no group, K, N
     ([300, 0, 1, 129, 128, 64], 2, 256, 512),

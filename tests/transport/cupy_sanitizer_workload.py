@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_ep.distributed import initialize_from_env
 from moe_ep.transport import combine, dispatch, grouped_rows_for
-from moe_ep.transport.grouped import ROW_TILE
+from moe_ep.row_groups import ROW_TILE
 
 CASES = [  # tokens, hidden, dtype, experts, top_k, capacity, send_capacity
     (300, 256, jnp.bfloat16, 16, 4, 40, None),

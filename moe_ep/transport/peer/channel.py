@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from moe_ep.transport.layout import round_up
+from moe_ep.capacity import round_up
 
 ALIGN = 256
 VECTOR_BYTES = (16, 8, 4, 2, 1)

@@ -1,0 +1,63 @@
+"""Row groups: the arithmetic of the grouped layout that both the transport
+(which fills it) and the expert bank (whose GEMMs read it) need.
+
+Each local expert's rows sit contiguously in one ``[M, H]`` buffer: group
+``l`` starts at row ``start[l]``, the exclusive running sum of the kept counts
+rounded up to ``ROW_TILE``, so every ``ROW_TILE``-row tile of the buffer
+belongs to one group or to none (:mod:`moe_ep.transport.grouped` describes
+how dispatch fills it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from moe_ep.capacity import check_capacity_factor, check_experts, check_num_tokens, round_up
+
+# Rows per tile of the grouped GEMM: groups start at multiples of it.
+ROW_TILE = 128
+
+
+def grouped_rows_for(num_tokens: int, top_k: int, num_experts: int, ep_size: int,
+                     receive_factor: float | None = None) -> int:
+  """Rows ``M`` of one rank's grouped buffer.
+
+  Args:
+    num_tokens, top_k, num_experts, ep_size: ``T``, ``K``, ``E``, ``R``.
+    receive_factor: None: the worst case, ``R * T * min(K, L)`` rows (every
+      token of every rank routed to this rank's experts). A float scales the
+      balanced load of a rank, ``T * K`` rows, capped at the worst case (one
+      rank: the worst case is ``T * K``, so every factor keeps every row).
+
+  Returns:
+    ``M``: the routed rows plus ``L * (ROW_TILE - 1)`` rows of group padding,
+    a multiple of ``ROW_TILE``.
+  """
+  num_tokens = check_num_tokens(num_tokens, "grouped_rows_for")
+  num_experts, top_k, ep_size = check_experts(num_experts, top_k, ep_size)
+  check_capacity_factor(receive_factor, "receive_factor")
+  local_experts = num_experts // ep_size
+  rows = ep_size * num_tokens * min(top_k, local_experts)
+  if receive_factor is not None:
+    rows = min(rows, math.ceil(receive_factor * num_tokens * top_k))
+  return round_up(rows + local_experts * (ROW_TILE - 1), ROW_TILE)
+
+
+def group_starts(counts: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+  """``(start [L], rows [L])``: each group's first row and its rows rounded
+  up to ``ROW_TILE``, cut where the buffer of ``num_rows`` rows ends."""
+  padded = round_up(counts.astype(jnp.int32), ROW_TILE)
+  ends = jnp.minimum(jnp.cumsum(padded), num_rows)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  return starts, ends - starts
+
+
+def group_of_rows(starts: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array:
+  """``positions``' int32 group (the one whose ``[start, start + rows)`` holds
+  each buffer row), -1 past the last group (:func:`group_starts` gives
+  ``starts`` and ``rows``)."""
+  group = jnp.searchsorted(starts + rows, positions, side="right").astype(jnp.int32)
+  return jnp.where(group < starts.shape[0], group, -1)
