@@ -16,6 +16,8 @@ BENCHMARKS = {
     "transport": "P1: dispatch+combine round trip vs sort-based permute (one device)",
     "experts": "P3: expert bank TFLOP/s vs dense matmul; P3-grouped: grouped vs slabs vs ragged_dot",
     "layer": "P4: whole layer forward+backward MFU (one device)",
+    "models": "P3/P4 on public MoE models' shapes (Qwen3, OLMoE, Mixtral, DeepSeek, gpt-oss) "
+              "vs a dense SwiGLU chain",
     "overhead": "host overhead per buffer_callback, with and without command buffers",
     "ep": "P2: dispatch/combine bandwidth across this process's GPUs",
     "remat": "remat variants: compiled dispatch exchanges, memory_analysis() and time",
@@ -30,6 +32,7 @@ SMOKE = {
                     grouped_shapes=(((256, 2, 64, 32, 4), {}),)),
     "layer": dict(hidden=64, ffn=32, num_experts=4, top_k=2, tokens=256, seq=64,
                   backend="xla", iters=2, matmul_size=128),
+    "models": dict(shapes={"tiny": (256, 2, 64, 40, 4)}, iters=2, backend="xla"),
     "ep": dict(token_counts=(64,), expert_counts=(8,), hidden=32, backend="xla", iters=2),
     "remat": dict(hidden=64, ffn=64, num_experts=8, batch=8, seq=16, num_layers=2, backend="xla",
                   iters=2),

@@ -6,7 +6,8 @@
   over exact-size groups against the slab bank at capacity 1.0 and dropless
   (``C = T``) and ``jax.lax.ragged_dot``, side by side, for group sizes that
   are uniform, skewed (Dirichlet, alpha 4), with one empty expert, and with
-  one expert holding every row. Every figure counts the routed rows' FLOPs
+  one expert holding every row (:mod:`moe_ep.bench.models` runs it on public
+  models' shapes, Zipf loads too, against a dense chain). Every figure counts the routed rows' FLOPs
   (``T * K`` rows), whatever a method computes or drops.
 """
 
@@ -21,7 +22,7 @@ from moe_ep.experts import expert_mlp, grouped_expert_mlp
 from moe_ep.row_groups import ROW_TILE, group_of_rows, group_starts, grouped_rows_for
 
 SHAPES = ((4096, 14336, 8), (2048, 1408, 64), (7168, 2048, 32))  # (H, F, E)
-GROUP_SIZES = ("uniform", "skewed", "one_empty", "all_in_one")
+GROUP_SIZES = ("uniform", "skewed", "zipf", "one_empty", "all_in_one")
 # (T, K, H, F, E) and options: Mixtral-like, DeepSeek-like at 64 and at 256
 # experts. ragged_dot's weight gradient is a dense [E, T*K, H] product (out
 # of memory on the DeepSeek-like shapes), and 256 dropless slabs of 8192 rows
@@ -46,6 +47,9 @@ def group_sizes(rows: int, experts: int, kind: str, seed: int = 0) -> np.ndarray
   elif kind == "skewed":
     share = np.random.default_rng(seed).dirichlet(np.full(experts, 4.0))
     sizes = np.floor(share * rows)
+  elif kind == "zipf":  # expert i's share is 1/i, the experts shuffled
+    share = 1.0 / np.arange(1, experts + 1)
+    sizes = np.floor(np.random.default_rng(seed).permutation(share / share.sum()) * rows)
   elif kind == "one_empty":
     sizes = np.full(experts, rows // (experts - 1))
     sizes[experts // 2] = 0
@@ -59,19 +63,19 @@ def group_sizes(rows: int, experts: int, kind: str, seed: int = 0) -> np.ndarray
   return sizes
 
 
-def _weights(hidden: int, ffn: int, experts: int, seed: int):
+def weights(hidden: int, ffn: int, experts: int, seed: int):
   keys = jax.random.split(jax.random.key(seed), 2)
   w_in = jax.random.normal(keys[0], (experts, hidden, 2 * ffn), jnp.bfloat16) * hidden ** -0.5
   w_out = jax.random.normal(keys[1], (experts, ffn, hidden), jnp.bfloat16) * ffn ** -0.5
   return w_in, w_out
 
 
-def _fwd_bwd(mlp):
+def fwd_bwd(mlp):
   """jit of the gradient of a scalar of ``mlp(tokens, w_in, w_out)`` in all three."""
   return jax.jit(jax.grad(lambda *a: jnp.sum(mlp(*a).astype(jnp.float32)), argnums=(0, 1, 2)))
 
 
-def _grouped_rows(sizes: np.ndarray, num_rows: int, hidden: int, seed: int) -> jax.Array:
+def grouped_rows(sizes: np.ndarray, num_rows: int, hidden: int, seed: int) -> jax.Array:
   """``[M, H]`` bf16 rows in the grouped layout of ``sizes`` (zero padding)."""
   counts = jnp.asarray(sizes)
   starts, padded = group_starts(counts, num_rows)
@@ -82,7 +86,7 @@ def _grouped_rows(sizes: np.ndarray, num_rows: int, hidden: int, seed: int) -> j
   return jnp.where(in_group[:, None], rows, 0)
 
 
-def _measure(fn, *args, iters: int) -> dict:
+def measure(fn, *args, iters: int) -> dict:
   try:
     return common.time_ms(fn, *args, iters=iters, repeats=3, warmup=1)
   except Exception as error:  # noqa: BLE001 - out of memory is a result here
@@ -95,7 +99,7 @@ def grouped_bank(tokens: int, top_k: int, hidden: int, ffn: int, experts: int,
   """One shape of P3-grouped: ms and routed-row TFLOP/s of each method."""
   routed = tokens * top_k
   flops = bank_flops(routed, hidden, ffn)
-  w_in, w_out = _weights(hidden, ffn, experts, seed=1)
+  w_in, w_out = weights(hidden, ffn, experts, seed=1)
   result = {"tokens": tokens, "top_k": top_k, "hidden": hidden, "ffn": ffn,
             "num_experts": experts, "flops": flops, "methods": {}}
 
@@ -104,23 +108,23 @@ def grouped_bank(tokens: int, top_k: int, hidden: int, ffn: int, experts: int,
       timing["tflops"] = flops / timing["median_ms"] / 1e9
     result["methods"][name] = {**facts, **timing}
 
-  slab_mlp = _fwd_bwd(lambda x, a, b: expert_mlp(x, a, b, "swiglu"))
+  slab_mlp = fwd_bwd(lambda x, a, b: expert_mlp(x, a, b, "swiglu"))
   slab_sizes = [("slabs_cf1.0", -(-routed // experts // ROW_TILE) * ROW_TILE)]
   if dropless_slabs:
     slab_sizes.append(("slabs_dropless", tokens))
   for name, capacity in slab_sizes:
     slabs = jax.random.normal(jax.random.key(2), (experts, capacity, hidden), jnp.bfloat16)
-    record(name, _measure(slab_mlp, slabs, w_in, w_out, iters=iters), rows_per_expert=capacity)
+    record(name, measure(slab_mlp, slabs, w_in, w_out, iters=iters), rows_per_expert=capacity)
     del slabs
 
   num_rows = grouped_rows_for(tokens, top_k, experts, 1)
   for kind in kinds:
     sizes = group_sizes(routed, experts, kind)
     counts = jnp.asarray(sizes)
-    rows = _grouped_rows(sizes, num_rows, hidden, seed=3)
-    mlp = _fwd_bwd(lambda x, a, b: grouped_expert_mlp(x, counts, a, b, "swiglu"))
+    rows = grouped_rows(sizes, num_rows, hidden, seed=3)
+    mlp = fwd_bwd(lambda x, a, b: grouped_expert_mlp(x, counts, a, b, "swiglu"))
     capacity = result["methods"]["slabs_cf1.0"]["rows_per_expert"]
-    record(f"grouped_{kind}", _measure(mlp, rows, w_in, w_out, iters=iters), rows=num_rows,
+    record(f"grouped_{kind}", measure(mlp, rows, w_in, w_out, iters=iters), rows=num_rows,
            largest_over_mean=float(sizes.max() * experts / routed),
            slabs_cf1_kept_fraction=float(np.minimum(sizes, capacity).sum() / routed))
     if ragged_dot and kind == "skewed":
@@ -129,7 +133,7 @@ def grouped_bank(tokens: int, top_k: int, hidden: int, ffn: int, experts: int,
         gate, up = jnp.split(hidden_rows, 2, axis=-1)
         return jax.lax.ragged_dot(jax.nn.silu(gate) * up, b, counts)
       dense_rows = jax.random.normal(jax.random.key(3), (routed, hidden), jnp.bfloat16)
-      record("ragged_dot_skewed", _measure(_fwd_bwd(ragged), dense_rows, w_in, w_out,
+      record("ragged_dot_skewed", measure(fwd_bwd(ragged), dense_rows, w_in, w_out,
                                            iters=iters))
       del dense_rows
     del rows

@@ -22,7 +22,7 @@ from moe_ep.experts import bank_layout
 FP8 = "float8_e4m3fn"
 
 
-def _variant(mesh, *, hidden, ffn, num_experts, top_k, tokens, seq, factor, backend, exchange,
+def variant(mesh, *, hidden, ffn, num_experts, top_k, tokens, seq, factor, backend, exchange,
              dispatch_dtype, iters, peak_tflops, expert_layout="auto") -> dict:
   """One layer config timed on ``mesh`` (None: one device), ``tokens`` per device."""
   devices = 1 if mesh is None else mesh.size
@@ -75,13 +75,13 @@ def run(hidden=4096, ffn=14336, num_experts=8, top_k=2, tokens=16384, seq=2048,
   for factor in capacity_factors:
     for dtype in dtypes if factor == capacity_factors[0] else (None,):
       name = f"ep1_cf{factor}" + ("_fp8" if dtype else "")
-      variants[name] = _variant(None, factor=factor, exchange="auto", dispatch_dtype=dtype,
+      variants[name] = variant(None, factor=factor, exchange="auto", dispatch_dtype=dtype,
                                 **shared)
   if bank_layout("auto", jnp.bfloat16, hidden, ffn) == "grouped":
-    variants[f"ep1_cf{capacity_factors[0]}_slabs"] = _variant(
+    variants[f"ep1_cf{capacity_factors[0]}_slabs"] = variant(
         None, factor=capacity_factors[0], exchange="auto", dispatch_dtype=None,
         expert_layout="slabs", **shared)
-  variants["ep1_dropless"] = _variant(None, factor=None, exchange="auto", dispatch_dtype=None,
+  variants["ep1_dropless"] = variant(None, factor=None, exchange="auto", dispatch_dtype=None,
                                       expert_layout="grouped", **shared)
   devices = jax.devices()
   if multi_device and len(devices) > 1 and num_experts % len(devices) == 0:
@@ -91,7 +91,7 @@ def run(hidden=4096, ffn=14336, num_experts=8, top_k=2, tokens=16384, seq=2048,
       for dtype in dtypes:
         name = f"ep{len(devices)}_{exchange}" + ("_fp8" if dtype else "")
         try:
-          variants[name] = _variant(mesh, factor=capacity_factors[0], exchange=exchange,
+          variants[name] = variant(mesh, factor=capacity_factors[0], exchange=exchange,
                                     dispatch_dtype=dtype, **shared)
         except ValueError as error:  # the peer path where it cannot run
           variants[name] = {"skipped": str(error)}

@@ -18,6 +18,7 @@ accumulate in float32 and round once.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -83,10 +84,34 @@ def kernels_apply(dtype, hidden: int, ffn: int) -> bool:
 
 def bank_layout(expert_layout: str, dtype, hidden: int, ffn: int) -> str:
   """``"grouped"`` or ``"slabs"``: the layout a bank of ``expert_layout``
-  (``"auto"``: grouped wherever :func:`kernels_apply`) runs on here."""
-  if expert_layout == "auto":
-    return "grouped" if kernels_apply(dtype, hidden, ffn) else "slabs"
-  return expert_layout
+  (``"auto"``: grouped wherever :func:`kernels_apply`) runs on here. On a
+  GPU where "auto" cannot be grouped it says so, once per bank shape."""
+  if expert_layout != "auto":
+    return expert_layout
+  if kernels_apply(dtype, hidden, ffn):
+    return "grouped"
+  if _on_gpu():
+    _warn_slabs(jnp.dtype(dtype).name, hidden, ffn)
+  return "slabs"
+
+
+def _on_gpu() -> bool:
+  try:
+    return jax.devices()[0].platform == "gpu"
+  except RuntimeError:
+    return False
+
+
+@functools.cache
+def _warn_slabs(dtype: str, hidden: int, ffn: int) -> None:
+  reason = ("this GPU is not of compute capability 9.0" if not hopper_available() else
+            f"the kernels take bfloat16/float16 with H and F multiples of "
+            f"{hopper.SIZE_MULTIPLE}")
+  warnings.warn(
+      f"expert_layout='auto' runs the expert bank (dtype={dtype}, H={hidden}, F={ffn}) on "
+      f"slabs, not the grouped layout: {reason}. Dropless slabs hold every expert's worst case "
+      f"(measured several times the grouped bank's time); a capacity_factor bounds them, or "
+      f"set dtype='bfloat16' where the sizes allow.", stacklevel=3)
 
 
 def _uses_hopper(implementation: str, dtype, rows: int, contraction: int, columns: int) -> bool:
@@ -99,8 +124,8 @@ def _uses_hopper(implementation: str, dtype, rows: int, contraction: int, column
                        "(H100, H200); use 'auto' or 'xla'")
     if not fits:
       raise ValueError(
-          f"implementation='hopper' needs bfloat16/float16 operands and sizes that are "
-          f"multiples of the tiles; got {jnp.dtype(dtype).name} rows={rows} "
+          f"implementation='hopper' needs bfloat16/float16 operands, rows a multiple of "
+          f"{ROW_TILE} and sizes of {hopper.SIZE_MULTIPLE}; got {jnp.dtype(dtype).name} rows={rows} "
           f"contraction={contraction} columns={columns}: use 'auto' or 'xla'")
     return True
   return fits and hopper_available()
@@ -182,8 +207,9 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tiles: GroupTiles,
       ``"hopper"`` or ``"xla"``.
 
   Returns:
-    ``[M, N]`` in ``lhs.dtype``. Rows of no group are unspecified (zero with
-    ``"xla"``); padding rows of a group, zero in ``lhs``, are zero.
+    ``[M, N]`` in ``lhs.dtype``, zero on rows of no group (and so is the
+    gradient of ``lhs`` there); padding rows of a group, zero in ``lhs``, are
+    zero.
   """
   check_implementation(implementation)
   if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
@@ -212,12 +238,10 @@ def grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array, w_ou
     implementation: as :func:`grouped_matmul`.
 
   Returns:
-    ``[M, H]`` in ``rows.dtype``, zero on rows of no group.
+    ``[M, H]`` in ``rows.dtype``, zero on rows of no group, where the
+    gradient of ``rows`` is zero too.
   """
   tiles = group_tiles(counts, rows.shape[0])
   hidden = name("expert_hidden", grouped_matmul(rows, w_in, tiles, implementation))
   out = grouped_matmul(activate(hidden, activation), w_out, tiles, implementation)
-  # The kernels leave rows of no group unwritten; zero them in the pass that
-  # already reads the output, so what the bank returns is fully defined.
-  in_group = jnp.repeat(tiles.tile_group >= 0, ROW_TILE)[:, None]
-  return name("expert_output", jnp.where(in_group, out, jnp.zeros((), out.dtype)))
+  return name("expert_output", out)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 
 import jax
@@ -36,8 +37,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from moe_ep.capacity import round_up
 from moe_ep.row_groups import ROW_TILE  # a group's rows start at a multiple of it
+
 DTYPES = ("bfloat16", "float16")
+# Sizes (contraction and columns) the kernels take: a 16-byte row, what a TMA
+# descriptor's strides need. Edge tiles past a size are read as zeros and
+# clipped on store by TMA itself.
+SIZE_MULTIPLE = 8
+# wgmma reads shared memory swizzled by 32, 64 or 128 bytes, and the swizzle
+# tiles the global arrays too: sizes of 16-bit elements must be multiples of
+# 16 (a 32-byte swizzle; 64: the full 128-byte one). Sizes of only 8 | size are
+# padded to it, a copy of at most 8 columns.
+_SWIZZLED_MULTIPLE = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,21 +76,34 @@ class TileConfig:
   delay_release: int = 0
 
 
-def supports(dtype, *, rows: int, contraction: int, columns: int,
-             config: TileConfig = TileConfig()) -> bool:
+def supports(dtype, *, rows: int, contraction: int, columns: int) -> bool:
   """Whether the kernels take these operands: 16-bit floats, ``rows`` a
-  multiple of ``ROW_TILE``, ``contraction`` of ``tile_k`` (and of
-  ``ROW_TILE`` where it is the output's row count in the weight gradient),
-  ``columns`` of ``2 * tile_n``."""
+  multiple of ``ROW_TILE``, ``contraction`` and ``columns`` of
+  ``SIZE_MULTIPLE`` (any multiple: tiles past the edge are TMA's to fill and
+  clip)."""
   return (jnp.dtype(dtype).name in DTYPES and rows % ROW_TILE == 0
-          and contraction % config.tile_k == 0 and contraction % ROW_TILE == 0
-          and columns % (2 * config.tile_n) == 0)
+          and contraction % SIZE_MULTIPLE == 0 and columns % SIZE_MULTIPLE == 0
+          and contraction > 0 and columns > 0)
 
 
-def _transforms(dtype, minor: int):
-  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
+def _transforms(dtype, *minor_sizes: int):
+  """Tiling and swizzle of shared-memory blocks whose minor dimension, in the
+  blocks and in the global arrays they are copied from or to, has each of
+  ``minor_sizes`` elements: the widest swizzle that tiles them all."""
+  swizzle = plgpu.find_swizzle(math.gcd(*minor_sizes) * jnp.dtype(dtype).itemsize * 8)
+  swizzle = min(swizzle, 128)
   return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
           plgpu.SwizzleTransform(swizzle))
+
+
+def _pad(x: jax.Array, axis: int) -> jax.Array:
+  """``x`` with zero columns appended on ``axis`` up to ``_SWIZZLED_MULTIPLE``."""
+  extra = round_up(x.shape[axis], _SWIZZLED_MULTIPLE) - x.shape[axis]
+  if not extra:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
 
 
 def _transposed(ref):
@@ -131,17 +156,22 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
     num_sms: persistent CTAs (default: the device's multiprocessor count).
 
   Returns:
-    ``[M, N]`` in ``lhs.dtype``; rows of tiles of no group are unspecified.
+    ``[M, N]`` in ``lhs.dtype``, zero on rows of tiles of no group.
   """
-  m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  lhs = _pad(lhs, 1)
+  rhs = _pad(_pad(rhs, 1), 2)
+  m, k = lhs.shape
+  padded_n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   tile_m, tile_n, tile_k = ROW_TILE, config.tile_n, config.tile_k
   cta_tile_n = 2 * tile_n
-  m_iters, n_iters, k_iters = m // tile_m, n // cta_tile_n, k // tile_k
+  m_iters, n_iters, k_iters = m // tile_m, pl.cdiv(padded_n, cta_tile_n), pl.cdiv(k, tile_k)
   dtype = lhs.dtype
-  transforms = _transforms(dtype, tile_k)
+  # Both operands share one swizzle (wgmma's rule); the arrays' minor sizes
+  # are K, and N where the weights are not read transposed.
+  transforms = _transforms(dtype, tile_k, k, *(() if transpose_rhs else (padded_n,)))
   epi = config.epi_tile
-  out_transforms = _transforms(dtype, epi)
+  out_transforms = _transforms(dtype, epi, padded_n)
 
   def pipeline(body, compute_context):
     rhs_spec = (plgpu.BlockSpec((cta_tile_n, tile_k), lambda ki: (0, ki), transforms=transforms,
@@ -178,6 +208,13 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
         n_slice = pl.ds(n_idx * cta_tile_n, cta_tile_n)
         wg_n_slice = pl.ds(wg_idx * tile_n, tile_n)
 
+        # A tile of no group is stored as zeros by the compute warpgroups (so
+        # the input gradient there is zero, not what memory held).
+        @pl.when((group < 0) & (wg_idx < 2))
+        def _():
+          _store_tile(jnp.zeros((tile_m, tile_n), jnp.float32), out_smem,
+                      out_gmem.at[m_slice, n_slice].at[:, wg_n_slice], wg_idx, epi)
+
         @pl.when(group >= 0)
         def _():
           def compute_context(eval_pipeline):
@@ -202,8 +239,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  call = _kernel_call(body, jax.ShapeDtypeStruct((m, n), dtype), num_sms or _num_sms())
-  return call(tile_group, lhs, rhs)
+  call = _kernel_call(body, jax.ShapeDtypeStruct((m, padded_n), dtype), num_sms or _num_sms())
+  return call(tile_group, lhs, rhs)[:, :n]
 
 
 def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
@@ -222,16 +259,18 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
   Returns:
     ``[G, K, N]`` in ``lhs.dtype``, zero for an empty group.
   """
+  unpadded_k, unpadded_n = lhs.shape[1], rhs.shape[1]
+  lhs, rhs = _pad(lhs, 1), _pad(rhs, 1)
   m, k = lhs.shape
   n = rhs.shape[1]
   tile_m, tile_n, tile_c = ROW_TILE, config.tile_n, config.tile_k
   cta_tile_n = 2 * tile_n
-  k_iters, n_iters = k // tile_m, n // cta_tile_n
+  k_iters, n_iters = pl.cdiv(k, tile_m), pl.cdiv(n, cta_tile_n)
   dtype = lhs.dtype
-  lhs_transforms = _transforms(dtype, tile_m)
-  rhs_transforms = _transforms(dtype, cta_tile_n)
+  # One swizzle for both wgmma operands, whose minor sizes are K and N.
+  lhs_transforms = rhs_transforms = _transforms(dtype, tile_m, k, cta_tile_n, n)
   epi = config.epi_tile
-  out_transforms = _transforms(dtype, epi)
+  out_transforms = _transforms(dtype, epi, n)
 
   def pipeline(body, compute_context, steps, first_block):
     return plgpu.emit_pipeline_warp_specialized(
@@ -290,4 +329,4 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
 
   call = _kernel_call(body, jax.ShapeDtypeStruct((num_groups, k, n), dtype),
                       num_sms or _num_sms())
-  return call(group_start, group_steps, lhs, rhs)
+  return call(group_start, group_steps, lhs, rhs)[:, :unpadded_k, :unpadded_n]

@@ -1,6 +1,8 @@
 """The grouped expert bank's pure-JAX path against float64 numpy, and
 against the slab bank."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,12 +36,17 @@ def _layout_rows(sizes):
   return padded + 2 * ROW_TILE  # spare tiles of no group
 
 
-# The Hopper kernels take 16-bit operands on whole tiles: 128 | K, 256 | N.
+# The Hopper kernels take 16-bit operands with K and N any multiple of 8:
+# whole tiles, edge tiles past the sizes (DeepSeek-V2-Lite's F = 1408,
+# gpt-oss's H = F = 2880), sizes below one tile and of only 8 | size.
 IMPLEMENTATION_CASES = [
     pytest.param("xla", dtype, 16, 24, id=f"xla-{dtype}")
     for dtype in ("float32", "bfloat16", "float16")] + [
+    pytest.param("xla", "float32", 200, 72, id="xla-float32-200x72")] + [
     pytest.param("hopper", dtype, 256, 512, id=f"hopper-{dtype}", marks=pytest.mark.gpu)
-    for dtype in ("bfloat16", "float16")]
+    for dtype in ("bfloat16", "float16")] + [
+    pytest.param("hopper", "bfloat16", k, n, id=f"hopper-bfloat16-{k}x{n}", marks=pytest.mark.gpu)
+    for k, n in ((1408, 2880), (2880, 1408), (200, 72), (72, 200))]
 
 
 @pytest.mark.parametrize("case", list(SIZE_CASES))
@@ -54,7 +61,12 @@ def test_grouped_matmul_and_its_gradients_match_float64(case, implementation, dt
   num_rows = _layout_rows(sizes)
   lhs, group_of_row = _grouped_rows(sizes, num_rows, hidden, rng)
   rhs = rng.normal(size=(groups, hidden, columns)) / hidden ** 0.5
-  cotangent = rng.normal(size=(num_rows, columns)) * (group_of_row >= 0)[:, None]
+  tiles = grouped.group_tiles(jnp.asarray(sizes, jnp.int32), num_rows)
+  # The cotangent is zero on a group's padding rows (as combine leaves it)
+  # and nonzero on rows of no group, where the input gradient must still be
+  # exactly zero.
+  no_group = np.asarray(tiles.tile_group).repeat(ROW_TILE) < 0
+  cotangent = rng.normal(size=(num_rows, columns)) * ((group_of_row >= 0) | no_group)[:, None]
   # References from the inputs as rounded to the dtype, in float64.
   cast = lambda v: np.asarray(jnp.asarray(v, dtype).astype(jnp.float32), np.float64)
   lhs, rhs, cotangent = cast(lhs), cast(rhs), cast(cotangent)
@@ -70,13 +82,11 @@ def test_grouped_matmul_and_its_gradients_match_float64(case, implementation, dt
   magnitudes = products(np.abs(lhs), np.abs(rhs), np.abs(cotangent))
   contraction = (hidden, columns, max(sizes))
 
-  tiles = grouped.group_tiles(jnp.asarray(sizes, jnp.int32), num_rows)
   args = (jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype))
   out, vjp = jax.vjp(lambda a, b: grouped.grouped_matmul(a, b, tiles, implementation), *args)
   lhs_grad, rhs_grad = vjp(jnp.asarray(cotangent, dtype))
-  # Rows of no group are unspecified; a group's padding rows are zero.
-  in_a_group = np.asarray(tiles.tile_group).repeat(ROW_TILE)[:, None] >= 0
-  out, lhs_grad = (jnp.where(in_a_group, v, 0) for v in (out, lhs_grad))
+  for value in (out, lhs_grad):  # exactly zero, not merely small, off the groups
+    assert not np.any(np.asarray(value.astype(jnp.float32))[no_group])
 
   # A float32 sum of n terms is within n * 2^-24 of the sum of their
   # magnitudes (Higham's gamma_n); the one rounding to the dtype then adds
@@ -155,11 +165,57 @@ def test_auto_layout_is_grouped_only_where_the_kernels_apply(monkeypatch):
   monkeypatch.setattr(grouped, "hopper_available", lambda: True)  # an H100/H200
   assert grouped.bank_layout("auto", jnp.bfloat16, 256, 512) == "grouped"
   assert grouped.bank_layout("auto", jnp.float32, 256, 512) == "slabs"  # 16-bit operands only
-  assert grouped.bank_layout("auto", jnp.bfloat16, 256, 200) == "slabs"  # F off the tile
+  assert grouped.bank_layout("auto", jnp.bfloat16, 2880, 1408) == "grouped"  # edge tiles
+  assert grouped.bank_layout("auto", jnp.bfloat16, 256, 200) == "grouped"
+  assert grouped.bank_layout("auto", jnp.bfloat16, 256, 201) == "slabs"  # rows of 402 bytes
   monkeypatch.setattr(grouped, "hopper_available", lambda: False)
   assert grouped.bank_layout("auto", jnp.bfloat16, 256, 512) == "slabs"
   for insisted in ("grouped", "slabs"):
     assert grouped.bank_layout(insisted, jnp.float32, 3, 5) == insisted
+
+
+def test_auto_says_once_per_shape_where_a_gpu_runs_slabs(monkeypatch):
+  """On a GPU, "auto" falling to slabs warns once per bank shape, naming the
+  shape and what it costs; on CPU (slabs are the norm there) it is quiet."""
+  monkeypatch.setattr(grouped, "hopper_available", lambda: True)
+  grouped._warn_slabs.cache_clear()
+  monkeypatch.setattr(grouped, "_on_gpu", lambda: False)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert grouped.bank_layout("auto", jnp.float32, 256, 512) == "slabs"
+  monkeypatch.setattr(grouped, "_on_gpu", lambda: True)
+  with pytest.warns(UserWarning, match=r"dtype=float32, H=256, F=512\) on slabs.*several times"):
+    grouped.bank_layout("auto", jnp.float32, 256, 512)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the same shape again: no second warning
+    grouped.bank_layout("auto", jnp.float32, 256, 512)
+    assert grouped.bank_layout("auto", jnp.bfloat16, 256, 512) == "grouped"
+  with pytest.warns(UserWarning, match=r"H=256, F=201\).*multiples of 8"):
+    grouped.bank_layout("auto", jnp.bfloat16, 256, 201)
+  grouped._warn_slabs.cache_clear()
+
+
+@pytest.mark.parametrize("hidden, columns", [(2880, 1408), (200, 72)])
+def test_hopper_kernels_lower_for_sizes_off_the_tiles(hidden, columns):
+  """The three kernels lower to Mosaic GPU (on any machine) for sizes that
+  are not multiples of their tiles: edge tiles and 8 | size alone (the GPU
+  tests check their values)."""
+  from moe_ep.experts import hopper
+  groups, rows = 3, 4 * ROW_TILE
+  lhs = jax.ShapeDtypeStruct((rows, hidden), jnp.bfloat16)
+  tile_group = jax.ShapeDtypeStruct((rows // ROW_TILE,), jnp.int32)
+  per_group = jax.ShapeDtypeStruct((groups,), jnp.int32)
+  calls = [
+      (lambda a, b, t: hopper.grouped_matmul(a, b, t, num_sms=132),
+       (lhs, jax.ShapeDtypeStruct((groups, hidden, columns), jnp.bfloat16), tile_group)),
+      (lambda a, b, t: hopper.grouped_matmul(a, b, t, transpose_rhs=True, num_sms=132),
+       (lhs, jax.ShapeDtypeStruct((groups, columns, hidden), jnp.bfloat16), tile_group)),
+      (lambda a, b, s, n: hopper.grouped_matmul_wgrad(a, b, s, n, groups, num_sms=132),
+       (lhs, jax.ShapeDtypeStruct((rows, columns), jnp.bfloat16), per_group, per_group)),
+  ]
+  for fn, args in calls:
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_hopper_branch_traces_inside_shard_map_with_the_types_of_the_jax_branch(monkeypatch):

@@ -1,0 +1,119 @@
+"""P3 and P4 on the shapes of public MoE models, against a dense SwiGLU chain.
+
+For each model shape ``(T, K, H, F, E)``, timed side by side in one run:
+
+* ``dense``: the ceiling for the expert math, a plain two-GEMM SwiGLU chain
+  over all ``T * K`` rows (``[TK, H] @ [H, 2F]``, the activation,
+  ``@ [F, H]``), forward and backward with every gradient;
+* the grouped bank (P3-grouped) on Zipf loads (expert ``i`` gets a share
+  proportional to ``1 / i``, shuffled: a few experts hold many times the
+  mean, as early in training) and on Dirichlet loads (alpha 4);
+* the whole layer (P4) dropless with ``expert_layout="auto"`` (an untrained
+  router, near balanced) and at capacity 1.0 on slabs, each with the input's
+  gradient.
+
+Every figure is TFLOP/s of the routed rows' useful FLOPs, and each method
+also as a fraction of ``dense`` from the same run.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_ep.bench import common, experts, layer
+from moe_ep.experts import bank_layout, grouped_expert_mlp
+from moe_ep.row_groups import grouped_rows_for
+
+# name: (T, K, H, F, E). DeepSeek-V3's 256 experts at 8192 tokens: its bank
+# at 16384 does not fit beside its gradients on one device.
+SHAPES = {
+    "qwen3_30b_a3b": (16384, 8, 2048, 768, 128),
+    "olmoe_1b_7b": (16384, 8, 2048, 1024, 64),
+    "mixtral_8x7b": (16384, 2, 4096, 14336, 8),
+    "mixtral_8x22b": (16384, 2, 6144, 16384, 8),
+    "deepseek_v2_lite": (16384, 6, 2048, 1408, 64),
+    "gpt_oss_20b": (16384, 4, 2880, 2880, 32),
+    "deepseek_v3": (8192, 8, 7168, 2048, 256),
+}
+LOADS = ("zipf", "skewed")
+
+
+def dense_chain(rows: int, hidden: int, ffn: int, iters: int) -> dict:
+  """The two-GEMM SwiGLU chain over ``rows`` rows, forward+backward: ms."""
+  keys = jax.random.split(jax.random.key(7), 3)
+  x = jax.random.normal(keys[0], (rows, hidden), jnp.bfloat16)
+  w_in = jax.random.normal(keys[1], (hidden, 2 * ffn), jnp.bfloat16) * hidden ** -0.5
+  w_out = jax.random.normal(keys[2], (ffn, hidden), jnp.bfloat16) * ffn ** -0.5
+
+  def chain(x, w_in, w_out):
+    gate, up = jnp.split(x @ w_in, 2, axis=-1)
+    return (jax.nn.silu(gate) * up) @ w_out
+
+  return experts.measure(experts.fwd_bwd(chain), x, w_in, w_out, iters=iters)
+
+
+def bank(tokens: int, top_k: int, hidden: int, ffn: int, num_experts: int, load: str,
+         iters: int) -> dict:
+  """The grouped bank over groups of ``load`` sizes: ms and facts."""
+  routed = tokens * top_k
+  sizes = experts.group_sizes(routed, num_experts, load)
+  counts = jnp.asarray(sizes)
+  num_rows = grouped_rows_for(tokens, top_k, num_experts, 1)
+  rows = experts.grouped_rows(sizes, num_rows, hidden, seed=3)
+  w_in, w_out = experts.weights(hidden, ffn, num_experts, seed=1)
+  mlp = experts.fwd_bwd(lambda x, a, b: grouped_expert_mlp(x, counts, a, b, "swiglu"))
+  timing = experts.measure(mlp, rows, w_in, w_out, iters=iters)
+  return {"largest_over_mean": float(sizes.max() * num_experts / routed), **timing}
+
+
+def run(shapes: dict = SHAPES, loads=LOADS, iters: int = 5, layers: bool = True,
+        backend: str = "auto") -> dict:
+  results = {}
+  for name, (tokens, top_k, hidden, ffn, num_experts) in shapes.items():
+    flops = experts.bank_flops(tokens * top_k, hidden, ffn)
+    methods = {"dense": dense_chain(tokens * top_k, hidden, ffn, iters)}
+    for load in loads:
+      methods[f"grouped_{load}"] = bank(tokens, top_k, hidden, ffn, num_experts, load, iters)
+    for method in methods.values():
+      if "median_ms" in method:
+        method["tflops"] = flops / method["median_ms"] / 1e9
+    if layers:
+      shared = dict(hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k,
+                    tokens=tokens, seq=min(tokens, 2048), backend=backend, exchange="auto",
+                    dispatch_dtype=None, iters=iters, peak_tflops=float("nan"))
+      for variant, options in (("layer_dropless", dict(factor=None)),
+                               ("layer_cf1.0_slabs", dict(factor=1.0, expert_layout="slabs"))):
+        try:
+          timing = layer.variant(None, **shared, **options)
+        except Exception as error:  # noqa: BLE001 - out of memory is a result here
+          timing = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        timing.pop("mfu", None)
+        if "median_ms" in timing:  # the same useful FLOPs as the chain: the routed rows
+          timing["tflops"] = flops / timing["median_ms"] / 1e9
+        methods[variant] = timing
+    dense = methods["dense"].get("tflops")
+    for method in methods.values():
+      if dense and "tflops" in method:
+        method["of_dense"] = method["tflops"] / dense
+    results[name] = {"tokens": tokens, "top_k": top_k, "hidden": hidden, "ffn": ffn,
+                     "num_experts": num_experts, "flops": flops,
+                     "bank_layout": bank_layout("auto", jnp.bfloat16, hidden, ffn),
+                     "methods": methods}
+  return {"activation": "swiglu", "dtype": "bfloat16", "models": results}
+
+
+def summary(result: dict) -> str:
+  lines = ["P3/P4 on model shapes, fwd+bwd, routed-row TFLOP/s (fraction of the dense chain)"]
+  for name, shape in result["models"].items():
+    lines.append(f"  {name} T={shape['tokens']} K={shape['top_k']} H={shape['hidden']} "
+                 f"F={shape['ffn']} E={shape['num_experts']} (auto: {shape['bank_layout']}):")
+    for method_name, method in shape["methods"].items():
+      if "tflops" not in method:
+        lines.append(f"    {method_name}: {method.get('error', '?')[:80]}")
+        continue
+      share = f" ({method['of_dense']:.2f})" if "of_dense" in method else ""
+      lines.append(f"    {method_name}: {method['median_ms']:.2f} ms, "
+                   f"{method['tflops']:.0f}{share}")
+  return "\n".join(lines)
