@@ -247,7 +247,8 @@ class MoEConfig:
       routed, plus at most 127 padding rows per expert: dropless at the cost
       of the routed rows); ``"auto"`` (the default), grouped wherever its
       Hopper kernels run (a GPU of compute capability 9.0, 16-bit ``dtype``,
-      ``hidden_size`` and ``ffn_size`` multiples of 256), slabs elsewhere.
+      ``hidden_size`` and ``ffn_size`` multiples of 8), slabs elsewhere (on
+      a GPU with a warning, once).
       ``capacity_factor`` still caps each expert in either layout.
     receive_factor: grouped layout across EP ranks: None sizes each rank's
       buffer for the worst case, ``R * T * min(K, L)`` rows; a float for
