@@ -36,6 +36,8 @@ CASES = [  # group sizes, spare row tiles of no group, K, N
     ([5, 0, 0], 0, 256, 256),
     ([700, 700], -3, 256, 256),  # the buffer ends inside the second group
     ([37] * 64, 0, 256, 256),  # many groups of one tile each
+    ([300, 0, 129], 1, 1408, 2880),  # edge tiles past K and N (TMA fill and clip)
+    ([200, 1], 1, 200, 72),  # sizes of only 8 | size, below one tile
 ]
 
 
