@@ -95,6 +95,17 @@ class _ShardLayout(NamedTuple):
   num_shards: int  # product of their sizes
 
 
+def _weights_on_activation(config: MoEConfig) -> bool:
+  """Whether the routing weights scale the activation rather than the output.
+
+  Per row, weighting the output costs a pass over ``[M, H]`` forward and two
+  backward (about ``6H`` elements read or written); weighting the activation
+  costs nothing forward (its pass exists) and, backward, the weights'
+  gradient reads the activation's input and gradient (``3F``, ``2F + F``
+  gated or not); docs/grouped.md has the measurements."""
+  return config.ffn_size < 2 * config.hidden_size
+
+
 def _moe_shard(config: MoEConfig, layout: _ShardLayout, mesh, dtype, num_valid: int,
                tokens: jax.Array, params: dict) -> tuple[jax.Array, MoEAux]:
   """One shard's MoE: ``tokens [t, H]`` -> ``(y [t, H] in dtype, aux)``.
@@ -138,15 +149,20 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, mesh, dtype, num_valid: 
       exchange=config.exchange, mesh=mesh, wire_dtype=config.dispatch_dtype,
       grouped_rows=grouped_rows)
 
-  # Experts, weighted in float32 before the unweighted combine.
+  # Experts, their outputs weighted in float32 for the unweighted combine:
+  # through the activation [M, F] where that costs less than a pass over the
+  # output [M, H] (moe_ep.experts.activate), else on the output.
   with jax.named_scope(NAMED_SCOPES["experts"]):
+    weights = dispatched.weights if _weights_on_activation(config) else None
     if grouped_rows is None:
       out = expert_mlp(dispatched.tokens, params["w_in"], params["w_out"], config.activation,
-                       name)
+                       name, row_weights=weights)
     else:
       out = grouped_expert_mlp(dispatched.tokens, dispatched.counts, params["w_in"],
-                               params["w_out"], config.activation, name)
-    out = (out.astype(jnp.float32) * dispatched.weights[..., None]).astype(dtype)
+                               params["w_out"], config.activation, name,
+                               row_weights=weights)
+    if weights is None:
+      out = (out.astype(jnp.float32) * dispatched.weights[..., None]).astype(dtype)
 
   # Combine.
   y = name("combine.output", combine(out, dispatched.handle, num_tokens=num_tokens,

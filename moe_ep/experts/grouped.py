@@ -227,7 +227,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tiles: GroupTiles,
 
 def grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array, w_out: jax.Array,
                        activation: str, name: Namer = _no_name,
-                       implementation: str = "auto") -> jax.Array:
+                       implementation: str = "auto",
+                       row_weights: jax.Array | None = None) -> jax.Array:
   """Applies expert ``l``'s MLP to the rows of group ``l``.
 
   Args:
@@ -236,6 +237,8 @@ def grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array, w_ou
     w_in: ``[L, H, n*F]``; w_out: ``[L, F, H]`` (as :func:`moe_ep.experts.expert_mlp`).
     activation, name: as :func:`moe_ep.experts.expert_mlp`.
     implementation: as :func:`grouped_matmul`.
+    row_weights: ``[M]`` float32 routing weight of each row, or None: the
+      output is then weighted (:func:`moe_ep.experts.activate`).
 
   Returns:
     ``[M, H]`` in ``rows.dtype``, zero on rows of no group, where the
@@ -243,5 +246,5 @@ def grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array, w_ou
   """
   tiles = group_tiles(counts, rows.shape[0])
   hidden = name("expert_hidden", grouped_matmul(rows, w_in, tiles, implementation))
-  out = grouped_matmul(activate(hidden, activation), w_out, tiles, implementation)
+  out = grouped_matmul(activate(hidden, activation, row_weights), w_out, tiles, implementation)
   return name("expert_output", out)

@@ -19,20 +19,29 @@ def _no_name(_: str, value: jax.Array) -> jax.Array:
   return value
 
 
-def activate(hidden: jax.Array, activation: str) -> jax.Array:
-  """``[..., n*F]`` -> ``[..., F]``: gated activations split gate | up."""
+def activate(hidden: jax.Array, activation: str, row_weights: jax.Array | None = None
+             ) -> jax.Array:
+  """``[..., n*F]`` -> ``[..., F]``: gated activations split gate | up.
+
+  ``row_weights [...]`` (float32), if given, scales each row in float32 with
+  one rounding: ``(w * a) @ W_out`` is the weighted output ``w * (a @ W_out)``
+  without a pass over ``[..., H]``, forward or backward (the weights'
+  gradient then sums over ``F``, in the pass that already reads the
+  activation's)."""
   if activation == "gelu":
-    return jax.nn.gelu(hidden)
-  gate, up = jnp.split(hidden, 2, axis=-1)
-  if activation == "swiglu":
-    return jax.nn.silu(gate) * up
-  if activation == "geglu":
-    return jax.nn.gelu(gate) * up
-  raise ValueError(f"activation={activation!r} must be 'swiglu', 'geglu' or 'gelu'")
+    act = jax.nn.gelu(hidden)
+  elif activation in ("swiglu", "geglu"):
+    gate, up = jnp.split(hidden, 2, axis=-1)
+    act = (jax.nn.silu(gate) if activation == "swiglu" else jax.nn.gelu(gate)) * up
+  else:
+    raise ValueError(f"activation={activation!r} must be 'swiglu', 'geglu' or 'gelu'")
+  if row_weights is None:
+    return act
+  return (act.astype(jnp.float32) * row_weights[..., None]).astype(act.dtype)
 
 
 def expert_mlp(tokens: jax.Array, w_in: jax.Array, w_out: jax.Array, activation: str,
-               name: Namer = _no_name) -> jax.Array:
+               name: Namer = _no_name, row_weights: jax.Array | None = None) -> jax.Array:
   """Applies expert ``l``'s MLP to slab ``l``.
 
   Args:
@@ -43,11 +52,14 @@ def expert_mlp(tokens: jax.Array, w_in: jax.Array, w_out: jax.Array, activation:
     activation: ``"swiglu"``, ``"geglu"`` or ``"gelu"``.
     name: attaches checkpoint names (``"expert_hidden"``, the activation
       input, and ``"expert_output"``).
+    row_weights: ``[L, C]`` float32, each row's routing weight, or None: the
+      output is then weighted (see :func:`activate`).
 
   Returns:
     ``[L, C, H]`` in ``tokens.dtype``.
   """
   hidden = jnp.einsum("lch,lhf->lcf", tokens, w_in.astype(tokens.dtype))
   hidden = name("expert_hidden", hidden)
-  out = jnp.einsum("lcf,lfh->lch", activate(hidden, activation), w_out.astype(tokens.dtype))
+  out = jnp.einsum("lcf,lfh->lch", activate(hidden, activation, row_weights),
+                   w_out.astype(tokens.dtype))
   return name("expert_output", out)
