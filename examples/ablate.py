@@ -56,13 +56,31 @@ COLUMNS = {
     "tokens_per_s": ("tokens/s", "{:,.0f}"),
     "mfu": ("MFU", "{:.1%}"),
     "compile_s": ("compile (s)", "{:.1f}"),
+    "timed_steps": ("timed steps", "{:.0f}"),
 }
 NOT_AVAILABLE = "n/a"
+# Step times (and tokens/s, MFU) from fewer timed steps are flagged: on a
+# shared CPU a 20-step run's median moved from 125.6 to 225.6 ms between two
+# runs of the same variant.
+MIN_TIMED_STEPS = 50
+TOO_FEW = " (too few)"
 
 
 def _cell(row: dict, key: str) -> str:
   value = row[key]
-  return NOT_AVAILABLE if value is None else COLUMNS[key][1].format(value)
+  if value is None:
+    return NOT_AVAILABLE
+  text = COLUMNS[key][1].format(value)
+  return text + TOO_FEW if key == "timed_steps" and value < MIN_TIMED_STEPS else text
+
+
+def timing_note(rows: list[dict]) -> str | None:
+  """The line under a table whose timings come from too few steps (None: none do)."""
+  if all(row["timed_steps"] >= MIN_TIMED_STEPS for row in rows):
+    return None
+  return (f"note: step time, tokens/s and MFU marked{TOO_FEW} come from fewer than "
+          f"{MIN_TIMED_STEPS} timed steps (every step after the first): at that length they "
+          f"are noise; train.steps={MIN_TIMED_STEPS + 1} or more for timings to compare")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +165,8 @@ class VariantResult:
         "tokens_per_s": summary["tokens_per_s"],
         "mfu": summary.get("mfu"),  # absent from older summaries
         "compile_s": summary["compile_s"],
+        # The median step time leaves out the first step (it compiles).
+        "timed_steps": max(summary["steps_this_run"] - 1, 1),
     }
 
 
@@ -171,21 +191,24 @@ def job_device_count(processes: int, gpus_per_process: int | None) -> int:
 
 def run_variant(name: str, config: Config, overrides: list[str], *, base: pathlib.Path,
                 subprocess_run: bool = False, processes: int = 1,
-                gpus_per_process: int | None = None, timeout_s: float = 3600) -> VariantResult:
+                gpus_per_process: int | None = None, timeout_s: float = 3600,
+                progress: bool = False) -> VariantResult:
   """Trains one variant: in this process (the default), in a child process,
-  or as a ``processes``-process job through :func:`moe_ep.launch.launch`."""
+  or as a ``processes``-process job through :func:`moe_ep.launch.launch`;
+  ``progress``: its progress shows (its steps; a child's whole output)."""
   run_dir = pathlib.Path(config.train.run_dir)
   if processes == 1 and not subprocess_run:
-    result = pretrain.train(config, progress=False)
+    result = pretrain.train(config, progress=progress, announce=False)
     return VariantResult(name, result.summary, result.records)
   command = [sys.executable, str(PRETRAIN), str(base), *overrides,
              f"train.run_dir={json.dumps(str(run_dir))}"]
   if processes == 1:
-    subprocess.run(command, check=True, timeout=timeout_s, stdout=subprocess.DEVNULL)
+    subprocess.run(command, check=True, timeout=timeout_s,
+                   stdout=None if progress else subprocess.DEVNULL)
   else:
     cpu_devices = None if gpus_per_process else cpu_devices_per_process(processes)
     launch.launch(command, processes, timeout_s=timeout_s, cpu_devices_per_process=cpu_devices,
-                  gpus_per_process=gpus_per_process)
+                  gpus_per_process=gpus_per_process, echo=progress)
   return VariantResult(name, *_read_run(run_dir))
 
 
@@ -200,7 +223,9 @@ def markdown_table(rows: list[dict]) -> str:
 def write_results(results: list[VariantResult], out_dir: pathlib.Path, title: str) -> None:
   """``results.md``, ``results.csv`` and ``loss_curves.png`` in ``out_dir``."""
   rows = [result.row() for result in results]
-  (out_dir / "results.md").write_text(f"{title}\n\n{markdown_table(rows)}")
+  note = timing_note(rows)
+  (out_dir / "results.md").write_text(f"{title}\n\n{markdown_table(rows)}"
+                                      + (f"\n{note}\n" if note else ""))
   with (out_dir / "results.csv").open("w", newline="") as file:
     writer = csv.DictWriter(file, fieldnames=list(COLUMNS))
     writer.writeheader()
@@ -245,9 +270,14 @@ def ablate(sweep_path, extra_overrides=(), *, out_dir=None, subprocess_run: bool
   out_dir.mkdir(parents=True, exist_ok=True)
 
   results = []
-  for name, (config, overrides) in variants.items():
+  for index, (name, (config, overrides)) in enumerate(variants.items()):
+    if echo:
+      where = (f"as a {processes}-process job" if processes > 1 else
+               "in a child process" if subprocess_run else "in this process")
+      print(f"variant {index + 1}/{len(variants)}: {name} ({config.train.steps} steps, "
+            f"{where}; run dir {config.train.run_dir})", flush=True)
     result = run_variant(name, config, overrides, base=sweep.base, subprocess_run=subprocess_run,
-                         processes=processes, gpus_per_process=gpus_per_process)
+                         processes=processes, gpus_per_process=gpus_per_process, progress=echo)
     results.append(result)
     if created and len(results) == 1:
       link_latest(out_dir, sweep.name, root=RUNS_ROOT / "ablations")
@@ -262,7 +292,10 @@ def ablate(sweep_path, extra_overrides=(), *, out_dir=None, subprocess_run: bool
            f"{summary['processes']} process(es), {summary['backend']} mesh {mesh}")
   write_results(results, out_dir, title)
   if echo:
-    print(f"{title}\n\n{markdown_table([r.row() for r in results])}\nwritten to {out_dir}/")
+    rows = [r.row() for r in results]
+    note = timing_note(rows)
+    print(f"{title}\n\n{markdown_table(rows)}" + (f"{note}\n" if note else "")
+          + f"written to {out_dir}/")
   return results
 
 
