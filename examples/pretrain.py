@@ -479,7 +479,7 @@ class Run:
   compile_s: float
   corpus: object
   eval_corpus: object | None
-  eval_step: object | None
+  eval_step: object | None  # compiled at the first evaluation
   checkpoints: RunCheckpoints | None
   state: dict
   start: int
@@ -551,8 +551,6 @@ def start_run(config: Config, *, resume: bool, stop_at: int | None, progress: bo
   say("compiling the train step...")
   compile_start = time.perf_counter()
   setup, train_step = build_program(program_config(config), tuple(devices))
-  batch_shape = (train_config.batch_size, train_config.seq_len + 1)
-  eval_step = compile_eval_step(setup, batch_shape) if eval_corpus is not None else None
   compile_s = time.perf_counter() - compile_start
   ep_note = device_mesh.ep_span_note(setup.mesh, config)
   if ep_note:
@@ -580,17 +578,21 @@ def start_run(config: Config, *, resume: bool, stop_at: int | None, progress: bo
     write_run_config(run_dir, config, resumed_from=start if resume else None, changes=changes)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in previous))
   return Run(config, run_dir, name, created, is_main, devices, setup, train_step, compile_s,
-             corpus, eval_corpus, eval_step, checkpoints, state, start, end, previous,
+             corpus, eval_corpus, None, checkpoints, state, start, end, previous,
              flops_per_token, peak, wall_start, say, notice)
 
 
 def evaluate(run: Run, state) -> float:
-  """Mean held-out cross-entropy over ``train.eval_batches`` fixed batches."""
+  """Mean held-out cross-entropy over ``train.eval_batches`` fixed batches
+  (the eval step is compiled on the first call: a run too short to evaluate
+  does not compile it)."""
   train_config = run.config.train
   shape = (train_config.batch_size, train_config.seq_len + 1)
-  losses = [run.eval_step(state, global_batch(run.eval_corpus, k, sharding=run.setup.batch_sharding,
-                                              shape=shape))
-            for k in range(train_config.eval_batches)]
+  if run.eval_step is None:
+    run.eval_step = compile_eval_step(run.setup, shape)
+  batches = (global_batch(run.eval_corpus, k, sharding=run.setup.batch_sharding, shape=shape)
+             for k in range(train_config.eval_batches))
+  losses = [run.eval_step(state, batch) for batch in batches]
   return float(np.mean([np.asarray(loss.addressable_data(0)) for loss in losses]))
 
 
@@ -649,7 +651,7 @@ def train_loop(run: Run, *, progress: bool, log: MetricsLog | None) -> LoopResul
         nonfinite_in_row = 0 if is_finite(record) else nonfinite_in_row + 1
         if nonfinite_in_row:
           record["skipped"] = nonfinite_in_row <= train_config.skip_nonfinite
-        if run.eval_step is not None and (step + 1) % train_config.eval_every == 0:
+        if run.eval_corpus is not None and (step + 1) % train_config.eval_every == 0:
           record["eval_loss"] = evaluate(run, out.state)
           reporter.note(f"step {step + 1}: held-out loss {record['eval_loss']:.4f}")
         tick = time.perf_counter()  # an eval's time is not the next step's

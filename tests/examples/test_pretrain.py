@@ -194,8 +194,10 @@ class InterruptingCorpus:
 
 
 def interrupt_at(monkeypatch, at: int, how: str, signal_name: str = "SIGINT"):
-  monkeypatch.setattr(pretrain, "make_corpus", lambda config: InterruptingCorpus(
-      make_corpus(config), at, how, signal_name))
+  # The training rows interrupt; held-out ones (split "eval") do not.
+  monkeypatch.setattr(pretrain, "make_corpus", lambda config, split="train": (
+      InterruptingCorpus(make_corpus(config), at, how, signal_name) if split == "train"
+      else make_corpus(config, split)))
 
 
 def interrupted_line(output: str, start: str = "interrupted") -> str:

@@ -103,8 +103,9 @@ class PoisonedCorpus:
 
 
 def poison(monkeypatch, *steps):
-  monkeypatch.setattr(pretrain, "make_corpus", lambda c: PoisonedCorpus(
-      make_corpus(c), steps, c.model.vocab_size))
+  monkeypatch.setattr(pretrain, "make_corpus", lambda c, split="train": (
+      PoisonedCorpus(make_corpus(c), steps, c.model.vocab_size) if split == "train"
+      else make_corpus(c, split)))
 
 
 def test_a_skipped_step_leaves_the_state_as_it_was_and_is_counted(tmp_path, monkeypatch):
