@@ -33,8 +33,8 @@ import json  # noqa: E402
 import shlex  # noqa: E402
 import subprocess  # noqa: E402
 
-from examples import pretrain  # noqa: E402  (sets up the CPU devices before JAX starts)
-from examples import plots  # noqa: E402
+from examples import plots, pretrain  # noqa: E402
+from examples.mesh import CPU_DEVICES, request_cpu_devices  # noqa: E402
 from examples.run_control import SIGNAL_EXIT_CODES, Interrupted, NonFiniteStep  # noqa: E402
 from examples.run_dir import RUNS_ROOT, held_steps, link_latest, new_run_dir  # noqa: E402
 from examples.train_config import (Config, ConfigError, load_config, read_yaml,  # noqa: E402
@@ -43,8 +43,6 @@ from moe_ep import launch  # noqa: E402
 import jax  # noqa: E402
 
 PRETRAIN = pathlib.Path(pretrain.__file__).resolve()
-# The virtual CPU devices of a one-process run (examples/pretrain.py sets them).
-CPU_DEVICES = 8
 # name -> (header, format) of the table's columns, in order; a None value
 # (no MFU without a known device peak) shows as NOT_AVAILABLE.
 COLUMNS = {
@@ -333,6 +331,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  request_cpu_devices()  # before JAX starts its backends
   try:
     ablate(args.sweep, args.overrides, out_dir=args.out, subprocess_run=args.subprocess,
            processes=args.processes, gpus_per_process=args.gpus_per_process)

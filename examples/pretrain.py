@@ -38,16 +38,6 @@ _REPO = str(pathlib.Path(__file__).resolve().parent.parent)
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
 
-# Eight virtual CPU devices give the ("dp", "ep") mesh on a machine without
-# accelerators. This must happen before JAX starts; it is skipped where
-# JAX_PLATFORMS asks for GPUs and leaves a count already set (moe_ep.launch
-# sets one per process) alone.
-_GPU_PLATFORMS = ("cuda", "gpu", "rocm")
-if (not any(p in os.environ.get("JAX_PLATFORMS", "") for p in _GPU_PLATFORMS)
-    and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
-
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
@@ -840,6 +830,7 @@ def nonfinite_line(stop: NonFiniteStep, argv: list[str]) -> str:
 
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
+  device_mesh.request_cpu_devices()  # before JAX starts its backends
   job = distributed.initialize_from_env()  # before any JAX computation
   if job.cluster:
     print(job.describe(), flush=True)

@@ -48,6 +48,7 @@ import jax  # noqa: E402  (the examples' package is found through the line above
 
 from examples import flops, pretrain  # noqa: E402
 from examples.data import make_corpus  # noqa: E402
+from examples.mesh import request_cpu_devices  # noqa: E402
 from examples.train_config import (DEFAULT_CONFIG, Config, config_to_yaml,  # noqa: E402
                                    load_config, split_config_path)
 from moe_ep import distributed  # noqa: E402
@@ -792,8 +793,9 @@ def parse_args(argv=None) -> tuple[Config, argparse.Namespace, str, list[str]]:
 
 def main(argv=None) -> int:
   config, args, name, overrides = parse_args(argv)
+  request_cpu_devices()  # before JAX starts its backends
   if not args.keep_command_buffers:
-    turn_command_buffers_off()  # before JAX starts its backends
+    turn_command_buffers_off()
   distributed.initialize_from_env()  # before any JAX computation (moe_ep.launch jobs)
   try:
     config.mesh_shape(jax.device_count())
