@@ -1,8 +1,8 @@
 """Runs a sweep of pretraining variants and tabulates them.
 
-    python examples/ablate.py configs/ablations/remat.yaml
-    python examples/ablate.py train.steps=20 configs/ablations/capacity.yaml
-    python examples/ablate.py configs/ablations/remat.yaml --processes 2  # 2-process jobs
+    python -m examples.ablate configs/ablations/remat.yaml
+    python -m examples.ablate train.steps=20 configs/ablations/capacity.yaml
+    python -m examples.ablate configs/ablations/remat.yaml --processes 2  # 2-process jobs
 
 A sweep file names a base config, overrides for every variant, and the
 variants: a mapping ``name: {dotted.key: value}`` and/or a ``grid`` of
@@ -20,29 +20,25 @@ from __future__ import annotations
 import pathlib
 import sys
 
-# `python examples/ablate.py` puts examples/ on sys.path, not the repository.
-_REPO = str(pathlib.Path(__file__).resolve().parent.parent)
-if _REPO not in sys.path:
-  sys.path.insert(0, _REPO)
+import argparse
+import csv
+import dataclasses
+import itertools
+import json
+import shlex
+import subprocess
 
-import argparse  # noqa: E402
-import csv  # noqa: E402
-import dataclasses  # noqa: E402
-import itertools  # noqa: E402
-import json  # noqa: E402
-import shlex  # noqa: E402
-import subprocess  # noqa: E402
-
-from examples import plots, pretrain  # noqa: E402
-from examples.mesh import CPU_DEVICES, request_cpu_devices  # noqa: E402
-from examples.run_control import SIGNAL_EXIT_CODES, Interrupted, NonFiniteStep  # noqa: E402
-from examples.run_dir import RUNS_ROOT, held_steps, link_latest, new_run_dir  # noqa: E402
-from examples.train_config import (Config, ConfigError, load_config, read_yaml,  # noqa: E402
+from examples import plots, pretrain
+from examples.mesh import CPU_DEVICES, request_cpu_devices
+from examples.run_control import SIGNAL_EXIT_CODES, Interrupted, NonFiniteStep
+from examples.run_dir import RUNS_ROOT, held_steps, link_latest, new_run_dir
+from examples.train_config import (Config, ConfigError, load_config, read_yaml,
                                    split_config_path)
-from moe_ep import launch  # noqa: E402
-import jax  # noqa: E402
+from moe_ep import launch
+import jax
 
-PRETRAIN = pathlib.Path(pretrain.__file__).resolve()
+# How a child process or a launched job runs a variant (from this directory).
+PRETRAIN_COMMAND = ("-m", "examples.pretrain")
 # name -> (header, format) of the table's columns, in order; a None value
 # (no MFU without a known device peak) shows as NOT_AVAILABLE.
 COLUMNS = {
@@ -198,7 +194,7 @@ def run_variant(name: str, config: Config, overrides: list[str], *, base: pathli
   if processes == 1 and not subprocess_run:
     result = pretrain.train(config, progress=progress, announce=False)
     return VariantResult(name, result.summary, result.records)
-  command = [sys.executable, str(PRETRAIN), str(base), *overrides,
+  command = [sys.executable, *PRETRAIN_COMMAND, str(base), *overrides,
              f"train.run_dir={json.dumps(str(run_dir))}"]
   if processes == 1:
     subprocess.run(command, check=True, timeout=timeout_s,

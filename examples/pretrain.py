@@ -1,11 +1,11 @@
 """Pretrains a small Mixture-of-Experts language model with moe_ep.
 
-    python examples/pretrain.py                          # configs/tiny.yaml, 8 virtual CPU devices
-    python examples/pretrain.py configs/small_gpu.yaml train.steps=2000 moe.top_k=4
-    python examples/pretrain.py --data some.txt          # byte-level on a text file
-    python examples/pretrain.py --resume                 # continue the latest run of tiny.yaml
+    python -m examples.pretrain                          # configs/tiny.yaml, 8 virtual CPU devices
+    python -m examples.pretrain configs/small_gpu.yaml train.steps=2000 moe.top_k=4
+    python -m examples.pretrain --data some.txt          # byte-level on a text file
+    python -m examples.pretrain --resume                 # continue the latest run of tiny.yaml
     python -m moe_ep.launch --num-processes 2 --cpu-devices-per-process 4 -- \\
-        python examples/pretrain.py
+        python -m examples.pretrain
 
 Each run gets its own directory, ``runs/<config name>-<YYYYmmdd-HHMMSS>``
 (``runs/<config name>-latest`` links the newest), or ``train.run_dir=...``;
@@ -33,47 +33,42 @@ import os
 import pathlib
 import sys
 
-# `python examples/pretrain.py` puts examples/ on sys.path, not the repository.
-_REPO = str(pathlib.Path(__file__).resolve().parent.parent)
-if _REPO not in sys.path:
-  sys.path.insert(0, _REPO)
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import shlex
+import statistics
+import textwrap
+import time
+from typing import Callable
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import dataclasses  # noqa: E402
-import functools  # noqa: E402
-import json  # noqa: E402
-import shlex  # noqa: E402
-import statistics  # noqa: E402
-import textwrap  # noqa: E402
-import time  # noqa: E402
-from typing import Callable  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from examples import flops, plots  # noqa: E402
-from examples import mesh as device_mesh  # noqa: E402
-from examples.checkpoints import RunCheckpoints, abstract_like  # noqa: E402
-from examples.metrics_log import (MetricsLog, require_wandb, tensorboard_writer,  # noqa: E402
+from examples import flops, plots
+from examples import mesh as device_mesh
+from examples.checkpoints import RunCheckpoints, abstract_like
+from examples.metrics_log import (MetricsLog, require_wandb, tensorboard_writer,
                                   wandb_run)
-from examples.run_dir import (check_resumed_config, choose_run_dir, latest_link,  # noqa: E402
+from examples.run_dir import (check_resumed_config, choose_run_dir, latest_link,
                               link_latest, run_configs, write_run_config)
-from examples.data import make_corpus  # noqa: E402
-from examples.model import TransformerLM  # noqa: E402
-from examples.progress import ProgressReporter  # noqa: E402
-from examples.run_control import (FINITE_METRICS, SIGNAL_EXIT_CODES, Interrupted,  # noqa: E402
+from examples.data import make_corpus
+from examples.model import TransformerLM
+from examples.progress import ProgressReporter
+from examples.run_control import (FINITE_METRICS, SIGNAL_EXIT_CODES, Interrupted,
                                   NonFiniteStep, StopRequests, is_finite)
-from examples.train_config import (DEFAULT_CONFIG, MESH_AXES, Config, ConfigError,  # noqa: E402
+from examples.train_config import (DEFAULT_CONFIG, MESH_AXES, Config, ConfigError,
                                    DataConfig, TrainConfig, load_config, split_config_path)
-from moe_ep.config import to_dict  # noqa: E402
-import moe_ep  # noqa: E402
-from moe_ep import MoEAux, distributed, launch  # noqa: E402
+from moe_ep.config import to_dict
+import moe_ep
+from moe_ep import MoEAux, distributed, launch
 
 # The batch is split over every device: data parallel over dp and ep alike.
 BATCH_SPEC = P(MESH_AXES)
@@ -438,7 +433,12 @@ def schedule_change_note(run_dir: pathlib.Path, config: Config, start: int) -> s
 
 def describe_config(config: Config, width: int = 100) -> str:
   """The resolved config, compactly: one wrapped ``section: key=value ...`` line
-  per section (nested mappings as ``remat.save=[...]``)."""
+  per section (nested mappings as ``remat.save=[...]``), each value as an
+  override would spell it.
+
+  >>> print(describe_config(Config()).splitlines()[-1])
+    mesh: dp=null ep=null
+  """
   lines = []
   for section, values in to_dict(config).items():
     flat = []
@@ -446,7 +446,7 @@ def describe_config(config: Config, width: int = 100) -> str:
       items = value.items() if isinstance(value, dict) else [(None, value)]
       for sub, item in items:
         name = key if sub is None else f"{key}.{sub}"
-        flat.append(f"{name}={json.dumps(item) if isinstance(item, (list, str)) else item}")
+        flat.append(f"{name}={json.dumps(item)}")  # YAML: pastes back as an override
     lines.append(textwrap.fill(" ".join(flat), width, initial_indent=f"  {section}: ",
                                subsequent_indent=" " * (len(section) + 4),
                                break_on_hyphens=False, break_long_words=False))
@@ -793,16 +793,13 @@ def resume_command(argv: list[str], run_dir: pathlib.Path) -> str:
   """The command line, run from this working directory, that continues the
   run of ``argv`` (this script's arguments) in ``run_dir``; under
   ``moe_ep.launch``, the launcher's command line comes first."""
-  script = pathlib.Path(__file__).resolve()
-  if script.is_relative_to(pathlib.Path.cwd()):
-    script = script.relative_to(pathlib.Path.cwd())
   words = [arg for arg in argv if arg != "--resume"]
   if not any(arg.startswith("train.run_dir=") for arg in words):
     words.append(f"train.run_dir={run_dir}")
   # Under moe_ep.launch: its command line first, so the line is the whole command.
   launcher = os.environ.get(launch.ENV_LAUNCH_COMMAND)
   return " ".join([*([launcher] if launcher else []),
-                   shlex.join(["python", str(script), *words, "--resume"])])
+                   shlex.join(["python", "-m", "examples.pretrain", *words, "--resume"])])
 
 
 def interrupted_line(stop: Interrupted, argv: list[str]) -> str:

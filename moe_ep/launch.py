@@ -1,7 +1,7 @@
 """Starts one command as N cooperating JAX processes on this machine.
 
     python -m moe_ep.launch --num-processes 2 --cpu-devices-per-process 2 -- \\
-        python examples/pretrain.py
+        python -m examples.pretrain
     python -m moe_ep.launch --num-processes 2 --gpus-per-process 1 -- python ...
 
 Each child gets the environment :mod:`moe_ep.distributed` reads (a free

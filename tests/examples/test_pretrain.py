@@ -221,7 +221,7 @@ def test_ctrl_c_saves_the_last_step_and_resume_continues_as_if_uninterrupted(
   assert held_steps(tmp_path) == (1, 4)
 
   monkeypatch.setattr(pretrain, "make_corpus", make_corpus)
-  resume_argv = shlex.split(line.split("resume with: ", 1)[1])[2:]  # less "python <script>"
+  resume_argv = shlex.split(line.split("resume with: ", 1)[1])[3:]  # less "python -m <module>"
   assert pretrain.main(resume_argv) == 0
   assert losses(tmp_path) == [r["loss"] for r in expected.records]
 

@@ -296,3 +296,18 @@ def test_moe_hidden_size_follows_d_model_unless_set(tmp_path):
   assert load_config(explicit, ["model.d_model=64"]).moe.hidden_size == 64
   with pytest.raises(ValueError, match=r"set moe.hidden_size=32, or leave moe.hidden_size out"):
     load_config(explicit, ["model.d_model=32"])
+
+
+def test_the_printed_config_reads_back_as_the_same_config():
+  from examples.pretrain import describe_config
+  config = load_config(TINY_YAML, ["moe.capacity_factor=null", "train.run_dir=runs/x"])
+  text = describe_config(config)
+  assert all(len(line) <= 100 for line in text.splitlines()), text
+  # Every key=value, given back as an override of its section, rebuilds the config.
+  overrides, section = [], None
+  for line in text.splitlines()[1:]:
+    head, _, rest = line.strip().partition(": ")
+    if rest and head in ("model", "moe", "train", "data", "mesh"):
+      section, line = head, rest
+    overrides += [f"{section}.{item}" for item in line.split()]
+  assert len(overrides) > 50 and load_config(TINY_YAML, overrides) == config
