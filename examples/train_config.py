@@ -24,12 +24,10 @@ import jax.numpy as jnp
 import yaml
 
 from moe_ep import MoEConfig
-from moe_ep.config import check_bool as _check_bool
-from moe_ep.config import check_choice as _check_choice
-from moe_ep.config import check_int as _check_int
-from moe_ep.config import check_number as _check_number
-from moe_ep.config import fail as _fail
-from moe_ep.config import from_dict, to_dict
+# One set of validators for both configs: MoEConfig's, so every field error
+# reads the same ("ModelConfig.d_model=0 must be an integer >= 1").
+from moe_ep.config import (check_bool, check_choice, check_int, check_number, fail, from_dict,
+                           to_dict)
 
 MESH_AXES = ("dp", "ep")
 # ModelConfig.attention -> jax.nn.dot_product_attention(implementation=...).
@@ -95,27 +93,27 @@ class ModelConfig:
 
   def __post_init__(self):
     for field in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_size", "moe_every"):
-      _check_int(self, field, 1)
+      check_int(self, field, 1)
     if self.d_model % (2 * self.num_heads):
-      _fail(self, "d_model", f"must be a multiple of 2 * num_heads={self.num_heads} "
+      fail(self, "d_model", f"must be a multiple of 2 * num_heads={self.num_heads} "
             "(an even head size for rotary embeddings)")
     if self.num_layers % self.moe_every:
-      _fail(self, "num_layers", f"must be a multiple of moe_every={self.moe_every}")
+      fail(self, "num_layers", f"must be a multiple of moe_every={self.moe_every}")
     for field in ("scan_layers", "remat_blocks"):
-      _check_bool(self, field)
-    _check_number(self, "rope_base", 1.0)
-    _check_choice(self, "remat_policy", REMAT_POLICIES)
+      check_bool(self, field)
+    check_number(self, "rope_base", 1.0)
+    check_choice(self, "remat_policy", REMAT_POLICIES)
     try:
       dtype = jnp.dtype(self.dtype).name
     except TypeError:
-      _fail(self, "dtype", "is not a dtype name")
-    _check_choice(self, "attention", ATTENTION_IMPLEMENTATIONS)
+      fail(self, "dtype", "is not a dtype name")
+    check_choice(self, "attention", ATTENTION_IMPLEMENTATIONS)
     if self.attention == "cudnn":
       if dtype not in ("bfloat16", "float16"):
-        _fail(self, "attention", "needs dtype bfloat16 or float16 (cuDNN flash "
+        fail(self, "attention", "needs dtype bfloat16 or float16 (cuDNN flash "
               f"attention), got dtype={self.dtype!r}")
       if self.head_dim % 8 or self.head_dim > 256:
-        _fail(self, "attention", "needs a head size d_model / num_heads that is a "
+        fail(self, "attention", "needs a head size d_model / num_heads that is a "
               f"multiple of 8 and <= 256 (cuDNN flash attention), got {self.head_dim}")
 
   @property
@@ -196,26 +194,26 @@ class TrainConfig:
   run_dir: str | None = None
 
   def __post_init__(self):
-    _check_int(self, "seed", 0)
+    check_int(self, "seed", 0)
     for field in ("steps", "batch_size", "seq_len", "log_every", "eval_batches"):
-      _check_int(self, field, 1)
+      check_int(self, field, 1)
     for field in ("warmup_steps", "skip_nonfinite", "checkpoint_every", "eval_every"):
-      _check_int(self, field, 0)
-    _check_bool(self, "tensorboard")
+      check_int(self, field, 0)
+    check_bool(self, "tensorboard")
     if self.wandb_project is not None and (not isinstance(self.wandb_project, str)
                                            or not self.wandb_project):
-      _fail(self, "wandb_project", "must be a project name or null")
-    _check_number(self, "learning_rate", 0.0)
-    _check_number(self, "weight_decay", 0.0)
-    _check_number(self, "grad_clip_norm", 0.0, optional=True)
+      fail(self, "wandb_project", "must be a project name or null")
+    check_number(self, "learning_rate", 0.0)
+    check_number(self, "weight_decay", 0.0)
+    check_number(self, "grad_clip_norm", 0.0, optional=True)
     peak = self.peak_tflops
     if peak is not None and (not isinstance(peak, (int, float)) or isinstance(peak, bool)
                              or not 0 < peak < math.inf):
-      _fail(self, "peak_tflops", "must be a finite number > 0 (TFLOP/s per device) or null")
+      fail(self, "peak_tflops", "must be a finite number > 0 (TFLOP/s per device) or null")
     if not 0.0 <= self.final_lr_fraction <= 1.0:
-      _fail(self, "final_lr_fraction", "must be in [0, 1]")
+      fail(self, "final_lr_fraction", "must be in [0, 1]")
     if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
-      _fail(self, "run_dir", "must be a non-empty path or null")
+      fail(self, "run_dir", "must be a non-empty path or null")
 
   @property
   def warmup_steps_used(self) -> int:
@@ -255,10 +253,10 @@ class DataConfig:
     for field in ("path", "eval_path"):
       value = getattr(self, field)
       if value is not None and (not isinstance(value, str) or not value):
-        _fail(self, field, "must be a file path or null")
-    _check_choice(self, "token_dtype", (None, *TOKEN_DTYPES))
-    _check_int(self, "num_topics", 1)
-    _check_int(self, "successors", 1)
+        fail(self, field, "must be a file path or null")
+    check_choice(self, "token_dtype", (None, *TOKEN_DTYPES))
+    check_int(self, "num_topics", 1)
+    check_int(self, "successors", 1)
 
   @property
   def is_byte_text(self) -> bool:
@@ -294,8 +292,8 @@ class MeshConfig:
   ep: int | None = None
 
   def __post_init__(self):
-    _check_int(self, "dp", 1, optional=True)
-    _check_int(self, "ep", 1, optional=True)
+    check_int(self, "dp", 1, optional=True)
+    check_int(self, "ep", 1, optional=True)
 
   def shape(self, num_devices: int, *, num_experts: int, batch_size: int,
             devices_per_node: int | None = None) -> tuple[int, int]:
