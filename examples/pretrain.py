@@ -34,7 +34,6 @@ import pathlib
 import sys
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json

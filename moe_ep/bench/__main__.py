@@ -51,7 +51,7 @@ def missing_requirement(name: str, smoke: bool) -> str | None:
       return (f"a CUDA GPU and CuPy (it times the CuPy kernels; JAX's backend here is "
               f"{jax.default_backend()!r})")
     try:
-      import cupy  # noqa: F401, PLC0415
+      import cupy  # noqa: F401, PLC0415  (only whether it imports)
     except ImportError:
       return "CuPy (pip install -e '.[cuda12]' or '.[cuda13]')"
     return None
