@@ -3,6 +3,7 @@
     python -m examples.pretrain                          # configs/tiny.yaml, 8 virtual CPU devices
     python -m examples.pretrain configs/small_gpu.yaml train.steps=2000 moe.top_k=4
     python -m examples.pretrain --data some.txt          # byte-level on a text file
+    python -m examples.pretrain data.path=data/corpus    # token shards (examples/tokenize_text.py)
     python -m examples.pretrain --resume                 # continue the latest run of tiny.yaml
     python -m moe_ep.launch --num-processes 2 --cpu-devices-per-process 4 -- \\
         python -m examples.pretrain
@@ -10,8 +11,9 @@
 Each run gets its own directory, ``runs/<config name>-<YYYYmmdd-HHMMSS>``
 (``runs/<config name>-latest`` links the newest), or ``train.run_dir=...``;
 it holds ``config.yaml``, Orbax ``checkpoints/``, ``metrics.jsonl`` (one line
-per step), ``metrics.png`` (loss curve and per-expert load) and
-``summary.json`` (with the model FLOPs per token and the MFU against the
+per step, with the held-out loss every ``train.eval_every`` steps),
+TensorBoard event files, ``metrics.png`` (a panel per training signal; see
+docs/data_and_logs.md) and ``summary.json`` (with the model FLOPs per token and the MFU against the
 device's dense bf16 peak, ``examples/flops.py``). The mesh fits the devices
 present (``mesh.dp``/``mesh.ep`` null).
 
@@ -771,8 +773,8 @@ def parse_args(argv=None) -> tuple[Config, bool, str]:
              "order with the config file and the flags.")
   parser.add_argument("args", nargs="*", metavar="CONFIG.yaml key=value",
                       help="a config file (default configs/tiny.yaml) and overrides")
-  parser.add_argument("--data", metavar="PATH", help="train byte-level on this text file "
-                      "(same as data.path=PATH)")
+  parser.add_argument("--data", metavar="PATH", help="train on this text file (byte-level) "
+                      "or these token shards (same as data.path=PATH)")
   parser.add_argument("--resume", action="store_true",
                       help="continue from the latest checkpoint in train.run_dir (default: "
                            "of the latest run of this config)")
