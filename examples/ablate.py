@@ -1,8 +1,8 @@
 """Runs a sweep of pretraining variants and tabulates them.
 
-    python examples/ablate.py configs/ablations/remat.yaml
-    python examples/ablate.py train.steps=20 configs/ablations/capacity.yaml
-    python examples/ablate.py configs/ablations/remat.yaml --processes 2  # 2-process jobs
+    python -m examples.ablate configs/ablations/remat.yaml
+    python -m examples.ablate train.steps=20 configs/ablations/capacity.yaml
+    python -m examples.ablate configs/ablations/remat.yaml --processes 2  # 2-process jobs
 
 A sweep file names a base config, overrides for every variant, and the
 variants: a mapping ``name: {dotted.key: value}`` and/or a ``grid`` of
@@ -20,31 +20,25 @@ from __future__ import annotations
 import pathlib
 import sys
 
-# `python examples/ablate.py` puts examples/ on sys.path, not the repository.
-_REPO = str(pathlib.Path(__file__).resolve().parent.parent)
-if _REPO not in sys.path:
-  sys.path.insert(0, _REPO)
+import argparse
+import csv
+import dataclasses
+import itertools
+import json
+import shlex
+import subprocess
 
-import argparse  # noqa: E402
-import csv  # noqa: E402
-import dataclasses  # noqa: E402
-import itertools  # noqa: E402
-import json  # noqa: E402
-import shlex  # noqa: E402
-import subprocess  # noqa: E402
-
-from examples import pretrain  # noqa: E402  (sets up the CPU devices before JAX starts)
-from examples import plots  # noqa: E402
-from examples.run_control import SIGNAL_EXIT_CODES, Interrupted, NonFiniteStep  # noqa: E402
-from examples.run_dir import RUNS_ROOT, held_steps, link_latest, new_run_dir  # noqa: E402
-from examples.train_config import (Config, ConfigError, load_config, read_yaml,  # noqa: E402
+from examples import plots, pretrain
+from examples.mesh import CPU_DEVICES, request_cpu_devices
+from examples.run_control import SIGNAL_EXIT_CODES, Interrupted, NonFiniteStep
+from examples.run_dir import RUNS_ROOT, held_steps, link_latest, new_run_dir
+from examples.train_config import (Config, ConfigError, load_config, read_yaml,
                                    split_config_path)
-from moe_ep import launch  # noqa: E402
-import jax  # noqa: E402
+from moe_ep import launch
+import jax
 
-PRETRAIN = pathlib.Path(pretrain.__file__).resolve()
-# The virtual CPU devices of a one-process run (examples/pretrain.py sets them).
-CPU_DEVICES = 8
+# How a child process or a launched job runs a variant (from this directory).
+PRETRAIN_COMMAND = ("-m", "examples.pretrain")
 # name -> (header, format) of the table's columns, in order; a None value
 # (no MFU without a known device peak) shows as NOT_AVAILABLE.
 COLUMNS = {
@@ -56,13 +50,31 @@ COLUMNS = {
     "tokens_per_s": ("tokens/s", "{:,.0f}"),
     "mfu": ("MFU", "{:.1%}"),
     "compile_s": ("compile (s)", "{:.1f}"),
+    "timed_steps": ("timed steps", "{:.0f}"),
 }
 NOT_AVAILABLE = "n/a"
+# Step times (and tokens/s, MFU) from fewer timed steps are flagged: on a
+# shared CPU a 20-step run's median moved from 125.6 to 225.6 ms between two
+# runs of the same variant.
+MIN_TIMED_STEPS = 50
+TOO_FEW = " (too few)"
 
 
 def _cell(row: dict, key: str) -> str:
   value = row[key]
-  return NOT_AVAILABLE if value is None else COLUMNS[key][1].format(value)
+  if value is None:
+    return NOT_AVAILABLE
+  text = COLUMNS[key][1].format(value)
+  return text + TOO_FEW if key == "timed_steps" and value < MIN_TIMED_STEPS else text
+
+
+def timing_note(rows: list[dict]) -> str | None:
+  """The line under a table whose timings come from too few steps (None: none do)."""
+  if all(row["timed_steps"] >= MIN_TIMED_STEPS for row in rows):
+    return None
+  return (f"note: step time, tokens/s and MFU marked{TOO_FEW} come from fewer than "
+          f"{MIN_TIMED_STEPS} timed steps (every step after the first): at that length they "
+          f"are noise; train.steps={MIN_TIMED_STEPS + 1} or more for timings to compare")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +159,8 @@ class VariantResult:
         "tokens_per_s": summary["tokens_per_s"],
         "mfu": summary.get("mfu"),  # absent from older summaries
         "compile_s": summary["compile_s"],
+        # The median step time leaves out the first step (it compiles).
+        "timed_steps": max(summary["steps_this_run"] - 1, 1),
     }
 
 
@@ -171,21 +185,24 @@ def job_device_count(processes: int, gpus_per_process: int | None) -> int:
 
 def run_variant(name: str, config: Config, overrides: list[str], *, base: pathlib.Path,
                 subprocess_run: bool = False, processes: int = 1,
-                gpus_per_process: int | None = None, timeout_s: float = 3600) -> VariantResult:
+                gpus_per_process: int | None = None, timeout_s: float = 3600,
+                progress: bool = False) -> VariantResult:
   """Trains one variant: in this process (the default), in a child process,
-  or as a ``processes``-process job through :func:`moe_ep.launch.launch`."""
+  or as a ``processes``-process job through :func:`moe_ep.launch.launch`;
+  ``progress``: its progress shows (its steps; a child's whole output)."""
   run_dir = pathlib.Path(config.train.run_dir)
   if processes == 1 and not subprocess_run:
-    result = pretrain.train(config, progress=False)
+    result = pretrain.train(config, progress=progress, announce=False)
     return VariantResult(name, result.summary, result.records)
-  command = [sys.executable, str(PRETRAIN), str(base), *overrides,
+  command = [sys.executable, *PRETRAIN_COMMAND, str(base), *overrides,
              f"train.run_dir={json.dumps(str(run_dir))}"]
   if processes == 1:
-    subprocess.run(command, check=True, timeout=timeout_s, stdout=subprocess.DEVNULL)
+    subprocess.run(command, check=True, timeout=timeout_s,
+                   stdout=None if progress else subprocess.DEVNULL)
   else:
     cpu_devices = None if gpus_per_process else cpu_devices_per_process(processes)
     launch.launch(command, processes, timeout_s=timeout_s, cpu_devices_per_process=cpu_devices,
-                  gpus_per_process=gpus_per_process)
+                  gpus_per_process=gpus_per_process, echo=progress)
   return VariantResult(name, *_read_run(run_dir))
 
 
@@ -200,7 +217,9 @@ def markdown_table(rows: list[dict]) -> str:
 def write_results(results: list[VariantResult], out_dir: pathlib.Path, title: str) -> None:
   """``results.md``, ``results.csv`` and ``loss_curves.png`` in ``out_dir``."""
   rows = [result.row() for result in results]
-  (out_dir / "results.md").write_text(f"{title}\n\n{markdown_table(rows)}")
+  note = timing_note(rows)
+  (out_dir / "results.md").write_text(f"{title}\n\n{markdown_table(rows)}"
+                                      + (f"\n{note}\n" if note else ""))
   with (out_dir / "results.csv").open("w", newline="") as file:
     writer = csv.DictWriter(file, fieldnames=list(COLUMNS))
     writer.writeheader()
@@ -245,9 +264,14 @@ def ablate(sweep_path, extra_overrides=(), *, out_dir=None, subprocess_run: bool
   out_dir.mkdir(parents=True, exist_ok=True)
 
   results = []
-  for name, (config, overrides) in variants.items():
+  for index, (name, (config, overrides)) in enumerate(variants.items()):
+    if echo:
+      where = (f"as a {processes}-process job" if processes > 1 else
+               "in a child process" if subprocess_run else "in this process")
+      print(f"variant {index + 1}/{len(variants)}: {name} ({config.train.steps} steps, "
+            f"{where}; run dir {config.train.run_dir})", flush=True)
     result = run_variant(name, config, overrides, base=sweep.base, subprocess_run=subprocess_run,
-                         processes=processes, gpus_per_process=gpus_per_process)
+                         processes=processes, gpus_per_process=gpus_per_process, progress=echo)
     results.append(result)
     if created and len(results) == 1:
       link_latest(out_dir, sweep.name, root=RUNS_ROOT / "ablations")
@@ -262,7 +286,10 @@ def ablate(sweep_path, extra_overrides=(), *, out_dir=None, subprocess_run: bool
            f"{summary['processes']} process(es), {summary['backend']} mesh {mesh}")
   write_results(results, out_dir, title)
   if echo:
-    print(f"{title}\n\n{markdown_table([r.row() for r in results])}\nwritten to {out_dir}/")
+    rows = [r.row() for r in results]
+    note = timing_note(rows)
+    print(f"{title}\n\n{markdown_table(rows)}" + (f"{note}\n" if note else "")
+          + f"written to {out_dir}/")
   return results
 
 
@@ -300,6 +327,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  request_cpu_devices()  # before JAX starts its backends
   try:
     ablate(args.sweep, args.overrides, out_dir=args.out, subprocess_run=args.subprocess,
            processes=args.processes, gpus_per_process=args.gpus_per_process)

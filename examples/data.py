@@ -1,4 +1,6 @@
-"""Token streams that are pure functions of ``(seed, step, row)``.
+"""Token streams that are pure functions of ``(seed, step, row)``: the
+synthetic corpus, byte-level text and (``examples/token_data.py``) token
+shards read through Grain.
 
 Row ``r`` of step ``s`` is drawn from its own generator seeded with
 ``(seed, s, r)``, so every process makes exactly the rows its devices hold,
@@ -12,7 +14,11 @@ import pathlib
 
 import numpy as np
 
+from examples.token_data import TokenShardCorpus
 from examples.train_config import Config
+
+# The last generator key of held-out rows (0x4E1D: "held").
+HELD_OUT_KEY = 0x4E1D
 
 
 class SyntheticCorpus:
@@ -30,8 +36,10 @@ class SyntheticCorpus:
   """
 
   def __init__(self, *, vocab_size: int, seq_len: int, num_topics: int, successors: int,
-               seed: int):
+               seed: int, held_out: bool = False):
     self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+    # Held-out rows come from the same chains through other generator keys.
+    self.stream_key = [HELD_OUT_KEY] if held_out else []
     self.num_topics = num_topics
     rng = np.random.default_rng([seed, 0x5EED])
     shape = (num_topics, vocab_size, successors)
@@ -67,7 +75,7 @@ class SyntheticCorpus:
     first = np.empty(count, np.int64)
     uniforms = np.empty((count, self.seq_len))
     for i, row in enumerate(range(start, stop)):
-      rng = np.random.default_rng([self.seed, step, row])
+      rng = np.random.default_rng([self.seed, step, row, *self.stream_key])
       topics[i], first[i] = rng.integers(self.num_topics), rng.integers(self.vocab_size)
       uniforms[i] = rng.random(self.seq_len)
     tokens = np.empty((count, self.seq_len + 1), np.int32)
@@ -105,11 +113,28 @@ class ByteCorpus:
     return f"byte-level corpus: {self.path} ({self.bytes.size:,} bytes)"
 
 
-def make_corpus(config: Config):
-  """The corpus ``config.data`` names."""
+def make_corpus(config: Config, split: str = "train"):
+  """The corpus ``config.data`` names; ``split="eval"``: its held-out data
+  (``data.eval_path``; a shard directory's ``val*.bin``; the synthetic
+  corpus's held-out rows), or None where there is none.
+
+  Raises:
+    OSError, ValueError: a data file that cannot be used (the message says why).
+  """
   train, data = config.train, config.data
-  if data.path is not None:
-    return ByteCorpus(data.path, seq_len=train.seq_len, seed=train.seed)
-  return SyntheticCorpus(vocab_size=config.model.vocab_size, seq_len=train.seq_len,
-                         num_topics=data.num_topics, successors=data.successors,
-                         seed=train.seed)
+  path = data.path if split == "train" else data.eval_path
+  shard_split = "train" if split == "train" else "val"
+  if split == "eval" and path is None and data.path is not None:
+    if not data.is_byte_text and pathlib.Path(data.path).is_dir():
+      path = data.path  # its val*.bin
+    else:
+      return None
+  if path is None:
+    return SyntheticCorpus(vocab_size=config.model.vocab_size, seq_len=train.seq_len,
+                           num_topics=data.num_topics, successors=data.successors,
+                           seed=train.seed, held_out=split == "eval")
+  if data.is_byte_text:
+    return ByteCorpus(path, seq_len=train.seq_len, seed=train.seed)
+  return TokenShardCorpus(path, split=shard_split, seq_len=train.seq_len,
+                          batch_size=train.batch_size, seed=train.seed,
+                          token_dtype=data.token_dtype, vocab_size=config.model.vocab_size)

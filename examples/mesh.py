@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Sequence
 
 import jax
@@ -22,6 +23,26 @@ import numpy as np
 
 from examples.train_config import MESH_AXES, Config, MeshConfig
 from moe_ep import distributed
+
+# The virtual CPU devices of a one-process run without accelerators.
+CPU_DEVICES = 8
+_GPU_PLATFORMS = ("cuda", "gpu", "rocm")
+
+
+def request_cpu_devices(count: int = CPU_DEVICES) -> None:
+  """Asks XLA for ``count`` virtual CPU devices, so that the ``("dp", "ep")``
+  mesh has devices to span on a machine without accelerators.
+
+  A command's ``main()`` calls it first: it takes effect only before JAX
+  starts its backends. It is skipped where ``JAX_PLATFORMS`` asks for GPUs,
+  and a count already in ``XLA_FLAGS`` (``moe_ep.launch`` sets one per
+  process) is left alone.
+  """
+  if (any(p in os.environ.get("JAX_PLATFORMS", "") for p in _GPU_PLATFORMS)
+      or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")):
+    return
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + f" --xla_force_host_platform_device_count={count}").strip()
 
 
 def device_nodes(devices: Sequence) -> dict[int, str]:

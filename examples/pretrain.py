@@ -1,17 +1,19 @@
 """Pretrains a small Mixture-of-Experts language model with moe_ep.
 
-    python examples/pretrain.py                          # configs/tiny.yaml, 8 virtual CPU devices
-    python examples/pretrain.py configs/small_gpu.yaml train.steps=2000 moe.top_k=4
-    python examples/pretrain.py --data some.txt          # byte-level on a text file
-    python examples/pretrain.py --resume                 # continue the latest run of tiny.yaml
+    python -m examples.pretrain                          # configs/tiny.yaml, 8 virtual CPU devices
+    python -m examples.pretrain configs/small_gpu.yaml train.steps=2000 moe.top_k=4
+    python -m examples.pretrain --data some.txt          # byte-level on a text file
+    python -m examples.pretrain data.path=data/corpus    # token shards (examples/tokenize_text.py)
+    python -m examples.pretrain --resume                 # continue the latest run of tiny.yaml
     python -m moe_ep.launch --num-processes 2 --cpu-devices-per-process 4 -- \\
-        python examples/pretrain.py
+        python -m examples.pretrain
 
 Each run gets its own directory, ``runs/<config name>-<YYYYmmdd-HHMMSS>``
 (``runs/<config name>-latest`` links the newest), or ``train.run_dir=...``;
 it holds ``config.yaml``, Orbax ``checkpoints/``, ``metrics.jsonl`` (one line
-per step), ``metrics.png`` (loss curve and per-expert load) and
-``summary.json`` (with the model FLOPs per token and the MFU against the
+per step, with the held-out loss every ``train.eval_every`` steps),
+TensorBoard event files, ``metrics.png`` (a panel per training signal; see
+docs/data_and_logs.md) and ``summary.json`` (with the model FLOPs per token and the MFU against the
 device's dense bf16 peak, ``examples/flops.py``). The mesh fits the devices
 present (``mesh.dp``/``mesh.ep`` null).
 
@@ -33,53 +35,41 @@ import os
 import pathlib
 import sys
 
-# `python examples/pretrain.py` puts examples/ on sys.path, not the repository.
-_REPO = str(pathlib.Path(__file__).resolve().parent.parent)
-if _REPO not in sys.path:
-  sys.path.insert(0, _REPO)
+import argparse
+import dataclasses
+import functools
+import json
+import shlex
+import statistics
+import textwrap
+import time
+from typing import Callable
 
-# Eight virtual CPU devices give the ("dp", "ep") mesh on a machine without
-# accelerators. This must happen before JAX starts; it is skipped where
-# JAX_PLATFORMS asks for GPUs and leaves a count already set (moe_ep.launch
-# sets one per process) alone.
-_GPU_PLATFORMS = ("cuda", "gpu", "rocm")
-if (not any(p in os.environ.get("JAX_PLATFORMS", "") for p in _GPU_PLATFORMS)
-    and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import dataclasses  # noqa: E402
-import functools  # noqa: E402
-import json  # noqa: E402
-import shlex  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from typing import Callable  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from examples import flops, plots  # noqa: E402
-from examples import mesh as device_mesh  # noqa: E402
-from examples.checkpoints import RunCheckpoints, abstract_like  # noqa: E402
-from examples.run_dir import (check_resumed_config, choose_run_dir, latest_link,  # noqa: E402
-                              link_latest, write_run_config)
-from examples.data import make_corpus  # noqa: E402
-from examples.model import TransformerLM  # noqa: E402
-from examples.progress import ProgressReporter  # noqa: E402
-from examples.run_control import (FINITE_METRICS, SIGNAL_EXIT_CODES, Interrupted,  # noqa: E402
+from examples import flops, plots
+from examples import mesh as device_mesh
+from examples.checkpoints import RunCheckpoints, abstract_like
+from examples.metrics_log import (MetricsLog, require_wandb, tensorboard_writer,
+                                  wandb_run)
+from examples.run_dir import (check_resumed_config, choose_run_dir, latest_link,
+                              link_latest, run_configs, write_run_config)
+from examples.data import make_corpus
+from examples.model import TransformerLM
+from examples.progress import ProgressReporter
+from examples.run_control import (FINITE_METRICS, SIGNAL_EXIT_CODES, Interrupted,
                                   NonFiniteStep, StopRequests, is_finite)
-from examples.train_config import (DEFAULT_CONFIG, MESH_AXES, Config, ConfigError,  # noqa: E402
+from examples.train_config import (DEFAULT_CONFIG, MESH_AXES, Config, ConfigError,
                                    DataConfig, TrainConfig, load_config, split_config_path)
-import moe_ep  # noqa: E402
-from moe_ep import MoEAux, distributed  # noqa: E402
+from moe_ep.config import to_dict
+import moe_ep
+from moe_ep import MoEAux, distributed, launch
 
 # The batch is split over every device: data parallel over dp and ep alike.
 BATCH_SPEC = P(MESH_AXES)
@@ -111,11 +101,17 @@ def make_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
   return device_mesh.make_mesh(config, devices)
 
 
-def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
-  """AdamW with linear warm-up and cosine decay, decaying matrices only."""
-  schedule = optax.warmup_cosine_decay_schedule(
+def make_schedule(train: TrainConfig) -> optax.Schedule:
+  """Step -> learning rate: linear warm-up, then cosine decay to
+  ``learning_rate * final_lr_fraction`` at ``train.steps``."""
+  return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=train.learning_rate, warmup_steps=train.warmup_steps_used,
       decay_steps=train.steps, end_value=train.learning_rate * train.final_lr_fraction)
+
+
+def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
+  """AdamW with :func:`make_schedule`'s rate, decaying matrices only."""
+  schedule = make_schedule(train)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=train.weight_decay,
                       mask=decay_mask)
@@ -247,6 +243,10 @@ def program_config(config: Config) -> Config:
   train = dataclasses.replace(config.train, run_dir=TrainConfig.run_dir,
                               checkpoint_every=TrainConfig.checkpoint_every,
                               log_every=TrainConfig.log_every,
+                              eval_every=TrainConfig.eval_every,
+                              eval_batches=TrainConfig.eval_batches,
+                              tensorboard=TrainConfig.tensorboard,
+                              wandb_project=TrainConfig.wandb_project,
                               peak_tflops=TrainConfig.peak_tflops)
   return dataclasses.replace(config, train=train, data=DataConfig())
 
@@ -328,7 +328,7 @@ def peak_rank_load(records: list[dict], num_experts: int) -> dict[str, float]:
 
 def summarize(records: list[dict], *, config: Config, mesh, compile_s: float, wall_s: float,
               peak_memory: int, interrupted: bool = False,
-              nonfinite_step: int | None = None) -> dict:
+              nonfinite_step: int | None = None, previous: list[dict] = ()) -> dict:
   """The run's headline numbers (step times exclude compilation).
 
   Throughput: ``tokens_per_s`` (global, from the median step),
@@ -340,10 +340,13 @@ def summarize(records: list[dict], *, config: Config, mesh, compile_s: float, wa
   the last finite steps (None: there is none);
   ``skipped_steps`` counts the steps ``train.skip_nonfinite`` skipped and
   ``nonfinite_step`` is the step that stopped the run (None: none did).
+  ``eval_loss`` is the newest held-out loss of the run (``previous``: a
+  resumed run's earlier records) and ``eval_step`` its step (None: no eval).
   """
   step_times = [r["step_time_s"] for r in records[1:]] or [r["step_time_s"] for r in records]
   median_step = statistics.median(step_times)
   last = [r for r in records if is_finite(r)][-FINAL_LOSS_WINDOW:]
+  evals = [r for r in [*previous, *records] if r.get("eval_loss") is not None]
   tokens_per_s = config.train.batch_size * config.train.seq_len / median_step
   flops_per_token = flops.training_flops_per_token(config)
   device = mesh.devices.flat[0]
@@ -356,6 +359,8 @@ def summarize(records: list[dict], *, config: Config, mesh, compile_s: float, wa
       "skipped_steps": sum(r.get("skipped", False) for r in records),
       "final_loss": statistics.fmean(r["ce_loss"] for r in last) if last else None,
       "final_total_loss": statistics.fmean(r["loss"] for r in last) if last else None,
+      "eval_loss": evals[-1]["eval_loss"] if evals else None,
+      "eval_step": evals[-1]["step"] if evals else None,
       "dropped_fraction": statistics.fmean(r["dropped_fraction"] for r in records),
       "peak_rank_load": peak_rank_load(records, config.moe.num_experts),
       "median_step_s": median_step,
@@ -374,14 +379,16 @@ def summarize(records: list[dict], *, config: Config, mesh, compile_s: float, wa
   }
 
 
-def open_corpus(config: Config):
-  """The run's corpus (:func:`make_corpus`); a data file that cannot be used
-  raises :class:`ConfigError` naming ``data.path``."""
+def open_corpus(config: Config, split: str = "train"):
+  """The run's corpus (:func:`make_corpus`; ``split="eval"``: its held-out
+  data, None where there is none); a data file that cannot be used raises
+  :class:`ConfigError` naming ``data.path`` (``data.eval_path``)."""
   try:
-    return make_corpus(config)
+    return make_corpus(config) if split == "train" else make_corpus(config, split)
   except (OSError, ValueError) as error:
     reason = error.strerror if isinstance(error, OSError) and error.strerror else error
-    raise ConfigError(f"data.path={config.data.path!r}: {reason}") from None
+    key = "data.path" if split == "train" or config.data.eval_path is None else "data.eval_path"
+    raise ConfigError(f"{key}={getattr(config.data, key[5:])!r}: {reason}") from None
 
 
 def _is_intact(state) -> bool:
@@ -390,44 +397,115 @@ def _is_intact(state) -> bool:
   return not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
 
-def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
-          progress: bool = True, name: str = "run", devices=None) -> RunResult:
-  """Runs (or resumes) training as ``config`` says.
+def compile_eval_step(setup: Setup, batch_shape: tuple):
+  """``eval_step(state, tokens [B, S + 1]) -> mean cross-entropy``, compiled
+  (the state is read, not donated; the model's variables are left as they were)."""
 
-  Args:
-    config: the run.
-    resume: continue from the newest intact checkpoint in ``train.run_dir``
-      (with ``train.run_dir`` null: of the latest run named ``name``).
-    stop_at: leave after this step count (and checkpoint there), as a run
-      cut short by a job time limit would; ``--resume`` continues it.
-    progress: print the start-up lines and the progress bar (process 0 only).
-    name: names a new run directory, ``runs/<name>-<YYYYmmdd-HHMMSS>``,
-      when ``train.run_dir`` is null (the command line passes the config
-      file's stem).
-    devices: the devices to train on (None: all of the job's). A run resumes
-      onto any device count and mesh its batch and experts divide.
+  def eval_loss(state, tokens):
+    model = nnx.merge(setup.model_def, state["model"])
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-  Raises:
-    ConfigError: the data file cannot be used, the run to resume is finished,
-      or ``config`` changes its model or computation.
-    FileExistsError: a fresh run's explicit ``train.run_dir`` holds another run.
-    FileNotFoundError: ``resume`` finds no (intact) checkpoint.
-    ValueError: the mesh does not fit the devices (the message says how to fix it).
-    Interrupted: Ctrl-C or SIGTERM stopped the loop; the last completed step
-      was checkpointed (when checkpoints are on) and this run's
-      ``summary.json`` and ``metrics.png`` written first.
-    NonFiniteStep: a step was not finite; it was not saved (summary and plot
-      written as for Interrupted).
+  step = jax.jit(eval_loss, in_shardings=(setup.shardings, setup.batch_sharding),
+                 out_shardings=NamedSharding(setup.mesh, P()))
+  tokens = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=setup.batch_sharding)
+  return step.lower(setup.abstract_state, tokens).compile()
+
+
+def schedule_change_note(run_dir: pathlib.Path, config: Config, start: int) -> str | None:
+  """What resuming ``run_dir`` at step ``start`` with ``config`` does to the
+  learning-rate schedule, where it changes (None where it does not)."""
+  saved = run_configs(run_dir)
+  if not saved:
+    return None
+  before, after = load_config(saved[-1]).train, config.train
+  keys = ("steps", "warmup_steps", "learning_rate", "final_lr_fraction")
+  changed = [f"train.{key} {getattr(before, key)} -> {getattr(after, key)}" for key in keys
+             if getattr(before, key) != getattr(after, key)]
+  if not changed:
+    return None
+  old_rate, new_rate = float(make_schedule(before)(start)), float(make_schedule(after)(start))
+  final = after.learning_rate * after.final_lr_fraction
+  return (f"schedule: {', '.join(changed)}: the warm-up and cosine decay are recomputed for "
+          f"the whole run, so at step {start} the learning rate goes from {old_rate:.3g} "
+          f"(the saved schedule) to {new_rate:.3g}, and decays to {final:.3g} at step "
+          f"{after.steps}")
+
+
+def describe_config(config: Config, width: int = 100) -> str:
+  """The resolved config, compactly: one wrapped ``section: key=value ...`` line
+  per section (nested mappings as ``remat.save=[...]``), each value as an
+  override would spell it.
+
+  >>> print(describe_config(Config()).splitlines()[-1])
+    mesh: dp=null ep=null
   """
+  lines = []
+  for section, values in to_dict(config).items():
+    flat = []
+    for key, value in values.items():
+      items = value.items() if isinstance(value, dict) else [(None, value)]
+      for sub, item in items:
+        name = key if sub is None else f"{key}.{sub}"
+        flat.append(f"{name}={json.dumps(item)}")  # YAML: pastes back as an override
+    lines.append(textwrap.fill(" ".join(flat), width, initial_indent=f"  {section}: ",
+                               subsequent_indent=" " * (len(section) + 4),
+                               break_on_hyphens=False, break_long_words=False))
+  return "config:\n" + "\n".join(lines)
+
+
+@dataclasses.dataclass
+class Run:
+  """A run once set up, between :func:`start_run`, :func:`train_loop` and
+  :func:`finish_run`."""
+
+  config: Config
+  run_dir: pathlib.Path
+  name: str
+  created: bool  # a new run directory (the -latest link moves once a step is done)
+  is_main: bool
+  devices: list
+  setup: Setup
+  train_step: object
+  compile_s: float
+  corpus: object
+  eval_corpus: object | None
+  eval_step: object | None  # compiled at the first evaluation
+  checkpoints: RunCheckpoints | None
+  state: dict
+  start: int
+  end: int
+  previous: list  # the resumed run's records up to `start`
+  flops_per_token: float
+  peak: float | None
+  wall_start: float
+  say: Callable
+  notice: Callable
+
+
+def start_run(config: Config, *, resume: bool, stop_at: int | None, progress: bool, name: str,
+              devices, announce: bool = True) -> Run:
+  """Checks the run, chooses its directory, compiles its step, prints the
+  start-up lines (with ``progress`` and ``announce``) and creates or restores
+  its state (see :func:`train`)."""
   wall_start = time.perf_counter()
   is_main = jax.process_index() == 0
-  say = functools.partial(print, flush=True) if progress and is_main else lambda *_: None
+  say = (functools.partial(print, flush=True) if progress and announce and is_main
+         else lambda *_: None)
   # Checkpoint notices (a damaged step set aside) show even without progress.
   notice = functools.partial(print, file=sys.stderr, flush=True) if is_main else say
   devices = jax.devices() if devices is None else list(devices)
   # Device-count and data errors before anything is written.
   mesh_shape = device_mesh.mesh_shape(config, devices)
   corpus = open_corpus(config)
+  eval_corpus = open_corpus(config, "eval") if config.train.eval_every else None
+  try:
+    require_wandb(config.train.wandb_project)
+  except ValueError as error:
+    raise ConfigError(str(error)) from None
+  if config.train.eval_every and eval_corpus is None:
+    raise ConfigError(f"train.eval_every={config.train.eval_every} needs held-out data: set "
+                      "data.eval_path (or train.eval_every=0)")
   run_dir, created = choose_run_dir(config.train.run_dir, name, resume=resume)
   config = dataclasses.replace(config, train=dataclasses.replace(config.train,
                                                                  run_dir=str(run_dir)))
@@ -447,6 +525,7 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
 
   say(f"run dir: {run_dir}"
       + (f" ({latest_link(name)} links to it once its first step is done)" if created else ""))
+  say(describe_config(config))
   processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
   chosen = f" ({config.mesh.chosen})" if config.mesh.chosen else ""
   say(f"mesh: dp={mesh_shape[0]} x ep={mesh_shape[1]} over {len(devices)} "
@@ -456,12 +535,15 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
     say(f"note: train.warmup_steps={train_config.warmup_steps} is not below "
         f"train.steps={train_config.steps}: warming up over {used} step{'s' * (used != 1)} "
         "(steps // 10) instead")
-  say(f"{corpus.describe()}; compiling the train step...")
+  say(corpus.describe())
+  if eval_corpus is not None:
+    say(f"eval every {train_config.eval_every} steps on {train_config.eval_batches} held-out "
+        f"batch{'es' * (train_config.eval_batches != 1)}: {eval_corpus.describe()}")
+  say("compiling the train step...")
   compile_start = time.perf_counter()
   setup, train_step = build_program(program_config(config), tuple(devices))
   compile_s = time.perf_counter() - compile_start
-  mesh = setup.mesh
-  ep_note = device_mesh.ep_span_note(mesh, config)
+  ep_note = device_mesh.ep_span_note(setup.mesh, config)
   if ep_note:
     say(ep_note)
   flops_per_token = flops.training_flops_per_token(config)
@@ -476,95 +558,207 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
     state, _, start = checkpoints.restore_newest_intact(setup.abstract_state)
     say(f"resuming {run_dir} from step {start}"
         + (f" with {'; '.join(changes)}" if changes else ""))
+    schedule_note = schedule_change_note(run_dir, config, start)
+    if schedule_note:
+      say(schedule_note)
   else:
     state = setup.create()
-
-  metrics_path = run_dir / "metrics.jsonl"
-  previous = _read_records(metrics_path, start) if resume else []
+  previous = _read_records(run_dir / "metrics.jsonl", start) if resume else []
   if is_main:
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_config(run_dir, config, resumed_from=start if resume else None, changes=changes)
-    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in previous))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in previous))
+  return Run(config, run_dir, name, created, is_main, devices, setup, train_step, compile_s,
+             corpus, eval_corpus, None, checkpoints, state, start, end, previous,
+             flops_per_token, peak, wall_start, say, notice)
+
+
+def evaluate(run: Run, state) -> float:
+  """Mean held-out cross-entropy over ``train.eval_batches`` fixed batches
+  (the eval step is compiled on the first call: a run too short to evaluate
+  does not compile it)."""
+  train_config = run.config.train
+  shape = (train_config.batch_size, train_config.seq_len + 1)
+  if run.eval_step is None:
+    run.eval_step = compile_eval_step(run.setup, shape)
+  batches = (global_batch(run.eval_corpus, k, sharding=run.setup.batch_sharding, shape=shape)
+             for k in range(train_config.eval_batches))
+  losses = [run.eval_step(state, batch) for batch in batches]
+  return float(np.mean([np.asarray(loss.addressable_data(0)) for loss in losses]))
+
+
+@dataclasses.dataclass
+class LoopResult:
+  """What :func:`train_loop` leaves: the records of its steps, the state,
+  how it ended."""
+
+  records: list
+  state: dict
+  state_step: int
+  checkpoint_step: int | None
+  stopped_by: str | None = None
+  nonfinite: dict | None = None
+
+
+def train_loop(run: Run, *, progress: bool, log: MetricsLog | None) -> LoopResult:
+  """Runs steps ``run.start..run.end``: each one's record is logged (with the
+  held-out loss every ``train.eval_every`` steps) and checkpointed every
+  ``train.checkpoint_every``; a signal or a non-finite step ends it early."""
+  train_config, setup = run.config.train, run.setup
+  every = train_config.checkpoint_every
   batch_shape = (train_config.batch_size, train_config.seq_len + 1)
-  make_batch = functools.partial(global_batch, corpus, sharding=setup.batch_sharding,
+  make_batch = functools.partial(global_batch, run.corpus, sharding=setup.batch_sharding,
                                  shape=batch_shape)
   tokens_per_step = train_config.batch_size * train_config.seq_len
-
-  records = []
-  state_step, checkpoint_step = start, (start if resume else None)
-  stopped_by, nonfinite, nonfinite_in_row = None, None, 0
-  reporter = ProgressReporter(total=end, start=start, enabled=progress and is_main,
+  schedule = make_schedule(train_config)
+  # A resumed run starts from a checkpoint (of a step > 0).
+  out = LoopResult([], run.state, run.start, run.start or None)
+  nonfinite_in_row = 0
+  reporter = ProgressReporter(total=run.end, start=run.start, enabled=progress and run.is_main,
                               log_every=train_config.log_every)
-  with reporter, contextlib.ExitStack() as files, StopRequests() as stop_requests:
-    metrics_file = files.enter_context(metrics_path.open("a")) if is_main else None
+  with reporter, StopRequests() as stop_requests:
     try:
-      batch = make_batch(start)
+      batch = make_batch(run.start)
       tick = time.perf_counter()
-      for step in range(start, end):
-        state, metrics = train_step(state, batch)
-        state_step = step + 1
+      for step in range(run.start, run.end):
+        out.state, metrics = run.train_step(out.state, batch)
+        out.state_step = step + 1
         # The next batch is made while the device runs this step (dispatch is
         # asynchronous); a Ctrl-C meanwhile stops the run once this step is
         # recorded.
         interrupt = None
-        if step + 1 < end:
+        if step + 1 < run.end:
           try:
             batch = make_batch(step + 1)
           except KeyboardInterrupt as error:
             interrupt = error
         record = {"step": step + 1, **_host(metrics)}
         now = time.perf_counter()
-        record["step_time_s"], tick = now - tick, now
+        record["step_time_s"] = now - tick
         record["tokens_per_s"] = tokens_per_step / record["step_time_s"]
-        record["mfu"] = flops.mfu(record["tokens_per_s"] / len(devices), flops_per_token, peak)
+        record["mfu"] = flops.mfu(record["tokens_per_s"] / len(run.devices),
+                                  run.flops_per_token, run.peak)
+        record["learning_rate"] = float(schedule(step))  # the rate of this step's update
         nonfinite_in_row = 0 if is_finite(record) else nonfinite_in_row + 1
         if nonfinite_in_row:
           record["skipped"] = nonfinite_in_row <= train_config.skip_nonfinite
-        records.append(record)
-        if metrics_file:
-          metrics_file.write(json.dumps(record) + "\n")
-          metrics_file.flush()
+        if run.eval_corpus is not None and (step + 1) % train_config.eval_every == 0:
+          record["eval_loss"] = evaluate(run, out.state)
+          reporter.note(f"step {step + 1}: held-out loss {record['eval_loss']:.4f}")
+        tick = time.perf_counter()  # an eval's time is not the next step's
+        out.records.append(record)
+        if log is not None:
+          log.write(record)
         if nonfinite_in_row > train_config.skip_nonfinite:
-          nonfinite = record
+          out.nonfinite = record
           break
-        if created and is_main and len(records) == 1:
-          link_latest(run_dir, name)  # the run has started
-        if checkpoints and ((step + 1) % every == 0 or step + 1 == end):
-          if checkpoints.save(step + 1, state, data_step=step + 1):
-            checkpoint_step = step + 1
+        if run.created and run.is_main and len(out.records) == 1:
+          link_latest(run.run_dir, run.name)  # the run has started
+        if run.checkpoints and ((step + 1) % every == 0 or step + 1 == run.end):
+          if run.checkpoints.save(step + 1, out.state, data_step=step + 1):
+            out.checkpoint_step = step + 1
         reporter.update(record)
         if interrupt is not None:
           raise interrupt
-        stopped_by = stop_requests.stop_after(step + 1)
-        if stopped_by:
+        out.stopped_by = stop_requests.stop_after(step + 1)
+        if out.stopped_by:
           break
     except KeyboardInterrupt:
       if jax.process_count() > 1:
         raise  # the processes may be at different steps: no collective save
-      stopped_by = "SIGINT"
-  if (stopped_by and checkpoints and state_step != checkpoint_step and _is_intact(state)
-      and checkpoints.save(state_step, state, data_step=state_step)):
-    checkpoint_step = state_step
+      out.stopped_by = "SIGINT"
+  return out
+
+
+def finish_run(run: Run, loop: LoopResult) -> RunResult:
+  """Saves a stopped run's last step, writes ``summary.json`` and
+  ``metrics.png``, and returns, or raises how the loop ended."""
+  checkpoints, state = run.checkpoints, loop.state
+  if (loop.stopped_by and checkpoints and loop.state_step != loop.checkpoint_step
+      and _is_intact(state) and checkpoints.save(loop.state_step, state,
+                                                 data_step=loop.state_step)):
+    loop.checkpoint_step = loop.state_step
   if checkpoints:
     checkpoints.close()
-
   summary = None
-  if records:
-    summary = summarize(records, config=config, mesh=mesh, compile_s=compile_s,
-                        wall_s=time.perf_counter() - wall_start,
-                        peak_memory=peak_memory_bytes(train_step),
-                        interrupted=stopped_by is not None,
-                        nonfinite_step=nonfinite and nonfinite["step"])
-    if is_main:
-      (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-      plots.plot_run(previous + records, run_dir / "metrics.png",
-                     loss_floor=getattr(corpus, "entropy_floor", None))
-  if nonfinite:
-    raise NonFiniteStep(nonfinite["step"], {key: nonfinite[key] for key in FINITE_METRICS},
-                        checkpoint_step, run_dir)
-  if stopped_by:
-    raise Interrupted(state_step, checkpoint_step, run_dir, stopped_by)
-  return RunResult(records, summary, state, run_dir)
+  if loop.records:
+    summary = summarize(loop.records, config=run.config, mesh=run.setup.mesh,
+                        compile_s=run.compile_s, wall_s=time.perf_counter() - run.wall_start,
+                        peak_memory=peak_memory_bytes(run.train_step),
+                        interrupted=loop.stopped_by is not None,
+                        nonfinite_step=loop.nonfinite and loop.nonfinite["step"],
+                        previous=run.previous)
+    if run.is_main:
+      (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+      plots.plot_run(run.previous + loop.records, run.run_dir / "metrics.png",
+                     loss_floor=getattr(run.corpus, "entropy_floor", None))
+  if loop.nonfinite:
+    raise NonFiniteStep(loop.nonfinite["step"],
+                        {key: loop.nonfinite[key] for key in FINITE_METRICS},
+                        loop.checkpoint_step, run.run_dir)
+  if loop.stopped_by:
+    raise Interrupted(loop.state_step, loop.checkpoint_step, run.run_dir, loop.stopped_by)
+  return RunResult(loop.records, summary, state, run.run_dir)
+
+
+def open_log(run: Run, *, resume: bool) -> MetricsLog | None:
+  """Process 0's :class:`MetricsLog` of ``run`` (None on the others); says
+  where TensorBoard events go, or why they do not."""
+  if not run.is_main:
+    return None
+  train_config = run.config.train
+  tensorboard, note = tensorboard_writer(run.run_dir, train_config.tensorboard)
+  if note:
+    run.notice(note)
+  elif tensorboard is not None:
+    run.say(f"TensorBoard: tensorboard --logdir {run.run_dir}")
+  wandb = wandb_run(train_config.wandb_project, run.run_dir, to_dict(run.config), resume)
+  return MetricsLog(run.run_dir / "metrics.jsonl", tensorboard=tensorboard, wandb=wandb)
+
+
+def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
+          progress: bool = True, name: str = "run", devices=None,
+          announce: bool = True) -> RunResult:
+  """Runs (or resumes) training as ``config`` says: :func:`start_run`, then
+  :func:`train_loop`, then :func:`finish_run`.
+
+  Args:
+    config: the run.
+    resume: continue from the newest intact checkpoint in ``train.run_dir``
+      (with ``train.run_dir`` null: of the latest run named ``name``).
+    stop_at: leave after this step count (and checkpoint there), as a run
+      cut short by a job time limit would; ``--resume`` continues it.
+    progress: print the start-up lines and the progress bar (process 0 only).
+    announce: with ``progress``, the start-up lines too (False: only the
+      progress, as each variant of a sweep shows it).
+    name: names a new run directory, ``runs/<name>-<YYYYmmdd-HHMMSS>``,
+      when ``train.run_dir`` is null (the command line passes the config
+      file's stem).
+    devices: the devices to train on (None: all of the job's). A run resumes
+      onto any device count and mesh its batch and experts divide.
+
+  Raises:
+    ConfigError: the data file cannot be used, the run to resume is finished,
+      ``config`` changes its model or computation, or W&B is asked for but
+      not installed.
+    FileExistsError: a fresh run's explicit ``train.run_dir`` holds another run.
+    FileNotFoundError: ``resume`` finds no (intact) checkpoint.
+    ValueError: the mesh does not fit the devices (the message says how to fix it).
+    Interrupted: Ctrl-C or SIGTERM stopped the loop; the last completed step
+      was checkpointed (when checkpoints are on) and this run's
+      ``summary.json`` and ``metrics.png`` written first.
+    NonFiniteStep: a step was not finite; it was not saved (summary and plot
+      written as for Interrupted).
+  """
+  run = start_run(config, resume=resume, stop_at=stop_at, progress=progress, name=name,
+                  devices=devices, announce=announce)
+  log = open_log(run, resume=resume)
+  try:
+    loop = train_loop(run, progress=progress, log=log)
+  finally:
+    if log is not None:
+      log.close()
+  return finish_run(run, loop)
 
 
 def parse_args(argv=None) -> tuple[Config, bool, str]:
@@ -579,8 +773,8 @@ def parse_args(argv=None) -> tuple[Config, bool, str]:
              "order with the config file and the flags.")
   parser.add_argument("args", nargs="*", metavar="CONFIG.yaml key=value",
                       help="a config file (default configs/tiny.yaml) and overrides")
-  parser.add_argument("--data", metavar="PATH", help="train byte-level on this text file "
-                      "(same as data.path=PATH)")
+  parser.add_argument("--data", metavar="PATH", help="train on this text file (byte-level) "
+                      "or these token shards (same as data.path=PATH)")
   parser.add_argument("--resume", action="store_true",
                       help="continue from the latest checkpoint in train.run_dir (default: "
                            "of the latest run of this config)")
@@ -598,14 +792,15 @@ def parse_args(argv=None) -> tuple[Config, bool, str]:
 
 def resume_command(argv: list[str], run_dir: pathlib.Path) -> str:
   """The command line, run from this working directory, that continues the
-  run of ``argv`` (this script's arguments) in ``run_dir``."""
-  script = pathlib.Path(__file__).resolve()
-  if script.is_relative_to(pathlib.Path.cwd()):
-    script = script.relative_to(pathlib.Path.cwd())
+  run of ``argv`` (this script's arguments) in ``run_dir``; under
+  ``moe_ep.launch``, the launcher's command line comes first."""
   words = [arg for arg in argv if arg != "--resume"]
   if not any(arg.startswith("train.run_dir=") for arg in words):
     words.append(f"train.run_dir={run_dir}")
-  return shlex.join(["python", str(script), *words, "--resume"])
+  # Under moe_ep.launch: its command line first, so the line is the whole command.
+  launcher = os.environ.get(launch.ENV_LAUNCH_COMMAND)
+  return " ".join([*([launcher] if launcher else []),
+                   shlex.join(["python", "-m", "examples.pretrain", *words, "--resume"])])
 
 
 def interrupted_line(stop: Interrupted, argv: list[str]) -> str:
@@ -633,6 +828,7 @@ def nonfinite_line(stop: NonFiniteStep, argv: list[str]) -> str:
 
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
+  device_mesh.request_cpu_devices()  # before JAX starts its backends
   job = distributed.initialize_from_env()  # before any JAX computation
   if job.cluster:
     print(job.describe(), flush=True)
@@ -676,8 +872,10 @@ def done_line(summary: dict, run_dir: pathlib.Path) -> str:
   skipped = summary["skipped_steps"]
   skipped = f", {skipped} non-finite step{'s' * (skipped != 1)} skipped" if skipped else ""
   loss = "n/a" if summary["final_loss"] is None else f"{summary['final_loss']:.3f}"
+  held_out = ("" if summary.get("eval_loss") is None else
+              f", held-out loss {summary['eval_loss']:.3f} at step {summary['eval_step']}")
   return (f"done: {summary['steps']} steps{skipped}, final loss {loss} "
-          f"(mean of the last {min(FINAL_LOSS_WINDOW, summary['steps_this_run'])}), "
+          f"(mean of the last {min(FINAL_LOSS_WINDOW, summary['steps_this_run'])}){held_out}, "
           f"{summary['tokens_per_s']:,.0f} tokens/s{mfu}, wall {summary['wall_s']:.0f} s "
           f"(compile {summary['compile_s']:.0f} s); outputs in {run_dir}/")
 

@@ -1,8 +1,8 @@
 """Profiles the train step of examples/pretrain.py and writes where the step goes.
 
-    python examples/profile_step.py configs/h200.yaml                  # 5 traced steps
-    python examples/profile_step.py configs/tiny.yaml model.remat_blocks=true --steps 3
-    python examples/profile_step.py configs/h200.yaml train.batch_size=16 --out /tmp/p
+    python -m examples.profile_step configs/h200.yaml                  # 5 traced steps
+    python -m examples.profile_step configs/tiny.yaml model.remat_blocks=true --steps 3
+    python -m examples.profile_step configs/h200.yaml train.batch_size=16 --out /tmp/p
 
 Builds the program ``examples/pretrain.py`` trains (:func:`pretrain.build_program`:
 same mesh, shardings and compiled step), runs ``--warmup`` steps, times
@@ -39,22 +39,18 @@ import tempfile
 import time
 from typing import NamedTuple
 
-# `python examples/profile_step.py` puts examples/ on sys.path, not the repository.
-_REPO = pathlib.Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:
-  sys.path.insert(0, str(_REPO))
+import jax
 
-import jax  # noqa: E402  (the examples' package is found through the line above)
-
-from examples import flops, pretrain  # noqa: E402
-from examples.data import make_corpus  # noqa: E402
-from examples.train_config import (DEFAULT_CONFIG, Config, config_to_yaml,  # noqa: E402
+from examples import flops, pretrain
+from examples.data import make_corpus
+from examples.mesh import request_cpu_devices
+from examples.train_config import (DEFAULT_CONFIG, Config, config_to_yaml,
                                    load_config, split_config_path)
-from moe_ep import distributed  # noqa: E402
-from moe_ep.bench import common  # noqa: E402
-from moe_ep.bench.hlo import Instruction, parse_hlo  # noqa: E402
-from moe_ep.bench.timeline import OpEvent, op_events, read_trace  # noqa: E402
-from moe_ep.transport import NAMED_SCOPES as TRANSPORT_SCOPES  # noqa: E402
+from moe_ep import distributed
+from moe_ep.bench import common
+from moe_ep.bench.hlo import Instruction, parse_hlo
+from moe_ep.bench.timeline import OpEvent, op_events, read_trace
+from moe_ep.transport import NAMED_SCOPES as TRANSPORT_SCOPES
 
 _COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
 
@@ -78,6 +74,7 @@ def turn_command_buffers_off() -> None:
     os.environ["XLA_FLAGS"] = f"{flags} {_COMMAND_BUFFERS_OFF}".strip()
 
 
+_REPO = pathlib.Path(__file__).resolve().parent.parent  # the checkout: its runs/ and commit
 DEFAULT_OUT = _REPO / "runs" / "profile"
 TOP_OPS = 20
 
@@ -792,8 +789,9 @@ def parse_args(argv=None) -> tuple[Config, argparse.Namespace, str, list[str]]:
 
 def main(argv=None) -> int:
   config, args, name, overrides = parse_args(argv)
+  request_cpu_devices()  # before JAX starts its backends
   if not args.keep_command_buffers:
-    turn_command_buffers_off()  # before JAX starts its backends
+    turn_command_buffers_off()
   distributed.initialize_from_env()  # before any JAX computation (moe_ep.launch jobs)
   try:
     config.mesh_shape(jax.device_count())

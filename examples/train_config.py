@@ -24,18 +24,18 @@ import jax.numpy as jnp
 import yaml
 
 from moe_ep import MoEConfig
-from moe_ep.config import check_bool as _check_bool
-from moe_ep.config import check_choice as _check_choice
-from moe_ep.config import check_int as _check_int
-from moe_ep.config import check_number as _check_number
-from moe_ep.config import fail as _fail
-from moe_ep.config import from_dict, to_dict
+# One set of validators for both configs: MoEConfig's, so every field error
+# reads the same ("ModelConfig.d_model=0 must be an integer >= 1").
+from moe_ep.config import (check_bool, check_choice, check_int, check_number, fail, from_dict,
+                           to_dict)
 
 MESH_AXES = ("dp", "ep")
 # ModelConfig.attention -> jax.nn.dot_product_attention(implementation=...).
 ATTENTION_IMPLEMENTATIONS = {"auto": None, "xla": "xla", "cudnn": "cudnn"}
 # ModelConfig.remat_policy values (examples/model.py maps them to policies).
 REMAT_POLICIES = ("moe", "save_dots", "full")
+# DataConfig.token_dtype values: the widths of token ids in shard files.
+TOKEN_DTYPES = ("uint16", "uint32")
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
 
@@ -50,7 +50,7 @@ class ModelConfig:
 
   Attributes:
     vocab_size: tokens in the vocabulary (byte-level data needs >= 256).
-    d_model: model width; equals ``moe.hidden_size``.
+    d_model: model width; ``moe.hidden_size`` follows it unless set explicitly.
     num_layers: transformer blocks.
     num_heads: attention heads; ``d_model / num_heads`` is even (RoPE).
     mlp_size: hidden width of the dense FFN blocks.
@@ -93,27 +93,27 @@ class ModelConfig:
 
   def __post_init__(self):
     for field in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_size", "moe_every"):
-      _check_int(self, field, 1)
+      check_int(self, field, 1)
     if self.d_model % (2 * self.num_heads):
-      _fail(self, "d_model", f"must be a multiple of 2 * num_heads={self.num_heads} "
+      fail(self, "d_model", f"must be a multiple of 2 * num_heads={self.num_heads} "
             "(an even head size for rotary embeddings)")
     if self.num_layers % self.moe_every:
-      _fail(self, "num_layers", f"must be a multiple of moe_every={self.moe_every}")
+      fail(self, "num_layers", f"must be a multiple of moe_every={self.moe_every}")
     for field in ("scan_layers", "remat_blocks"):
-      _check_bool(self, field)
-    _check_number(self, "rope_base", 1.0)
-    _check_choice(self, "remat_policy", REMAT_POLICIES)
+      check_bool(self, field)
+    check_number(self, "rope_base", 1.0)
+    check_choice(self, "remat_policy", REMAT_POLICIES)
     try:
       dtype = jnp.dtype(self.dtype).name
     except TypeError:
-      _fail(self, "dtype", "is not a dtype name")
-    _check_choice(self, "attention", ATTENTION_IMPLEMENTATIONS)
+      fail(self, "dtype", "is not a dtype name")
+    check_choice(self, "attention", ATTENTION_IMPLEMENTATIONS)
     if self.attention == "cudnn":
       if dtype not in ("bfloat16", "float16"):
-        _fail(self, "attention", "needs dtype bfloat16 or float16 (cuDNN flash "
+        fail(self, "attention", "needs dtype bfloat16 or float16 (cuDNN flash "
               f"attention), got dtype={self.dtype!r}")
       if self.head_dim % 8 or self.head_dim > 256:
-        _fail(self, "attention", "needs a head size d_model / num_heads that is a "
+        fail(self, "attention", "needs a head size d_model / num_heads that is a "
               f"multiple of 8 and <= 256 (cuDNN flash attention), got {self.head_dim}")
 
   @property
@@ -156,12 +156,20 @@ class TrainConfig:
       the end (0: never).
     log_every: print a plain progress line every this many steps when the
       output is not a terminal (logs of multi-process jobs, CI).
+    eval_every: every this many steps, the mean cross-entropy over
+      ``eval_batches`` held-out batches (``data.eval_path``), the same batches
+      each time, goes into the metrics as ``eval_loss`` (0: no eval).
+    eval_batches: held-out batches per evaluation.
+    tensorboard: also write the metrics as TensorBoard event files into the
+      run directory (needs ``tensorboardX``; without it, one line says so).
+    wandb_project: also log to this Weights & Biases project (needs
+      ``wandb``; None: no W&B).
     peak_tflops: the per-device peak (TFLOP/s) that MFU is reported
       against; None: the dense bf16 peak of the device kind from
       ``examples/flops.py``'s table (no MFU where the kind is unknown, e.g.
       on CPU).
-    run_dir: config.yaml, checkpoints, metrics.jsonl, metrics.png and
-      summary.json go here. None: a new folder per run,
+    run_dir: config.yaml, checkpoints, metrics.jsonl, TensorBoard events,
+      metrics.png and summary.json go here. None: a new folder per run,
       ``runs/<config name>-<YYYYmmdd-HHMMSS>``, with ``runs/<config name>-latest``
       linking the newest (``examples/pretrain.py`` chooses it).
   """
@@ -178,26 +186,34 @@ class TrainConfig:
   skip_nonfinite: int = 0
   checkpoint_every: int = 100
   log_every: int = 25
+  eval_every: int = 0
+  eval_batches: int = 4
+  tensorboard: bool = True
+  wandb_project: str | None = None
   peak_tflops: float | None = None
   run_dir: str | None = None
 
   def __post_init__(self):
-    _check_int(self, "seed", 0)
-    for field in ("steps", "batch_size", "seq_len", "log_every"):
-      _check_int(self, field, 1)
-    for field in ("warmup_steps", "skip_nonfinite", "checkpoint_every"):
-      _check_int(self, field, 0)
-    _check_number(self, "learning_rate", 0.0)
-    _check_number(self, "weight_decay", 0.0)
-    _check_number(self, "grad_clip_norm", 0.0, optional=True)
+    check_int(self, "seed", 0)
+    for field in ("steps", "batch_size", "seq_len", "log_every", "eval_batches"):
+      check_int(self, field, 1)
+    for field in ("warmup_steps", "skip_nonfinite", "checkpoint_every", "eval_every"):
+      check_int(self, field, 0)
+    check_bool(self, "tensorboard")
+    if self.wandb_project is not None and (not isinstance(self.wandb_project, str)
+                                           or not self.wandb_project):
+      fail(self, "wandb_project", "must be a project name or null")
+    check_number(self, "learning_rate", 0.0)
+    check_number(self, "weight_decay", 0.0)
+    check_number(self, "grad_clip_norm", 0.0, optional=True)
     peak = self.peak_tflops
     if peak is not None and (not isinstance(peak, (int, float)) or isinstance(peak, bool)
                              or not 0 < peak < math.inf):
-      _fail(self, "peak_tflops", "must be a finite number > 0 (TFLOP/s per device) or null")
+      fail(self, "peak_tflops", "must be a finite number > 0 (TFLOP/s per device) or null")
     if not 0.0 <= self.final_lr_fraction <= 1.0:
-      _fail(self, "final_lr_fraction", "must be in [0, 1]")
+      fail(self, "final_lr_fraction", "must be in [0, 1]")
     if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
-      _fail(self, "run_dir", "must be a non-empty path or null")
+      fail(self, "run_dir", "must be a non-empty path or null")
 
   @property
   def warmup_steps_used(self) -> int:
@@ -211,22 +227,48 @@ class DataConfig:
   """Where the tokens come from.
 
   Attributes:
-    path: a text file trained on byte-level (vocabulary 256), or None for the
-      built-in synthetic corpus.
+    path: None for the built-in synthetic corpus; a text file, trained on
+      byte-level (vocabulary 256); or token shards read through Grain
+      (``examples/token_data.py``): a ``.bin`` file of flat little-endian
+      token ids (nanoGPT/MaxText style), a glob of them, or a directory
+      whose ``train*.bin`` files are the training shards (and ``val*.bin``
+      the held-out ones), as ``examples/tokenize_text.py`` writes them.
+    eval_path: held-out data for ``train.eval_every``, in the same form as
+      ``path`` (None: a shard directory's ``val*.bin``; the synthetic corpus
+      holds out its own sequences; a text file needs one).
+    token_dtype: ``"uint16"`` or ``"uint32"``: the width of the ids in token
+      shards (None: from the ``tokens.json`` beside them, else uint16).
     num_topics: synthetic corpus: each sequence follows one of this many
       hidden Markov chains, so the model must infer the chain from context.
     successors: synthetic corpus: tokens that can follow a given token.
   """
 
   path: str | None = None
+  eval_path: str | None = None
+  token_dtype: str | None = None
   num_topics: int = 4
   successors: int = 4
 
   def __post_init__(self):
-    if self.path is not None and not isinstance(self.path, str):
-      _fail(self, "path", "must be a file path or null")
-    _check_int(self, "num_topics", 1)
-    _check_int(self, "successors", 1)
+    for field in ("path", "eval_path"):
+      value = getattr(self, field)
+      if value is not None and (not isinstance(value, str) or not value):
+        fail(self, field, "must be a file path or null")
+    check_choice(self, "token_dtype", (None, *TOKEN_DTYPES))
+    check_int(self, "num_topics", 1)
+    check_int(self, "successors", 1)
+
+  @property
+  def is_byte_text(self) -> bool:
+    """Whether ``path`` is a text file trained on byte-level (not token shards)."""
+    return self.path is not None and not is_token_shards(self.path)
+
+
+def is_token_shards(path: str) -> bool:
+  """Whether a ``data.path`` names token shards (a ``.bin`` file, a glob or a
+  directory) rather than a text file."""
+  return (path.endswith(".bin") or any(c in path for c in "*?[")
+          or pathlib.Path(path).is_dir())
 
 
 # How to get another device count, for the errors of MeshConfig.shape.
@@ -250,8 +292,8 @@ class MeshConfig:
   ep: int | None = None
 
   def __post_init__(self):
-    _check_int(self, "dp", 1, optional=True)
-    _check_int(self, "ep", 1, optional=True)
+    check_int(self, "dp", 1, optional=True)
+    check_int(self, "ep", 1, optional=True)
 
   def shape(self, num_devices: int, *, num_experts: int, batch_size: int,
             devices_per_node: int | None = None) -> tuple[int, int]:
@@ -319,14 +361,16 @@ class Config:
                          f"keys, got {getattr(self, field.name)!r}")
     if self.moe.hidden_size != self.model.d_model:
       raise ValueError(f"MoEConfig.hidden_size={self.moe.hidden_size} must equal "
-                       f"ModelConfig.d_model={self.model.d_model}")
+                       f"ModelConfig.d_model={self.model.d_model}: set "
+                       f"moe.hidden_size={self.model.d_model}, or leave moe.hidden_size out "
+                       "(it follows model.d_model)")
     if self.moe.ep_axis != "ep" or not set(self.moe.batch_axes) <= set(MESH_AXES):
       raise ValueError(f"MoEConfig.ep_axis={self.moe.ep_axis!r} and batch_axes="
                        f"{self.moe.batch_axes!r} must name the mesh axes {MESH_AXES}")
     if self.data.path is None and self.model.vocab_size < 2 * self.data.successors:
       raise ValueError(f"ModelConfig.vocab_size={self.model.vocab_size} must be >= 2 * "
                        f"DataConfig.successors={self.data.successors} for the synthetic corpus")
-    if self.data.path is not None and self.model.vocab_size < 256:
+    if self.data.is_byte_text and self.model.vocab_size < 256:
       raise ValueError(f"ModelConfig.vocab_size={self.model.vocab_size} must be >= 256 "
                        "for byte-level data")
 
@@ -437,7 +481,14 @@ def apply_overrides(data: dict, overrides) -> dict:
 
 
 def config_from_dict(data: dict | None) -> Config:
-  """Builds a :class:`Config`; unknown keys raise naming ``config.section.key``."""
+  """Builds a :class:`Config`; unknown keys raise naming ``config.section.key``.
+  ``moe.hidden_size`` left out follows ``model.d_model``."""
+  data = dict(data or {})
+  model = data.get("model") if isinstance(data.get("model"), dict) else {}
+  default_moe = {k: v for k, v in to_dict(Config().moe).items() if k != "hidden_size"}
+  moe = data.get("moe", default_moe if "d_model" in model else None)
+  if isinstance(moe, dict) and "hidden_size" not in moe:
+    data["moe"] = {**moe, "hidden_size": model.get("d_model", ModelConfig.d_model)}
   return from_dict(Config, data, "config")
 
 

@@ -1,7 +1,7 @@
 """Starts one command as N cooperating JAX processes on this machine.
 
     python -m moe_ep.launch --num-processes 2 --cpu-devices-per-process 2 -- \\
-        python examples/pretrain.py
+        python -m examples.pretrain
     python -m moe_ep.launch --num-processes 2 --gpus-per-process 1 -- python ...
 
 Each child gets the environment :mod:`moe_ep.distributed` reads (a free
@@ -24,6 +24,7 @@ import math
 import os
 import pathlib
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -40,6 +41,9 @@ _POLL_S = 0.05
 _SETTLE_S = 2.0
 # Seconds the children get to save and exit after a forwarded signal.
 DEFAULT_GRACE_S = 60.0
+# The launcher's own command line up to the launched command, for the
+# children: a resume line they print is then the whole command.
+ENV_LAUNCH_COMMAND = "MOE_EP_LAUNCH_COMMAND"
 # A frame of a C++ stack trace ("    @     0x7f6a...  symbol") and its heading.
 _STACK_FRAME = re.compile(r"\s*(@\s+0x[0-9a-f]+|\*\*\* Check failure stack trace)")
 # JAX's coordination service naming tasks (= process ids) that went silent.
@@ -371,6 +375,9 @@ def main(argv=None) -> int:
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
   if not command:
     parser.error("give the command to run after '--'")
+  words = sys.argv[1:] if argv is None else list(argv)
+  os.environ[ENV_LAUNCH_COMMAND] = shlex.join(
+      ["python", "-m", "moe_ep.launch", *words[:len(words) - len(command)]])
   try:
     check_arguments(args.num_processes, timeout_s=args.timeout, grace_s=args.grace,
                     cpu_devices_per_process=args.cpu_devices_per_process,

@@ -2,6 +2,7 @@
 
 import functools
 import os
+import pathlib
 import re
 
 # Must happen before JAX initialises its backends. No GPU memory preallocation:
@@ -81,7 +82,49 @@ def cupy_usable() -> bool:
 BACKENDS = ["xla"] + (["cupy"] if cupy_usable() else [])
 
 
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# The quick tier, `python -m pytest -m quick`: under two minutes on two CPU
+# cores (README). Whole modules (None) or the tests whose names start with one
+# of the given prefixes: configuration, data, logs, command lines, the router,
+# the expert banks, the transport's transforms and kernel sources, and the
+# layer against its dense reference. Slow tests never join it.
+QUICK = {
+    "tests/test_config.py": None,
+    "tests/test_router.py": None,
+    "tests/test_layer.py": ("test_layer_matches_dense_reference",),
+    "tests/experts/test_slabs.py": None,
+    "tests/experts/test_grouped.py": None,
+    "tests/transport/test_transforms.py": None,
+    "tests/transport/test_kernel_source.py": None,
+    "tests/transport/test_kernel_loading.py": None,
+    "tests/bench/test_main.py": None,
+    "tests/bench/test_common.py": None,
+    "tests/bench/test_results.py": None,
+    "tests/examples/test_train_config.py": None,
+    "tests/examples/test_token_data.py": None,
+    "tests/examples/test_plots.py": None,
+    "tests/examples/test_progress.py": None,
+    "tests/examples/test_run_dir.py": None,
+    "tests/examples/test_mesh.py": None,
+    "tests/examples/test_checkpoints.py": None,
+    "tests/examples/test_slurm_script.py": None,
+    "tests/test_quick_tier.py": None,
+}
+
+
+def _is_quick(item) -> bool:
+  path = pathlib.Path(str(item.fspath)).resolve().relative_to(_REPO).as_posix()
+  if path not in QUICK or item.get_closest_marker("slow"):
+    return False
+  prefixes = QUICK[path]
+  return prefixes is None or item.name.startswith(prefixes)
+
+
 def pytest_collection_modifyitems(config, items):
+  for item in items:
+    if _is_quick(item):
+      item.add_marker(pytest.mark.quick)
   # Tests that wait for a background job run last, so the job overlaps the
   # rest of the suite (see tests/background.py).
   waits = [hasattr(getattr(item, "module", None), "background_jobs") for item in items]

@@ -40,6 +40,29 @@ SMOKE = {
                      backend="xla", calls=3),
 }
 
+# Benchmarks of the CuPy kernels themselves: no CPU version, --smoke included.
+CUPY_ONLY = ("overhead", "loopback")
+
+
+def missing_requirement(name: str, smoke: bool) -> str | None:
+  """What benchmark ``name`` needs that this machine lacks (None: it can run):
+  the CuPy kernels' benchmarks need a CUDA GPU and CuPy; the others' full
+  shapes need a GPU (their ``--smoke`` shapes run anywhere)."""
+  on_gpu = jax.default_backend() == "gpu"
+  if name in CUPY_ONLY:
+    if not on_gpu:
+      return (f"a CUDA GPU and CuPy (it times the CuPy kernels; JAX's backend here is "
+              f"{jax.default_backend()!r})")
+    try:
+      import cupy  # noqa: F401, PLC0415  (only whether it imports)
+    except ImportError:
+      return "CuPy (pip install -e '.[cuda12]' or '.[cuda13]')"
+    return None
+  if not smoke and not on_gpu:
+    return (f"a GPU for its full-size shapes (JAX's backend here is {jax.default_backend()!r}; "
+            "--smoke runs tiny shapes on any device)")
+  return None
+
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(
@@ -63,7 +86,10 @@ def main(argv=None) -> None:
     parser.error(f"unknown benchmark {unknown[0]!r}; choose from {[*BENCHMARKS, 'all']}")
   names = list(BENCHMARKS) if not args.names or "all" in args.names else args.names
   for name in names:
-    if args.smoke and name not in SMOKE:
+    missing = missing_requirement(name, args.smoke)
+    if missing is not None:
+      if jax.process_index() == 0:
+        print(f"{name}: skipped: needs {missing}", flush=True)
       continue
     module = importlib.import_module(f"moe_ep.bench.{name}")
     result = module.run(**(SMOKE[name] if args.smoke else {}))

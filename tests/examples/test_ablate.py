@@ -173,6 +173,42 @@ def test_sigterm_during_a_variant_saves_it_and_exits_143(tmp_path, monkeypatch, 
   skip_unless_devices_fit(load_config(TINY_YAML, FAST_OVERRIDES))
   interrupt_at(monkeypatch, 2, "signal", signal_name="SIGTERM")
   assert main([str(sweep), "--out", str(tmp_path / "out")]) == 143
-  assert capsys.readouterr().out.startswith("interrupted: the sweep stopped")
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].startswith("variant 1/2: a (6 steps, in this process")
+  assert lines[-1].startswith("interrupted: the sweep stopped")
   assert sorted(p.name for p in (tmp_path / "out" / "a" / "checkpoints").iterdir()) == ["2"]
   assert not (tmp_path / "out" / "b").exists()
+
+
+def _fake_result(name, steps):
+  from examples.ablate import VariantResult
+  summary = {"median_step_s": 0.1, "peak_memory_bytes": 2**20, "final_loss": 2.0,
+             "dropped_fraction": 0.0, "tokens_per_s": 1e4, "mfu": None, "compile_s": 1.0,
+             "steps_this_run": steps, "mesh": {"dp": 1, "ep": 8}, "processes": 1,
+             "backend": "cpu"}
+  return VariantResult(name, summary, [{"step": s, "ce_loss": 2.0} for s in range(1, steps + 1)])
+
+
+@pytest.mark.parametrize("steps, flagged", [(20, True), (50, True), (51, False)])
+def test_a_sweep_shows_each_variant_as_it_starts_and_flags_timings_from_too_few_steps(
+    tmp_path, monkeypatch, capsys, steps, flagged):
+  from examples import ablate as ablate_module
+  sweep = write_sweep(tmp_path / "sweep.yaml", overrides={"train.steps": steps},
+                      variants={"a": {}, "b": {"moe.top_k": 1}})
+  started = []
+
+  def run_variant(name, config, overrides, **kwargs):
+    started.append((name, capsys.readouterr().out))  # what showed before it trained
+    return _fake_result(name, steps)
+
+  monkeypatch.setattr(ablate_module, "run_variant", run_variant)
+  ablate(sweep, out_dir=tmp_path / "out")
+  assert [name for name, _ in started] == ["a", "b"]
+  assert started[0][1].startswith(f"variant 1/2: a ({steps} steps, in this process; run dir ")
+  assert started[1][1].splitlines()[-1].startswith("variant 2/2: b (")
+  results_md = (tmp_path / "out" / "results.md").read_text()
+  out = capsys.readouterr().out
+  for text in (results_md, out):
+    rows = [line for line in text.splitlines() if line.startswith("| a ") or line.startswith("| b ")]
+    assert all(line.endswith(f"| {steps - 1}{' (too few)' * flagged} |") for line in rows), rows
+    assert ("timed steps" in text) and (("fewer than 50 timed steps" in text) == flagged)

@@ -12,8 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from tiny_run import TINY_YAML, fast_overrides, skip_unless_devices_fit
-from examples import flops, pretrain
+from tiny_run import REPO, TINY_YAML, fast_overrides, skip_unless_devices_fit
+from flax import nnx
+
+from examples import flops, pretrain, tokenize_text
 from examples.run_dir import held_steps
 from examples.data import ByteCorpus, SyntheticCorpus, make_corpus
 from examples.progress import progress_line
@@ -23,6 +25,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 6
 PEAK_TFLOPS = 0.01  # the uninterrupted run's MFU is against this
+EVAL_EVERY, EVAL_BATCHES = 3, 2  # the uninterrupted run's held-out loss
 
 
 def argv(run_dir, *extra) -> list[str]:
@@ -42,8 +45,9 @@ def losses(run_dir) -> list[float]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
   run_dir = tmp_path_factory.mktemp("uninterrupted")
-  return run_dir, pretrain.train(config(run_dir, f"train.peak_tflops={PEAK_TFLOPS}"),
-                                 progress=False)
+  return run_dir, pretrain.train(config(run_dir, f"train.peak_tflops={PEAK_TFLOPS}",
+                                        f"train.eval_every={EVAL_EVERY}",
+                                        f"train.eval_batches={EVAL_BATCHES}"), progress=False)
 
 
 def test_loss_falls_below_the_first_step(uninterrupted):
@@ -190,8 +194,10 @@ class InterruptingCorpus:
 
 
 def interrupt_at(monkeypatch, at: int, how: str, signal_name: str = "SIGINT"):
-  monkeypatch.setattr(pretrain, "make_corpus", lambda config: InterruptingCorpus(
-      make_corpus(config), at, how, signal_name))
+  # The training rows interrupt; held-out ones (split "eval") do not.
+  monkeypatch.setattr(pretrain, "make_corpus", lambda config, split="train": (
+      InterruptingCorpus(make_corpus(config), at, how, signal_name) if split == "train"
+      else make_corpus(config, split)))
 
 
 def interrupted_line(output: str, start: str = "interrupted") -> str:
@@ -215,7 +221,7 @@ def test_ctrl_c_saves_the_last_step_and_resume_continues_as_if_uninterrupted(
   assert held_steps(tmp_path) == (1, 4)
 
   monkeypatch.setattr(pretrain, "make_corpus", make_corpus)
-  resume_argv = shlex.split(line.split("resume with: ", 1)[1])[2:]  # less "python <script>"
+  resume_argv = shlex.split(line.split("resume with: ", 1)[1])[3:]  # less "python -m <module>"
   assert pretrain.main(resume_argv) == 0
   assert losses(tmp_path) == [r["loss"] for r in expected.records]
 
@@ -271,3 +277,88 @@ def test_a_mesh_that_does_not_fit_the_devices_says_how_to_change_it(tmp_path, ca
   assert "mesh.dp=null mesh.ep=null" in error
   assert "XLA_FLAGS=--xla_force_host_platform_device_count=N" in error
   assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def _cross_entropy_f64(logits, tokens) -> float:
+  """Mean next-token cross-entropy in float64 numpy."""
+  logits = np.asarray(logits, np.float64)
+  log_probs = logits - logits.max(-1, keepdims=True)
+  log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+  labels = np.asarray(tokens)[:, 1:]
+  return float(-np.take_along_axis(log_probs, labels[..., None], -1).mean())
+
+
+def test_eval_loss_is_the_held_out_cross_entropy_of_the_state_at_that_step(uninterrupted):
+  run_dir, result = uninterrupted
+  evals = {r["step"]: r["eval_loss"] for r in result.records if "eval_loss" in r}
+  assert sorted(evals) == [3, 6]
+  assert (result.summary["eval_loss"], result.summary["eval_step"]) == (evals[6], 6)
+  run_config = config(run_dir)
+  held_out, train_data = make_corpus(run_config, "eval"), make_corpus(run_config)
+  setup, _ = pretrain.build_program(pretrain.program_config(run_config), tuple(jax.devices()))
+  forward = jax.jit(lambda state, tokens: nnx.merge(setup.model_def, state)(tokens))
+  shape = (run_config.train.batch_size, run_config.train.seq_len + 1)
+  losses = []
+  for k in range(EVAL_BATCHES):
+    tokens = np.asarray(held_out.rows(k, 0, shape[0]))
+    assert not np.array_equal(tokens, train_data.rows(k, 0, shape[0]))  # held out
+    batch = pretrain.global_batch(held_out, k, sharding=setup.batch_sharding, shape=shape)
+    losses.append(_cross_entropy_f64(forward(result.state["model"], batch[:, :-1]), tokens))
+  # float32 logits of a 64-token vocabulary: ~1e-6 relative error per term.
+  assert evals[6] == pytest.approx(np.mean(losses), rel=1e-5)
+
+
+def test_tensorboard_events_hold_every_logged_scalar(uninterrupted):
+  event_accumulator = pytest.importorskip(
+      "tensorboard.backend.event_processing.event_accumulator")
+  run_dir, result = uninterrupted
+  events = event_accumulator.EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+  events.Reload()
+  tags = events.Tags()["scalars"]
+  assert {"train/loss", "train/ce_loss", "train/dropped_fraction", "train/learning_rate",
+          "train/grad_norm", "train/tokens_per_s", "train/mfu", "eval/loss"} <= set(tags)
+  for key in ("loss", "ce_loss", "learning_rate", "grad_norm", "tokens_per_s"):
+    logged = [(e.step, e.value) for e in events.Scalars(f"train/{key}")]
+    assert [step for step, _ in logged] == list(range(1, STEPS + 1))
+    # TensorBoard keeps float32 values.
+    np.testing.assert_allclose([v for _, v in logged], [r[key] for r in result.records],
+                               rtol=1e-6)
+  assert [(e.step, pytest.approx(e.value, rel=1e-6)) for e in events.Scalars("eval/loss")] == [
+      (r["step"], r["eval_loss"]) for r in result.records if "eval_loss" in r]
+  schedule = pretrain.make_schedule(config(run_dir).train)
+  np.testing.assert_allclose([r["learning_rate"] for r in result.records],
+                             [float(schedule(step)) for step in range(STEPS)], rtol=1e-6)
+
+
+def test_a_resume_that_changes_the_steps_says_what_it_does_to_the_schedule(tmp_path, capsys):
+  pretrain.train(config(tmp_path), stop_at=3, progress=False)
+  pretrain.train(config(tmp_path, "train.steps=12"), resume=True, stop_at=4, progress=True)
+  out = capsys.readouterr().out
+  before = pretrain.make_schedule(config(tmp_path).train)(3)
+  after = pretrain.make_schedule(config(tmp_path, "train.steps=12").train)(3)
+  assert (f"schedule: train.steps 6 -> 12: the warm-up and cosine decay are recomputed for "
+          f"the whole run, so at step 3 the learning rate goes from {float(before):.3g} "
+          f"(the saved schedule) to {float(after):.3g}") in out
+
+
+def test_token_shards_from_the_script_train_learn_and_resume_bitwise(tmp_path):
+  pytest.importorskip("grain")
+  text = (REPO / "README.md").read_text(encoding="utf-8")
+  (tmp_path / "corpus.txt").write_text(text, encoding="utf-8")
+  assert tokenize_text.main([str(tmp_path / "corpus.txt"), str(tmp_path / "shards")]) == 0
+  steps = 10
+  shard_config = lambda run_dir, *extra: config(
+      run_dir, f"data.path={tmp_path / 'shards'}", "model.vocab_size=256",
+      f"train.steps={steps}", "train.checkpoint_every=5", "train.eval_every=5",
+      "train.eval_batches=1", *extra)
+  whole = pretrain.train(shard_config(tmp_path / "whole"), progress=False)
+  ce = [r["ce_loss"] for r in whole.records]
+  assert ce[-1] < ce[0] - 0.5, ce  # bytes of English: the unigram table alone drops ~1.5
+  assert [r["step"] for r in whole.records if "eval_loss" in r] == [5, 10]
+  assert whole.records[-1]["eval_loss"] < whole.records[4]["eval_loss"]
+  first = pretrain.train(shard_config(tmp_path / "split"), stop_at=5, progress=False)
+  second = pretrain.train(shard_config(tmp_path / "split"), resume=True, progress=False)
+  assert ([r["loss"] for r in first.records + second.records]
+          == [r["loss"] for r in whole.records])
+  for got, want in zip(jax.tree.leaves(second.state), jax.tree.leaves(whole.state)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -103,8 +103,9 @@ class PoisonedCorpus:
 
 
 def poison(monkeypatch, *steps):
-  monkeypatch.setattr(pretrain, "make_corpus", lambda c: PoisonedCorpus(
-      make_corpus(c), steps, c.model.vocab_size))
+  monkeypatch.setattr(pretrain, "make_corpus", lambda c, split="train": (
+      PoisonedCorpus(make_corpus(c), steps, c.model.vocab_size) if split == "train"
+      else make_corpus(c, split)))
 
 
 def test_a_skipped_step_leaves_the_state_as_it_was_and_is_counted(tmp_path, monkeypatch):
@@ -232,10 +233,20 @@ def test_a_bad_config_file_is_one_line_naming_it(tmp_path, capsys, name):
     (["model.vocab_size=256", "--data", "{tmp}/empty.txt"],
      "data.path='{tmp}/empty.txt': {tmp}/empty.txt has 0 bytes; needs more than "
      "train.seq_len + 1 = 17"),
-    (["model.vocab_size=256", "--data", "{tmp}"], "data.path='{tmp}': Is a directory"),
+    (["model.vocab_size=256", "--data", "{tmp}/shards"],
+     "data.path='{tmp}/shards': no train*.bin (or other .bin) token shards found in "
+     "{tmp}/shards"),
+    (["model.vocab_size=256", "--data", "{tmp}/odd.bin"],
+     "data.path='{tmp}/odd.bin': {tmp}/odd.bin is 3 bytes: not a whole number of uint16 ids "
+     "(set data.token_dtype)"),
+    (["train.eval_every=5", "--data", "{tmp}/odd.txt", "model.vocab_size=256"],
+     "train.eval_every=5 needs held-out data: set data.eval_path (or train.eval_every=0)"),
 ])
 def test_a_bad_command_line_is_one_line(tmp_path, capsys, args, message):
   (tmp_path / "empty.txt").write_bytes(b"")
+  (tmp_path / "odd.bin").write_bytes(b"abc")
+  (tmp_path / "shards").mkdir()
+  (tmp_path / "odd.txt").write_bytes(b"abc" * 20)
   args = [arg.format(tmp=tmp_path) for arg in args]
   code, err = run_main(argv(tmp_path / "run", *args), capsys)
   assert code == 2 and err == f"pretrain.py: error: {message.format(tmp=tmp_path)}\n"

@@ -30,8 +30,8 @@ def srun_arguments(tmp_path, *args, **env) -> list[str]:
 def test_srun_starts_pretrain_in_the_submit_dir_with_the_arguments(tmp_path):
   cwd, *args = srun_arguments(tmp_path, "configs/h200.yaml", "train.batch_size=192")
   assert cwd == str(tmp_path)
-  assert args == ["--kill-on-bad-exit=1", "--gpu-bind=none", "--label", "python",
-                  "examples/pretrain.py", "train.run_dir=runs/moe-ep-pretrain-77",
+  assert args == ["--kill-on-bad-exit=1", "--gpu-bind=none", "--label", "python", "-m",
+                  "examples.pretrain", "train.run_dir=runs/moe-ep-pretrain-77",
                   "configs/h200.yaml", "train.batch_size=192"]
 
 

@@ -64,7 +64,9 @@ def test_unknown_yaml_key_is_an_error_naming_it(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.d_model=128"], r"MoEConfig.hidden_size=64 must equal ModelConfig.d_model=128"),
+    (["model.d_model=128", "moe.hidden_size=64"],
+     r"MoEConfig.hidden_size=64 must equal ModelConfig.d_model=128: set moe.hidden_size=128, "
+     r"or leave moe.hidden_size out \(it follows model.d_model\)"),
     (["model.num_layers=3", "model.moe_every=2"],
      r"ModelConfig.num_layers=3 must be a multiple of moe_every=2"),
     (["moe.top_k=9"], r"MoEConfig.top_k=9 must be <= num_experts=8"),
@@ -232,7 +234,7 @@ def test_a_config_path_that_is_no_yaml_file_is_named(tmp_path):
     ("moe: 5\n", [], r"config\.moe must be a mapping of MoEConfig keys, got 5"),
     ("moe:\n", [], r"config\.moe must be a mapping of MoEConfig keys, got None"),
     ("train: [1, 2]\n", [], r"config\.train must be a mapping of TrainConfig keys"),
-    ("moe:\n  top_k: 2\n", [], r"config\.moe needs hidden_size, ffn_size, num_experts"),
+    ("moe:\n  top_k: 2\n", [], r"config\.moe needs ffn_size, num_experts"),
     ("", ["moe=5"], r"override 'moe=5': moe is a section; set its keys \(moe\.<key>=value\)"),
     ("", ["moe.remat=[]"], r"override 'moe.remat=\[\]': moe\.remat is a section"),
     ("moe: null\n", ["moe.top_k=2"], r"override 'moe.top_k=2': moe is not a section"),
@@ -247,7 +249,7 @@ def test_overrides_fill_a_section_the_file_does_not_have(tmp_path):
   config = load_config(path, ["data.num_topics=7", "mesh.ep=2"])
   assert (config.train.steps, config.data.num_topics, config.mesh.ep) == (5, 7, 2)
   # MoEConfig has no default sizes: a moe section begun by an override needs them.
-  with pytest.raises(ValueError, match=r"config\.moe needs hidden_size, ffn_size, num_experts"):
+  with pytest.raises(ValueError, match=r"config\.moe needs ffn_size, num_experts"):
     load_config(path, ["moe.top_k=2"])
 
 
@@ -282,3 +284,30 @@ def test_resume_allows_schedule_data_mesh_and_execution_changes():
                      "train.steps 1000 -> 2000", "train.learning_rate 0.003 -> 0.001",
                      "data.path None -> 'corpus.txt'", "mesh.ep None -> 4"]
   assert resume_changes(saved, saved) == ([], [])
+
+
+def test_moe_hidden_size_follows_d_model_unless_set(tmp_path):
+  assert load_config(TINY_YAML, ["model.d_model=128"]).moe.hidden_size == 128
+  assert load_config(TINY_YAML).moe.hidden_size == load_config(TINY_YAML).model.d_model == 64
+  # Without a moe section, the default experts follow d_model too.
+  assert load_config(write(tmp_path, "model:\n  d_model: 96\n")).moe.hidden_size == 96
+  explicit = write(tmp_path, "model:\n  d_model: 64\nmoe:\n  hidden_size: 64\n  ffn_size: 8\n"
+                             "  num_experts: 8\n  top_k: 2\n")
+  assert load_config(explicit, ["model.d_model=64"]).moe.hidden_size == 64
+  with pytest.raises(ValueError, match=r"set moe.hidden_size=32, or leave moe.hidden_size out"):
+    load_config(explicit, ["model.d_model=32"])
+
+
+def test_the_printed_config_reads_back_as_the_same_config():
+  from examples.pretrain import describe_config
+  config = load_config(TINY_YAML, ["moe.capacity_factor=null", "train.run_dir=runs/x"])
+  text = describe_config(config)
+  assert all(len(line) <= 100 for line in text.splitlines()), text
+  # Every key=value, given back as an override of its section, rebuilds the config.
+  overrides, section = [], None
+  for line in text.splitlines()[1:]:
+    head, _, rest = line.strip().partition(": ")
+    if rest and head in ("model", "moe", "train", "data", "mesh"):
+      section, line = head, rest
+    overrides += [f"{section}.{item}" for item in line.split()]
+  assert len(overrides) > 50 and load_config(TINY_YAML, overrides) == config

@@ -3,7 +3,7 @@ job started by ``moe_ep.launch`` on this machine joins through JAX's own
 SLURM detection instead of the launcher's variables:
 
     python -m moe_ep.launch --num-processes 2 --cpu-devices-per-process 4 -- \\
-        python tests/multiprocess/slurm_task.py 1234 -- python examples/pretrain.py
+        python tests/multiprocess/slurm_task.py 1234 -- python -m examples.pretrain
 
 It replaces ``MOE_EP_*`` (which :func:`moe_ep.distributed.initialize_from_env`
 would take first) by what ``srun`` sets in task ``MOE_EP_PROCESS_ID`` of job

@@ -10,6 +10,7 @@ The job runs in the background while the rest of the suite runs
 """
 
 import json
+import os
 import random
 import socket
 import sys
@@ -35,7 +36,6 @@ from moe_ep.launch import launch  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-PRETRAIN = REPO / "examples" / "pretrain.py"
 STEPS = 30
 JOB_TIMEOUT_S = 600
 # Both runs are float32 with the same mesh, program and data; only the
@@ -67,10 +67,13 @@ def run_two_node_job() -> tuple[Path, list]:
   run_dir = Path(tempfile.mkdtemp(prefix="moe_ep_two_node_")) / "run"
   job_id = free_slurm_port() - PORT_BASE + 4096  # a plausible id with that port
   command = [sys.executable, str(HERE / "slurm_task.py"), str(job_id), "--",
-             sys.executable, str(PRETRAIN), f"train.steps={STEPS}", f"train.run_dir={run_dir}",
-             "train.log_every=10"]
+             sys.executable, "-m", "examples.pretrain", f"train.steps={STEPS}",
+             f"train.run_dir={run_dir}", "train.log_every=10"]
+  # Run outside the repository: the examples are found through PYTHONPATH.
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
   results = launch(command, 2, timeout_s=JOB_TIMEOUT_S, cpu_devices_per_process=4,
-                   cwd=run_dir.parent)
+                   cwd=run_dir.parent, env=env)
   return run_dir, results
 
 

@@ -30,7 +30,7 @@ STOP_AFTER = 3  # the signal is sent once process 0 has printed this step
 def launcher_command(run_dir: pathlib.Path, *extra) -> list[str]:
   return [sys.executable, "-m", "moe_ep.launch", "--num-processes", "2",
           "--cpu-devices-per-process", "4", "--timeout", "300", "--",
-          sys.executable, str(REPO / "examples" / "pretrain.py"),
+          sys.executable, "-m", "examples.pretrain",
           *fast_overrides(run_dir, f"train.steps={STEPS}", "train.checkpoint_every=1000"),
           *extra]
 

@@ -1,0 +1,35 @@
+"""``python -m moe_ep.bench``: a benchmark this machine cannot run says what
+it needs in one line, writes no result and exits 0 (never a crash on CPU)."""
+
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from moe_ep.bench import __main__ as bench_main
+
+pytestmark = pytest.mark.skipif(jax.default_backend() == "gpu",
+                                reason="checks the CPU behaviour")
+
+
+@pytest.mark.parametrize("args, skipped", [
+    (["overhead"], ["overhead"]),
+    (["overhead", "loopback", "--smoke"], ["overhead", "loopback"]),
+    (["transport", "layer"], ["transport", "layer"]),  # full-size shapes
+])
+def test_a_benchmark_that_cannot_run_here_is_one_skipped_line_and_no_result(
+    tmp_path, capsys, args, skipped):
+  bench_main.main([*args, "--out", str(tmp_path / "results")])
+  lines = capsys.readouterr().out.splitlines()
+  assert [line.split(": skipped: needs ")[0] for line in lines] == skipped, lines
+  assert all(": skipped: needs " in line for line in lines)
+  assert not (tmp_path / "results").exists()
+
+
+def test_the_command_line_exits_0_for_a_missing_gpu(tmp_path):
+  done = subprocess.run([sys.executable, "-m", "moe_ep.bench", "overhead", "loopback",
+                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.count("skipped: needs a CUDA GPU and CuPy") == 2
+  assert "Traceback" not in done.stderr and not list(tmp_path.iterdir())
