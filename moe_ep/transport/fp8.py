@@ -56,10 +56,10 @@ An all-zero wire row dequantizes to an all-zero row (codes 0, scales 0), so
 
 These pure-JAX functions run on every platform and are the reference. The
 CUDA kernels of the same format (``kernels/fp8.cu``, launched by
-:mod:`moe_ep.transport.cupy`, and the peer dispatch that quantizes as it
+:mod:`moe_ep.transport.cupy_backend`, and the peer dispatch that quantizes as it
 sends, ``peer_dispatch_fp8_*``) give the same bytes and values and need
 compute capability 8.9+ (the e4m3 conversion instructions;
-:func:`moe_ep.transport.cupy.check_compute_capability`).
+:func:`moe_ep.transport.cupy_backend.check_compute_capability`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Launching ``kernels/*.cu`` on XLA's own stream: the one place that compiles
 them, wraps XLA's streams and reads buffer pointers, for the CuPy backend
-(:mod:`~moe_ep.transport.cupy`, its FP8 kernels included) and the peer
+(:mod:`~moe_ep.transport.cupy_backend`, its FP8 kernels included) and the peer
 exchange (:mod:`~moe_ep.transport.peer`).
 
 A kernel call is one ``jax.experimental.buffer_callback`` (FFI buffers, no

@@ -7,7 +7,7 @@ the static :class:`~moe_ep.transport.exchange.Spec` of a call, and holds the
 forward and backward rules and the checkpoint names; the rows move by
 :mod:`~moe_ep.transport.row_paths`, over the exchange
 :mod:`~moe_ep.transport.exchange` chose, with the local passes of a backend
-(:mod:`~moe_ep.transport.xla` or :mod:`~moe_ep.transport.cupy`).
+(:mod:`~moe_ep.transport.xla` or :mod:`~moe_ep.transport.cupy_backend`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from moe_ep.transport.exchange import ep_size as ep_size_of
 from moe_ep.capacity import check_experts, check_num_tokens, expert_capacity_for, positive_int
 from moe_ep.row_groups import ROW_TILE
 from moe_ep.transport.handle import Dispatched, RoutingHandle
-from moe_ep.transport.names import (NAMED_SCOPES, TOKEN_DTYPES, check_backend,
-                                    check_wire_dtype)
+from moe_ep.options import TOKEN_DTYPES, check_backend, check_wire_dtype
+from moe_ep.transport.scopes import NAMED_SCOPES
 
 __all__ = ["combine", "dispatch"]
 
@@ -167,7 +167,7 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
       values above ``T`` are clamped to ``T``).
     checkpoint_name: when set, the outputs and the residual the backward keeps
       are named ``f"{checkpoint_name}.{field}"`` for ``field`` in
-      :data:`~moe_ep.transport.names.CHECKPOINT_FIELDS`, so a remat policy can save them.
+      :data:`~moe_ep.options.CHECKPOINT_FIELDS`, so a remat policy can save them.
     backend: ``"auto"``, ``"xla"`` or ``"cupy"``: the local passes.
     exchange: how rows cross between ranks: ``"all_to_all"`` (XLA's
       collective), ``"peer"`` (direct NVLink stores into the other GPUs'

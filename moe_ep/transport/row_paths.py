@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from moe_ep.transport import fp8, grouped, slabs
 from moe_ep.transport.exchange import Spec, exchange, fused_rows, fused_slab_layout
 from moe_ep.transport.handle import RoutingHandle
-from moe_ep.transport.names import WIRE_DTYPES
+from moe_ep.options import WIRE_DTYPES
 from moe_ep.transport.peer import dispatch_layout, fused_layout, rows as peer_rows
 
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import cupy_backend
 from moe_ep.transport import kernel_source
 from moe_ep.transport.peer import kernels as peer_kernels
 

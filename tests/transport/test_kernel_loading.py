@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import cupy_backend
 from moe_ep.transport import kernel_launch, kernel_source
 from moe_ep.transport.peer import kernels as peer_kernels
 

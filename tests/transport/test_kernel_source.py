@@ -59,7 +59,7 @@ def test_installed_wheel_ships_and_finds_kernels(tmp_path):
                  check=True, timeout=300)
   (wheel,) = (tmp_path / "dist").glob("moe_ep-*.whl")
   names = set(zipfile.ZipFile(wheel).namelist())
-  assert {"moe_ep/bench/__main__.py", "moe_ep/transport/cupy.py",
+  assert {"moe_ep/bench/__main__.py", "moe_ep/transport/cupy_backend.py",
           "moe_ep/transport/peer/__init__.py", "moe_ep/kernels/layout.cu"} <= names
   site = tmp_path / "site"
   zipfile.ZipFile(wheel).extractall(site)

@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import kernel_plan
 from moe_ep.transport import meta as meta_format
 from moe_ep.transport.peer.callback import fused_call
 from moe_ep.transport.peer.channel import ChannelLayout, check_axis, meta_channel_layout
@@ -112,11 +112,11 @@ def dispatch_layout_shapes(row_kernel: RowKernel, ep_size: int, slab_dtype,
                            slab_width: int) -> list:
   """``row_kernel``'s (:func:`dispatch_layout_kernel`) outputs at EP size
   ``ep_size``: slabs ``[L * C, slab_width]`` of ``slab_dtype``, the slab
-  layout's maps (:func:`moe_ep.transport.cupy.slab_layout_shapes`) and the
+  layout's maps (:func:`moe_ep.transport.kernel_plan.slab_layout_shapes`) and the
   layout's scratch (:func:`dispatch_layout_tiles` ``* L`` int32)."""
   send_capacity, top_k, slab_rows, _, local_experts, capacity, _ = row_kernel.sizes
   return [jax.ShapeDtypeStruct((slab_rows, slab_width), slab_dtype),
-          *cupy_backend.slab_layout_shapes(ep_size, send_capacity, top_k, local_experts,
+          *kernel_plan.slab_layout_shapes(ep_size, send_capacity, top_k, local_experts,
                                            capacity),
           jax.ShapeDtypeStruct((dispatch_layout_tiles(ep_size, send_capacity, top_k)
                                 * local_experts,), np.int32)]

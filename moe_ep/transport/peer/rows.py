@@ -20,11 +20,11 @@ import dataclasses
 import jax
 import numpy as np
 
-from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import cupy_backend
 from moe_ep.transport import fp8, kernel_launch
 from moe_ep.transport.kernel_launch import DTYPE_SUFFIX
 from moe_ep.capacity import round_up
-from moe_ep.transport.names import WIRE_DTYPES
+from moe_ep.options import WIRE_DTYPES
 from moe_ep.transport.peer.callback import fused_call
 from moe_ep.transport.peer.channel import ChannelLayout, MAX_CHUNKS, check_axis
 from moe_ep.transport.peer.kernels import THREADS, Kernel, kernel, multiprocessors
