@@ -143,8 +143,8 @@ __device__ __forceinline__ void peer_combine(
 }
 
 // Two instances each: the in-order receivers' code is not shaped by the
-// own-first pass (sharing one body behind a flag made P2's combine 35%
-// slower in the loopback on one H200).
+// own-first pass (sharing one body behind a flag made P2's combine slower:
+// docs/benchmarks.md, "Tuning").
 #define DEFINE_PEER_COMBINE_KERNEL(NAME, TYPE, OWN_FIRST)                                       \
   extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                    \
       const TYPE::Elem* slabs, const int* recv_pos, const int* send_slot, TYPE::Elem* y,        \

@@ -280,10 +280,8 @@ def dequantize_filled_rows(wire, filled, *, hidden: int, dtype):
   """Kernel ``unpack_dequantize_expand_{f32,bf16,f16}`` with every filled row
   its own target and source (the others zero); see
   :func:`moe_ep.transport.xla.dequantize_filled_rows`; an unfilled row's
-  codes are not read. On one H200, [81920, 7424] wire rows to bf16 with 80%
-  filled: 452 us (benchmarks/results/tuning/dequantize-skip-1xH200-20261201.json;
-  496-500 us when it read every row, against 742-763 us for XLA's fusion of
-  the same values, tuning/dequantize-filled-1xH200-20261201.json)."""
+  codes are not read (faster than reading every row, and than XLA's fusion
+  of the same values: ``docs/benchmarks.md``, "Tuning")."""
   fp8.check_filled(filled, wire)
   rows = jnp.where(filled, jnp.arange(wire.shape[0], dtype=jnp.int32), -1)
   return unpack_dequantize_expand(wire, rows[:, None], rows, hidden=hidden, dtype=dtype)

@@ -36,14 +36,13 @@ def route_rank_shared_ints(threads: int, ep_size: int, top_k: int, num_experts: 
 
 
 # Up to this many member tiles, slab_rank counts them itself (no slab_count
-# launch): each block counts the other tiles, one pass each. At decode (T=128,
-# E=256, K=8) on an H200, 2 tiles (EP=2): slab kernels 7.4 -> 7.0 us and the
-# routing 17.5 -> 15.8 us; 1 tile (EP=1): 16.6 -> 12.5 us.
+# launch): each block counts the other tiles, one pass each; one launch fewer
+# is faster at decode (docs/benchmarks.md, "Tuning").
 SLAB_TILES_COUNTED_IN_RANK = 2
 
 # Warps per token tile of the routing kernels beyond one tile: of 1, 2, 4
-# and 8, 4 was the fastest route_rank (or within 0.2 us of it) at every T
-# from 512 to 8192 on an H200 (2026-12-01; up to 2.7 us faster than 1 warp).
+# and 8, the fastest route_rank (or as fast) at every T measured
+# (docs/benchmarks.md, "Tuning").
 ROUTE_WARPS = 4
 
 
@@ -56,7 +55,7 @@ def route_counted(num_tokens: int, threads: int) -> bool:
 def route_threads(num_tokens: int, ep_size: int, num_experts: int, top_k: int) -> int:
   """Threads per token tile of ``route_count``/``route_rank``: up to 256
   tokens (decode) one tile of 8 warps, which leaves each thread the fewest
-  serial loads (route_rank 7.2 instead of 8.7-10.0 us at T=128 on an H200),
+  serial loads (the faster route_rank: ``docs/benchmarks.md``, "Tuning"),
   else :data:`ROUTE_WARPS` warps; fewer where both kernels' shared memory
   would not fit."""
   most = 8 if num_tokens <= 32 * 8 else ROUTE_WARPS

@@ -24,10 +24,8 @@ from moe_ep.transport.peer.runtime import RUNTIME, timeout_s
 # each counted by every receiver block (slab_rank_own_count's way). Beyond,
 # its receivers can count each tile once into scratch and rank after a
 # barrier (tested), but they also place every own row, which the senders of
-# peer_dispatch place as they send: at P2's shape (T=8192, E=64, R=2) the
-# loopback took 526.5 us against 455-457 for the layout launches and
-# peer_dispatch
-# (benchmarks/results/tuning/dispatch-layout-chain-loopback-1xH200-20261201.json).
+# peer_dispatch place as they send, and at P2's shape that is slower than the
+# layout launches and peer_dispatch (docs/benchmarks.md, "Tuning").
 DISPATCH_LAYOUT_MAX_TILES = 4
 
 

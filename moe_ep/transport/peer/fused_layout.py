@@ -16,11 +16,10 @@ from moe_ep.transport.peer.kernels import Kernel, kernel
 from moe_ep.transport.peer.runtime import RUNTIME, timeout_s
 
 LAYOUT_TABLE_BYTES = 8 * 32  # peer_slab_layout's static shared row pointers (ROW_MAX_LANES)
-# The fused metadata exchange and layout pays up to 4 ranks: rank 0's launch
-# against peer_exchange + slab_rank_own_count in the loopback (one H200,
-# graph replay, 2026-12-01): R=2 T=128 E=256 9.5 vs 11.1 us, R=2 T=64 E=64
-# 7.5 vs 9.1, R=4 T=32 E=256 7.5 vs 8.3, but R=8 T=16 E=256 8.7 vs 8.1 (its
-# layout blocks read every source's row from L2, R - 1 senders copy).
+# The fused metadata exchange and layout pays up to 4 ranks (rank 0's launch
+# against peer_exchange + slab_rank_own_count in the loopback); beyond, its
+# layout blocks read every source's row from L2 while R - 1 senders copy, and
+# it is slower (docs/benchmarks.md, "Tuning").
 FUSED_LAYOUT_MAX_RANKS = 4
 
 

@@ -332,11 +332,10 @@ def timeout_s() -> float:
 def dispatch_layout_enabled() -> bool:
   """Whether dispatch takes :func:`~moe_ep.transport.peer.dispatch_with_layout`
   where it fits: :func:`configure`'s ``dispatch_layout``, else
-  ``$MOE_EP_PEER_DISPATCH_LAYOUT`` = ``1``. Off by default: on one H200 (the
-  loopback, rank 0, every flag raised) the one launch took as long as the
-  fused layout and peer_dispatch one after the other (26.5 against 26.2 us
-  at T=128, E=256, R=2; 15.6 against 16.5 us at T=32, R=4); what it should
-  gain, the rows leaving before the layout is done, only two GPUs can show."""
+  ``$MOE_EP_PEER_DISPATCH_LAYOUT`` = ``1``. Off by default: in the loopback
+  the one launch took as long as the fused layout and peer_dispatch one after
+  the other (``docs/benchmarks.md``, "Tuning"); what it should gain, the rows
+  leaving before the layout is done, only two GPUs can show."""
   return RUNTIME.settings.dispatch_layout_on()
 
 
