@@ -7,7 +7,7 @@ benchmarks) imports without the differentiable core (the options the
 configuration shares live below, in :mod:`moe_ep.options`):
 
 * ``ops``: the ``custom_vjp`` operations and their argument checks;
-* ``exchange``, ``row_paths``, ``slabs``, ``grouped``: which exchange
+* ``exchange``, ``row_paths``, ``receive_slabs``, ``receive_grouped``: which exchange
   carries the rows, the row paths over it, the receiver's layouts (``[L, C]``
   slabs or each expert's rows contiguous in ``[M, H]``);
 * ``handle``, ``meta``, ``scopes``: the routing handle, the metadata's wire

@@ -1,5 +1,5 @@
 """The grouped receiver layout: each local expert's rows contiguous in one
-``[M, H]`` buffer (the sibling of :mod:`~moe_ep.transport.slabs`).
+``[M, H]`` buffer (the sibling of :mod:`~moe_ep.transport.receive_slabs`).
 
 Instead of ``[L, C, H]`` slabs of a fixed capacity, each local expert's rows
 sit contiguously in one ``[M, H]`` buffer: group ``l`` starts at row
@@ -16,7 +16,7 @@ slab position ``l * C + c`` moves to row ``start[l] + c``. The handle keeps
 its two flat maps (``recv_pos`` member -> buffer row, ``slab_row`` now
 ``[M]``, buffer row -> received row), so every backend and exchange that
 fills slabs through them fills the grouped buffer unchanged, and the flat
-helpers of :mod:`~moe_ep.transport.slabs` serve both layouts.
+helpers of :mod:`~moe_ep.transport.receive_slabs` serve both layouts.
 """
 
 from __future__ import annotations
