@@ -1,6 +1,10 @@
 // Combine's fused row kernels (moe_ep/transport/peer/rows.py):
 // peer_combine_{,own_first_}{f32,bf16,f16}. The protocol and the row
-// machinery are peer.cuh's and peer_rows.cuh's (prepended to this file).
+// machinery are peer.cuh's and peer_rows.cuh's (included below).
+
+#include "common.cuh"
+#include "peer.cuh"
+#include "peer_rows.cuh"
 
 // ---------------------------------------------------------------------------
 // peer_combine_{,own_first_}{f32,bf16,f16}: slabs [L * C, H] of every rank -> y [T, H],

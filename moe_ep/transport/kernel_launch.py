@@ -70,7 +70,7 @@ def compile_module(kernel_file: str):
   the compiler's log."""
   import cupy
   module = cupy.RawModule(code=kernel_source.source(kernel_file),
-                          options=kernel_source.COMPILE_OPTIONS)
+                          options=kernel_source.compile_options())
   try:
     module.compile()
   except cupy.cuda.compiler.CompileException as error:

@@ -20,7 +20,7 @@ def nvcc(source_text: str, workdir) -> subprocess.CompletedProcess:
   path = workdir / "unit.cu"
   path.write_text(source_text)
   return subprocess.run(
-      [NVCC, "-arch=sm_90", "-cubin", "-Xptxas", "-v", *kernel_source.COMPILE_OPTIONS,
+      [NVCC, "-arch=sm_90", "-cubin", "-Xptxas", "-v", *kernel_source.compile_options(),
        "-o", str(workdir / "unit.cubin"), str(path)],
       capture_output=True, text=True, timeout=300)
 
