@@ -25,8 +25,9 @@ channel's byte layout, the EP groups), ``reachability`` (who may use it),
 ``runtime`` (the process's state: channels, sites, failure records),
 ``failures`` (the timeout record and its error), ``kernels`` and
 ``callback`` (compiling and launching), ``dropin`` (the drop-in exchange),
-``rows``, ``fused_layout``, ``dispatch_layout`` (the fused launches),
-``loopback`` (every rank's kernels on one GPU, for tests and benchmarks).
+``rows``, ``fused_layout``, ``dispatch_layout`` (the fused launches).
+Every rank's kernels on one GPU, for tests and benchmarks, is
+:mod:`moe_ep.bench.peer_loopback` (in the checkout, not the wheel).
 """
 
 from moe_ep.transport.peer.dropin import exchange, write_ceiling
