@@ -51,8 +51,8 @@ from examples.train_config import (DEFAULT_CONFIG, Config, config_to_yaml,  # no
 from moe_ep import distributed  # noqa: E402
 from moe_ep.bench import common  # noqa: E402
 from moe_ep.bench.hlo import parse_hlo  # noqa: E402
-from moe_ep.bench.step_profile import (BACKWARD, CATEGORIES, FORWARD, IDLE, Classifier,  # noqa: E402
-                                       breakdown, xla_instruction_profile)
+from moe_ep.bench.step_profile import (  # noqa: E402
+    BACKWARD, CATEGORIES, FORWARD, IDLE, Classifier, breakdown, xla_instruction_profile)
 from moe_ep.bench.timeline import op_events, read_trace  # noqa: E402
 
 _COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
