@@ -1,7 +1,7 @@
-"""Writes benchmarks/results/INDEX.md: every result kept in benchmarks/results/
-(the ones README.md and docs/ cite), by benchmark folder, with the benchmark,
-device, date and commit each file records (a markdown report's are its JSON
-twin's; what a file does not record is said so).
+"""Writes benchmarks/results/INDEX.md: every traceable result kept in
+benchmarks/results/ (the ones README.md and docs/ cite), by benchmark folder,
+with the benchmark, device, date and commit each file records (a markdown
+report's are its JSON twin's; what a file does not record is said so).
 
     python benchmarks/index.py
 """
@@ -73,8 +73,17 @@ def facts(path: pathlib.Path) -> dict[str, str]:
           "commit": _commit(record, env)}
 
 
+def traceable(path: pathlib.Path) -> bool:
+  """False where the file (or its JSON twin) is marked ``"traceable": false``
+  (``moe_ep.bench.common.write_result``: no clean commit names its code);
+  results written before the mark count as traceable."""
+  return _record(path).get("traceable", True) is not False
+
+
 def result_files() -> list[pathlib.Path]:
-  return sorted(p for p in RESULTS.rglob("*") if p.is_file() and p != INDEX)
+  """The indexed results: every file kept but the index and untraceable ones."""
+  return sorted(p for p in RESULTS.rglob("*")
+                if p.is_file() and p != INDEX and traceable(p))
 
 
 def render() -> str:

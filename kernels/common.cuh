@@ -1,6 +1,9 @@
-// Shared helpers of the moe_ep kernels. Prepended to every kernels/*.cu before
-// it is compiled (by NVRTC through CuPy, or by nvcc in the compile test), so
-// it uses no headers: fixed-width types, bf16/f16 conversions by PTX.
+// Shared helpers of the moe_ep kernels, included by every kernels/*.cu. It
+// includes no system header (NVRTC through CuPy has none by default):
+// fixed-width types, bf16/f16 conversions by PTX.
+
+#ifndef MOE_EP_COMMON_CUH
+#define MOE_EP_COMMON_CUH
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -72,3 +75,5 @@ union Pack16 {
   uint4 raw;
   typename T::Elem elems[16 / sizeof(typename T::Elem)];
 };
+
+#endif  // MOE_EP_COMMON_CUH

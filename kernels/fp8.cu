@@ -2,9 +2,12 @@
 // plus one float32 scale per 128 channels) and dequantize wire rows into slab
 // rows, each fused with the row expansion of rows.cu's expand_rows so the
 // quantization costs no extra pass over the rows. The wire format and the
-// element rules are fp8.cuh's (prepended to this file); with power-of-two
+// element rules are fp8.cuh's (included below); with power-of-two
 // scales every step but the e4m3 and output roundings is exact, so no
 // division or reciprocal can differ from moe_ep/transport/fp8.py's pure JAX.
+
+#include "common.cuh"
+#include "fp8.cuh"
 
 #define FP8_ZERO_ROWS_PER_BLOCK 8
 #define FP8_CODES_PER_THREAD 16

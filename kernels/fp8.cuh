@@ -1,7 +1,6 @@
 // The FP8 wire format's element rules, shared by fp8.cu (quantize / dequantize
 // fused with the row expansions) and peer_dispatch.cu (the quantize fused with the peer
-// dispatch). Prepended after common.cuh to the files that use it
-// (moe_ep/transport/kernel_source.py). The format and its rules (power-of-two
+// dispatch). The format and its rules (power-of-two
 // scales, scale floor, NaN/inf blocks) are documented in
 // moe_ep/transport/fp8.py, whose pure-JAX functions give the same bytes.
 //
@@ -14,6 +13,11 @@
 // <cuda_fp8.h>'s __nv_cvt_float2_to_fp8x2 emits there). Compiled for an older
 // GPU they are left out, so that peer_dispatch.cu still builds there; Python never
 // launches an FP8 kernel on such a GPU (fp8.check_compute_capability).
+
+#ifndef MOE_EP_FP8_CUH
+#define MOE_EP_FP8_CUH
+
+#include "common.cuh"
 
 #define FP8_BLOCK 128
 #define FP8_MAX 448.0f
@@ -186,3 +190,5 @@ __device__ __forceinline__ uint4 fp8_quantize_sixteen(const float (&v)[16], int 
   *scales = make_uint4(s[0], s[1], s[2], s[3]);
   return codes;
 }
+
+#endif  // MOE_EP_FP8_CUH

@@ -25,6 +25,9 @@
 //   [0, S*K) local expert id of member k of slot s, or -1;
 //   [S*K, 2*S*K) its weight as float32 bits; [2*S*K, +L) routes per expert.
 
+#include "common.cuh"
+#include "slab_layout.cuh"
+
 __device__ __forceinline__ bool valid_expert(int expert, int num_experts) {
   return expert >= 0 && expert < num_experts;
 }

@@ -1,4 +1,4 @@
-// The peer exchange's protocol, prepended to every peer_*.cu (docs/peer.md
+// The peer exchange's protocol, included by every peer_*.cu (docs/peer.md
 // walks through it). Direct peer exchange: the all_to_all of one [R, chunk]
 // buffer over the EP group, done by storing each chunk straight into the
 // destination GPU's memory (NVLink peer access in one process, CUDA IPC
@@ -38,6 +38,11 @@
 // Every spin-wait is bounded: on timeout the first waiter of the device sets
 // `failed` and writes a PeerFailure into host-mapped memory; later waits on
 // the device return at once (the results are then garbage, and Python raises).
+
+#ifndef MOE_EP_PEER_CUH
+#define MOE_EP_PEER_CUH
+
+#include "common.cuh"
 
 #define PEER_UNROLL 4
 #define PEER_MAX_CHUNKS 1024  // flags per (parity, source): chunks of one fused exchange
@@ -358,3 +363,5 @@ __device__ __forceinline__ void peer_exchange(const Vec* __restrict__ x, Vec* __
                    false);
   if (last_block_of_launch(own, ep_size)) *(volatile u64*)step_of(own, ep_size) = step;
 }
+
+#endif  // MOE_EP_PEER_CUH

@@ -1,6 +1,10 @@
 // Combine's fused row kernels (moe_ep/transport/peer/rows.py):
 // peer_combine_{,own_first_}{f32,bf16,f16}. The protocol and the row
-// machinery are peer.cuh's and peer_rows.cuh's (prepended to this file).
+// machinery are peer.cuh's and peer_rows.cuh's (included below).
+
+#include "common.cuh"
+#include "peer.cuh"
+#include "peer_rows.cuh"
 
 // ---------------------------------------------------------------------------
 // peer_combine_{,own_first_}{f32,bf16,f16}: slabs [L * C, H] of every rank -> y [T, H],
@@ -143,8 +147,8 @@ __device__ __forceinline__ void peer_combine(
 }
 
 // Two instances each: the in-order receivers' code is not shaped by the
-// own-first pass (sharing one body behind a flag made P2's combine 35%
-// slower in the loopback on one H200).
+// own-first pass (sharing one body behind a flag made P2's combine slower:
+// docs/benchmarks.md, "Tuning").
 #define DEFINE_PEER_COMBINE_KERNEL(NAME, TYPE, OWN_FIRST)                                       \
   extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                    \
       const TYPE::Elem* slabs, const int* recv_pos, const int* send_slot, TYPE::Elem* y,        \

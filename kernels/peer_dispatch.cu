@@ -2,7 +2,14 @@
 // dispatch_layout.py): peer_dispatch, peer_dispatch_layout and
 // peer_dispatch_fp8_{f32,bf16,f16}. The protocol and the row machinery are
 // peer.cuh's and peer_rows.cuh's, the layout job peer_layout.cuh's, the FP8
-// quantize step fp8.cuh's (all prepended to this file).
+// quantize step fp8.cuh's (all included below).
+
+#include "common.cuh"
+#include "fp8.cuh"
+#include "slab_layout.cuh"
+#include "peer.cuh"
+#include "peer_rows.cuh"
+#include "peer_layout.cuh"
 
 // Where token t's row goes, as the maps say (warp-wide, t warp-uniform): its
 // wire rows are the (rank d, slot s) with send_slot[t, d] = s in [0, S) and

@@ -1,7 +1,10 @@
 // The drop-in exchange's kernels (moe_ep/transport/peer/dropin.py):
 // peer_exchange_v{16,8,4,2,1}, and peer_send_v16 / peer_drain_v16 for the
 // peer-write ceiling the benchmarks measure. Their bodies and the protocol
-// are peer.cuh's (prepended to this file).
+// are peer.cuh's (included below).
+
+#include "common.cuh"
+#include "peer.cuh"
 
 #define DEFINE_PEER_KERNELS(SUFFIX, VEC)                                                        \
   extern "C" __global__ void peer_exchange_##SUFFIX(                                            \

@@ -1,6 +1,12 @@
 // Dispatch's metadata exchange fused with the receiver's slab layout
 // (moe_ep/transport/peer/fused_layout.py): peer_slab_layout_v16. The layout
-// is slab_layout.cuh's, the metadata landing peer_layout.cuh's (prepended).
+// is slab_layout.cuh's, the metadata landing peer_layout.cuh's (included below).
+
+#include "common.cuh"
+#include "slab_layout.cuh"
+#include "peer.cuh"
+#include "peer_rows.cuh"
+#include "peer_layout.cuh"
 
 // ---------------------------------------------------------------------------
 // peer_slab_layout_v16: dispatch's metadata exchange and the

@@ -1,8 +1,14 @@
 // The metadata exchange and the receiver's slab layout done by a peer
 // launch itself (peer_slab_layout_v16 in peer_layout.cu, peer_dispatch_layout
 // in peer_dispatch.cu): the metadata rows read where they landed, and the
-// layout job of a dispatch launch. Needs peer.cuh, peer_rows.cuh and
-// slab_layout.cuh before it.
+// layout job of a dispatch launch.
+
+#ifndef MOE_EP_PEER_LAYOUT_CUH
+#define MOE_EP_PEER_LAYOUT_CUH
+
+#include "slab_layout.cuh"
+#include "peer.cuh"
+#include "peer_rows.cuh"
 
 // Block-wide: where each source's metadata row is read this step (table
 // [R] in shared memory: this rank's own, meta[rank]; another's, its slot
@@ -178,3 +184,5 @@ __device__ __forceinline__ void finish_meta_exchange(const LayoutJob& job,
   counters_of(mx.own, ex.ep_size)[ex.ep_size] = 0u;
   acknowledge_step(job.meta_peers, mx.own, ex.rank, ex.ep_size, mx.parity, mx.step);
 }
+
+#endif  // MOE_EP_PEER_LAYOUT_CUH

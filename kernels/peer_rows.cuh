@@ -41,6 +41,11 @@
 // fail by name.
 // ===========================================================================
 
+#ifndef MOE_EP_PEER_ROWS_CUH
+#define MOE_EP_PEER_ROWS_CUH
+
+#include "peer.cuh"
+
 #define ROW_COPY_UNROLL 4  // 16-byte vectors in flight per lane in the copies
 #define ROW_SUM_UNROLL 2   // 16-byte vectors per lane per step of the sums
 #define ROW_SUM_BATCH 4    // member rows loaded before their in-order adds
@@ -366,3 +371,5 @@ __device__ __forceinline__ void copy_to_members(const uint4* __restrict__ row,
     }
   }
 }
+
+#endif  // MOE_EP_PEER_ROWS_CUH

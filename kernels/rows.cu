@@ -3,6 +3,8 @@
 // kernel reads every input row once and writes every output row once, in
 // 16-byte vectors when the row width allows.
 
+#include "common.cuh"
+
 // ---------------------------------------------------------------------------
 // expand_rows_v{16,8,4,2}: out[n] = table[m] for every (m, j) with
 // targets[m * fanout + j] == n; out rows n with sources[n] outside

@@ -1,6 +1,10 @@
 // Tile sums and the receiver's slab layout, shared by layout.cu (the slab_*
 // kernels) and peer_layout.cuh (the metadata exchange fused with the layout).
-// Needs common.cuh.
+
+#ifndef MOE_EP_SLAB_LAYOUT_CUH
+#define MOE_EP_SLAB_LAYOUT_CUH
+
+#include "common.cuh"
 
 // Every kernel's dynamic shared memory (one declaration: the kernels' bodies
 // include templates, where a local extern declaration would conflict).
@@ -200,3 +204,5 @@ __device__ __forceinline__ void slab_rank_body(
     demand[l] = routes;
   }
 }
+
+#endif  // MOE_EP_SLAB_LAYOUT_CUH

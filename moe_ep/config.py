@@ -19,8 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_ep.transport.names import (BACKENDS, CHECKPOINT_FIELDS, EXCHANGES, TOKEN_DTYPES,
-                                   check_wire_dtype)
+from moe_ep.options import BACKENDS, CHECKPOINT_FIELDS, EXCHANGES, TOKEN_DTYPES, check_wire_dtype
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("swiglu", "geglu", "gelu")

@@ -1,6 +1,6 @@
 """Package faces that re-export their submodules' names on first use (PEP
 562), so that importing one submodule (``moe_ep.config``,
-``moe_ep.transport.names``) does not import every other."""
+``moe_ep.transport.kernel_source``) does not import every other."""
 
 from __future__ import annotations
 

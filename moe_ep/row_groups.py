@@ -4,7 +4,7 @@
 Each local expert's rows sit contiguously in one ``[M, H]`` buffer: group
 ``l`` starts at row ``start[l]``, the exclusive running sum of the kept counts
 rounded up to ``ROW_TILE``, so every ``ROW_TILE``-row tile of the buffer
-belongs to one group or to none (:mod:`moe_ep.transport.grouped` describes
+belongs to one group or to none (:mod:`moe_ep.transport.receive_grouped` describes
 how dispatch fills it).
 """
 

@@ -113,3 +113,34 @@ def test_cluster_variable_chooses_or_refuses_a_detection_method(calls, monkeypat
 
 def test_single_process_knows_its_node(calls):
   assert distributed.process_nodes() == (distributed._node_key(),)  # noqa: SLF001
+
+
+@pytest.mark.parametrize("cluster_env", [None, ""], ids=["unset", "empty"])
+def test_empty_cluster_variable_is_unset(calls, monkeypatch, cluster_env):
+  """``MOE_EP_CLUSTER=`` (as a job script's ``export MOE_EP_CLUSTER=$X``
+  leaves it) means JAX's own detection: no cluster stays single, a SLURM
+  task is found."""
+  if cluster_env is not None:
+    monkeypatch.setenv(distributed.ENV_CLUSTER, cluster_env)
+  assert distributed.initialize_from_env() == distributed.Job(None) and calls == []
+  for name, value in SLURM_TASK.items():
+    monkeypatch.setenv(name, value)
+  assert distributed.initialize_from_env().cluster == "SlurmCluster"
+  assert calls == [{"cluster_detection_method": None, "initialization_timeout": 300}]
+
+
+def test_empty_local_device_ids_leave_the_choice_to_jax(calls, monkeypatch):
+  monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
+  monkeypatch.setenv(distributed.ENV_PROCESS_ID, "0")
+  monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:1234")
+  monkeypatch.setenv(distributed.ENV_LOCAL_DEVICE_IDS, "")
+  assert distributed.initialize_from_env() == distributed.Job("moe_ep.launch", 0, 2)
+  assert calls[-1]["local_device_ids"] is None
+
+
+def test_launch_variables_missing_are_named(calls, monkeypatch):
+  monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
+  monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:1234")
+  with pytest.raises(ValueError, match=r"MOE_EP_NUM_PROCESSES=2 also needs MOE_EP_PROCESS_ID"):
+    distributed.initialize_from_env()
+  assert calls == []

@@ -145,10 +145,25 @@ def matmul_tflops(size: int = 8192, dtype=jnp.bfloat16) -> dict:
   return {"size": size, "tflops": 2 * size ** 3 / timing["median_ms"] / 1e9, **timing}
 
 
+def is_clean_commit(commit: str | None) -> bool:
+  """Whether ``commit`` (:func:`git_commit`'s) names the code exactly: a
+  commit with no uncommitted change to tracked files."""
+  return commit is not None and not commit.endswith("+dirty")
+
+
 def write_result(name: str, payload: dict, results_dir: pathlib.Path = RESULTS_DIR) -> pathlib.Path:
+  """``results_dir/<name>-<date>-<time>.json``: ``payload`` with the
+  benchmark's name and :func:`environment`, marked ``"traceable": false``
+  where no clean commit names the code it ran (benchmarks/index.py leaves
+  such results out of the index; the source digest is still recorded)."""
   results_dir.mkdir(parents=True, exist_ok=True)
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   path = results_dir / f"{name}-{stamp}.json"
-  path.write_text(json.dumps({"benchmark": name, "environment": environment(), **payload},
-                             indent=2, default=float))
+  facts = environment()
+  traceable = is_clean_commit(facts["commit"])
+  if not traceable:
+    print(f"{path.name}: no clean commit names this code ({facts['commit'] or 'no git checkout'}"
+          f"); marked untraceable, source digest {facts['source_digest']}")
+  path.write_text(json.dumps({"benchmark": name, "traceable": traceable, "environment": facts,
+                              **payload}, indent=2, default=float))
   return path

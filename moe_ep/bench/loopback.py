@@ -1,4 +1,4 @@
-"""P2's fused peer row kernels on ONE GPU (:mod:`moe_ep.transport.peer.loopback`):
+"""P2's fused peer row kernels on ONE GPU (:mod:`moe_ep.bench.peer_loopback`):
 rank 0's dispatch (bf16 rows, FP8 wire rows) and combine at EP=R, every
 rank's channel in this GPU's memory and every flag raised, so a launch
 times the kernel's own memory work with no NVLink and no waiting: what
@@ -28,7 +28,7 @@ from moe_ep.transport import expert_capacity_for, kernel_launch, send_capacity_f
 from moe_ep.transport import xla as xla_backend
 from moe_ep.transport.exchange import Spec
 from moe_ep.transport.peer import channel, dispatch_layout, fused_layout, kernels
-from moe_ep.transport.peer import loopback as peer_loopback
+from moe_ep.bench import peer_loopback
 from moe_ep.transport.peer import rows as peer_rows
 
 FP8 = "float8_e4m3fn"

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from moe_ep.bench import common, experts, layer
+from moe_ep.bench import experts, layer
 from moe_ep.experts import bank_layout, grouped_expert_mlp
 from moe_ep.row_groups import grouped_rows_for
 

@@ -10,7 +10,7 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from moe_ep.bench import common
-from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import cupy_backend
 from moe_ep.transport import kernel_launch
 
 

@@ -2,18 +2,19 @@
 
 One functional interface (:func:`dispatch`, :func:`combine`), its shapes and
 names; everything behind it lives in the submodules, whose names this face
-imports on first use, so a submodule (``names`` for the configuration,
-``kernel_source``, ``peer`` for the benchmarks) imports without the
-differentiable core:
+imports on first use, so a submodule (``kernel_source``, ``peer`` for the
+benchmarks) imports without the differentiable core (the options the
+configuration shares live below, in :mod:`moe_ep.options`):
 
 * ``ops``: the ``custom_vjp`` operations and their argument checks;
-* ``exchange``, ``row_paths``, ``slabs``, ``grouped``: which exchange
+* ``exchange``, ``row_paths``, ``receive_slabs``, ``receive_grouped``: which exchange
   carries the rows, the row paths over it, the receiver's layouts (``[L, C]``
   slabs or each expert's rows contiguous in ``[M, H]``);
-* ``handle``, ``meta``, ``names``: the routing handle, the metadata's wire
-  format, the shared constants (capacity math and the grouped layout's row
-  groups live below, in :mod:`moe_ep.capacity` and :mod:`moe_ep.row_groups`);
-* ``backend``, ``xla``, ``cupy``, ``kernel_launch``, ``kernel_source``: the
+* ``handle``, ``meta``, ``scopes``: the routing handle, the metadata's wire
+  format, the scopes the exchanges run under (capacity math and the grouped
+  layout's row groups live below, in :mod:`moe_ep.capacity` and
+  :mod:`moe_ep.row_groups`);
+* ``backend``, ``xla``, ``cupy_backend``, ``kernel_launch``, ``kernel_source``: the
   local passes, pure JAX or ``kernels/*.cu`` on XLA's stream;
 * ``fp8``: the FP8 wire format; ``peer``: direct stores into the other
   GPUs' memory.
@@ -26,5 +27,6 @@ __all__, __getattr__, __dir__ = exports(__name__, {
     "handle": ("Dispatched", "RoutingHandle"),
     "moe_ep.capacity": ("expert_capacity_for", "send_capacity_for"),
     "moe_ep.row_groups": ("ROW_TILE", "grouped_rows_for"),
-    "names": ("CHECKPOINT_FIELDS", "EXCHANGES", "NAMED_SCOPES", "WIRE_DTYPES", "check_wire_dtype"),
+    "moe_ep.options": ("CHECKPOINT_FIELDS", "EXCHANGES", "WIRE_DTYPES", "check_wire_dtype"),
+    "scopes": ("NAMED_SCOPES",),
 })

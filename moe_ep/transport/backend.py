@@ -15,9 +15,9 @@ import functools
 
 import jax
 
-from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import cupy_backend
 from moe_ep.transport import kernel_launch, xla
-from moe_ep.transport.names import BACKENDS, check_backend
+from moe_ep.options import BACKENDS, check_backend
 
 __all__ = ["BACKENDS", "FUNCTIONS", "check_backend", "resolve"]
 

@@ -14,7 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_ep.transport import backend as transport_backend
 from moe_ep.transport import peer
-from moe_ep.transport.names import EXCHANGES
+from moe_ep.options import EXCHANGES
 from moe_ep.transport.peer import dispatch_layout, fused_layout, reachability, rows
 from moe_ep.transport.peer import runtime as peer_runtime
 

@@ -42,13 +42,9 @@ Wire row (one ``[W]`` uint8 row per token, so one exchange carries both)::
 Whole 128-byte lines let rows laid end to end in a slab each start a line:
 the GPU kernels store a row a warp (512 bytes) at a time, and a row starting
 mid-line spreads each of those stores over one more line. Where the lines
-cost many bytes (small H) the bytes cost more than the alignment gains. The
-peer FP8 dispatch on one H200 (``moe_ep.bench loopback`` shapes, EP=2;
-2026-12-01): H=7168 7424 bytes 273-275 us against 7392 bytes 289-292 us;
-H=4608 4864 bytes 195-196 us against 4752 bytes 210-212 us; H=1024 1056
-bytes 70-72 us against 1152 bytes 75 us. (H=2048 keeps its lines, 2176
-bytes, 3% more: 102-111 us against 98 us for 2112 bytes, the one measured
-shape the rule does not pick the faster of.) The kernels take W from
+cost many bytes (small H) the bytes cost more than the alignment gains (the
+peer FP8 dispatch at four H, including the one shape where the rule does not
+pick the faster: ``docs/benchmarks.md``, "Tuning"). The kernels take W from
 :func:`wire_bytes`, the one place this rule lives.
 
 An all-zero wire row dequantizes to an all-zero row (codes 0, scales 0), so
@@ -56,10 +52,10 @@ An all-zero wire row dequantizes to an all-zero row (codes 0, scales 0), so
 
 These pure-JAX functions run on every platform and are the reference. The
 CUDA kernels of the same format (``kernels/fp8.cu``, launched by
-:mod:`moe_ep.transport.cupy`, and the peer dispatch that quantizes as it
+:mod:`moe_ep.transport.cupy_backend`, and the peer dispatch that quantizes as it
 sends, ``peer_dispatch_fp8_*``) give the same bytes and values and need
 compute capability 8.9+ (the e4m3 conversion instructions;
-:func:`moe_ep.transport.cupy.check_compute_capability`).
+:func:`moe_ep.transport.cupy_backend.check_compute_capability`).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ class RoutingHandle(NamedTuple):
       -1 (combine then sends back only those rows).
     slab_row: ``[L, C]`` flat received row ``src * S + s`` feeding slab row
       ``(l, c)``, or -1 on padding rows. In the grouped layout
-      (:mod:`~moe_ep.transport.grouped`) ``[M]``, per buffer row, and
+      (:mod:`~moe_ep.transport.receive_grouped`) ``[M]``, per buffer row, and
       ``recv_pos`` holds buffer rows.
   """
 

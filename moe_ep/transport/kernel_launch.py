@@ -1,6 +1,6 @@
 """Launching ``kernels/*.cu`` on XLA's own stream: the one place that compiles
 them, wraps XLA's streams and reads buffer pointers, for the CuPy backend
-(:mod:`~moe_ep.transport.cupy`, its FP8 kernels included) and the peer
+(:mod:`~moe_ep.transport.cupy_backend`, its FP8 kernels included) and the peer
 exchange (:mod:`~moe_ep.transport.peer`).
 
 A kernel call is one ``jax.experimental.buffer_callback`` (FFI buffers, no
@@ -70,7 +70,7 @@ def compile_module(kernel_file: str):
   the compiler's log."""
   import cupy
   module = cupy.RawModule(code=kernel_source.source(kernel_file),
-                          options=kernel_source.COMPILE_OPTIONS)
+                          options=kernel_source.compile_options())
   try:
     module.compile()
   except cupy.cuda.compiler.CompileException as error:

@@ -1,32 +1,24 @@
-"""Finds and assembles the CUDA sources in ``kernels/`` (no CuPy needed).
+"""Finds the CUDA sources in ``kernels/`` (no CuPy needed).
 
 Used by the CuPy backend (NVRTC) and by the test that compiles every kernel
-with ``nvcc``, so both see the same text: ``common.cuh``, the headers the
-kernel file uses (:data:`HEADERS`), then the kernel file, each under a
-``#line`` directive so compiler errors name the file and line.
+with ``nvcc``, so both see the same text and options: each kernel file
+``#include``\ s its headers (``common.cuh`` and the ``.cuh`` files it uses,
+each guarded), found through ``-I`` on :func:`kernel_dir`
+(:func:`compile_options`). The text starts with a digest of the headers, so a
+compile cache keyed on the text (CuPy's) misses when a header changes, and a
+``#line`` directive, so compiler errors name the file and line.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.resources
 import pathlib
 
 COMMON_HEADER = "common.cuh"
 KERNEL_FILES = ("rows.cu", "layout.cu", "fp8.cu", "peer_exchange.cu", "peer_dispatch.cu",
                 "peer_combine.cu", "peer_layout.cu")
-# Headers prepended after COMMON_HEADER, in order: the FP8 format's rules
-# serve the FP8 row passes and the peer dispatch that quantizes as it sends;
-# the slab layout serves the layout kernels and the peer launches fused with
-# it; the peer protocol (peer.cuh) every peer kernel, its row machinery
-# (peer_rows.cuh) the fused row kernels, and its metadata landing
-# (peer_layout.cuh) the launches that lay the slabs out themselves.
-_PEER_ROWS = ("peer.cuh", "peer_rows.cuh")
-HEADERS = {"fp8.cu": ("fp8.cuh",), "layout.cu": ("slab_layout.cuh",),
-           "peer_exchange.cu": ("peer.cuh",),
-           "peer_dispatch.cu": ("fp8.cuh", "slab_layout.cuh", *_PEER_ROWS, "peer_layout.cuh"),
-           "peer_combine.cu": _PEER_ROWS,
-           "peer_layout.cu": ("slab_layout.cuh", *_PEER_ROWS, "peer_layout.cuh")}
-# NVRTC options; nvcc understands the same ones.
+# NVRTC options besides the include path; nvcc understands the same ones.
 COMPILE_OPTIONS = ("-std=c++17",)
 
 
@@ -41,13 +33,25 @@ def kernel_dir() -> pathlib.Path:
   raise FileNotFoundError(f"moe_ep kernels not found in {checkout} or {shipped}")
 
 
+def compile_options() -> tuple[str, ...]:
+  """The NVRTC (and nvcc) options: :data:`COMPILE_OPTIONS` and the headers'
+  folder as the include path."""
+  return (*COMPILE_OPTIONS, f"-I{kernel_dir()}")
+
+
+def headers_digest(folder: pathlib.Path) -> str:
+  """16 hex digits of SHA-256 over every header's name and text in ``folder``."""
+  digest = hashlib.sha256()
+  for path in sorted(folder.glob("*.cuh")):
+    digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+  return digest.hexdigest()[:16]
+
+
 def source(kernel_file: str) -> str:
-  """The full translation unit of one kernel file."""
+  """The text of one kernel file, as compiled with :func:`compile_options`."""
   if kernel_file not in KERNEL_FILES:
     raise ValueError(f"kernel_file={kernel_file!r} is not one of {KERNEL_FILES}")
   folder = kernel_dir()
-  parts = []
-  for name in (COMMON_HEADER, *HEADERS.get(kernel_file, ()), kernel_file):
-    path = folder / name
-    parts.append(f'#line 1 "{path}"\n{path.read_text()}')
-  return "\n".join(parts)
+  path = folder / kernel_file
+  return (f"// headers {headers_digest(folder)}\n"
+          f'#line 1 "{path}"\n{path.read_text()}')

@@ -7,7 +7,7 @@ the static :class:`~moe_ep.transport.exchange.Spec` of a call, and holds the
 forward and backward rules and the checkpoint names; the rows move by
 :mod:`~moe_ep.transport.row_paths`, over the exchange
 :mod:`~moe_ep.transport.exchange` chose, with the local passes of a backend
-(:mod:`~moe_ep.transport.xla` or :mod:`~moe_ep.transport.cupy`).
+(:mod:`~moe_ep.transport.xla` or :mod:`~moe_ep.transport.cupy_backend`).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_ep.transport import grouped, row_paths, slabs
+from moe_ep.transport import receive_grouped, receive_slabs, row_paths
 from moe_ep.transport.exchange import Spec, one_launch_dispatch, resolve_exchange
 from moe_ep.transport.exchange import ep_size as ep_size_of
 from moe_ep.capacity import check_experts, check_num_tokens, expert_capacity_for, positive_int
 from moe_ep.row_groups import ROW_TILE
 from moe_ep.transport.handle import Dispatched, RoutingHandle
-from moe_ep.transport.names import (NAMED_SCOPES, TOKEN_DTYPES, check_backend,
-                                    check_wire_dtype)
+from moe_ep.options import TOKEN_DTYPES, check_backend, check_wire_dtype
+from moe_ep.transport.scopes import NAMED_SCOPES
 
 __all__ = ["combine", "dispatch"]
 
@@ -167,7 +167,7 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
       values above ``T`` are clamped to ``T``).
     checkpoint_name: when set, the outputs and the residual the backward keeps
       are named ``f"{checkpoint_name}.{field}"`` for ``field`` in
-      :data:`~moe_ep.transport.names.CHECKPOINT_FIELDS`, so a remat policy can save them.
+      :data:`~moe_ep.options.CHECKPOINT_FIELDS`, so a remat policy can save them.
     backend: ``"auto"``, ``"xla"`` or ``"cupy"``: the local passes.
     exchange: how rows cross between ranks: ``"all_to_all"`` (XLA's
       collective), ``"peer"`` (direct NVLink stores into the other GPUs'
@@ -196,7 +196,7 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
       multiple of ``ROW_TILE``, see :func:`~moe_ep.row_groups.grouped_rows_for`):
       in the grouped layout, ``[M, H]`` with each local expert's kept rows
       contiguous from a multiple of ``ROW_TILE`` on
-      (:mod:`~moe_ep.transport.grouped`); ``expert_capacity`` still caps each
+      (:mod:`~moe_ep.transport.receive_grouped`); ``expert_capacity`` still caps each
       expert, and rows past ``M`` are dropped and counted like capacity drops.
 
   Returns:
@@ -292,10 +292,10 @@ def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int
   if not isinstance(handle, RoutingHandle):
     raise ValueError(f"handle must be the RoutingHandle from dispatch; got {type(handle)}")
   if handle.grouped:
-    grouped.check_outputs(expert_outputs, handle)
+    receive_grouped.check_outputs(expert_outputs, handle)
   else:
     _check_rank("expert_outputs", expert_outputs, 3, "[L, C, H]")
-    slabs.check_outputs(expert_outputs, handle)
+    receive_slabs.check_outputs(expert_outputs, handle)
   _check_rows("expert_outputs", expert_outputs)
   num_tokens = check_num_tokens(num_tokens, "combine")
   if num_tokens != handle.num_tokens:

@@ -24,7 +24,7 @@ On the peer exchange the row paths (and at decode sizes the metadata
 exchange with the layout) can run as one fused launch each; this module
 chooses that launch when lowering for CUDA and the path above everywhere
 else (:func:`_fused_on_cuda`), with bitwise the same results. Where the
-output rows land is the receiver's layout, :mod:`~moe_ep.transport.slabs`.
+output rows land is the receiver's layout, :mod:`~moe_ep.transport.receive_slabs`.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_ep.transport import fp8, grouped, slabs
+from moe_ep.transport import fp8, receive_grouped, receive_slabs
 from moe_ep.transport.exchange import Spec, exchange, fused_rows, fused_slab_layout
 from moe_ep.transport.handle import RoutingHandle
-from moe_ep.transport.names import WIRE_DTYPES
+from moe_ep.options import WIRE_DTYPES
 from moe_ep.transport.peer import dispatch_layout, fused_layout, rows as peer_rows
 
 
@@ -76,8 +76,8 @@ def rows_to_slabs(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Arr
   """``rows [T, H]`` (one per token) -> ``[L, C, H]`` slabs along ``handle``."""
   ops = spec.ops
   hidden = rows.shape[-1]
-  shape = slabs.output_shape(handle, hidden)
-  output_rows = slabs.output_rows(handle)
+  shape = receive_slabs.output_shape(handle, hidden)
+  output_rows = receive_slabs.output_rows(handle)
   if spec.ep_size == 1:
     token_of_output_row = _lookup(handle.send_token.reshape(-1), output_rows, -1)
     return ops.expand_rows(rows, _token_member_pos(handle), token_of_output_row).reshape(shape)
@@ -98,8 +98,8 @@ def _exchanged_rows_to_slabs(spec: Spec, rows: jax.Array, handle: RoutingHandle)
   hidden = rows.shape[-1]
   send_rows = ops.expand_rows(rows, _wire_rows(handle), handle.send_token.reshape(-1))
   recv_rows = exchange(spec, send_rows.reshape(spec.ep_size, -1, hidden), "exchange_rows")
-  return ops.expand_rows(recv_rows.reshape(-1, hidden),
-                         handle.recv_pos.reshape(-1, handle.top_k), slabs.output_rows(handle))
+  return ops.expand_rows(recv_rows.reshape(-1, hidden), handle.recv_pos.reshape(-1, handle.top_k),
+                         receive_slabs.output_rows(handle))
 
 
 def slabs_to_rows(spec: Spec, slab_values: jax.Array, handle: RoutingHandle) -> jax.Array:
@@ -150,14 +150,14 @@ def rows_to_slabs_fp8(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax
   member fills (the FP8 slabs' own padding may be unwritten). Both give
   bitwise the same slabs (the dequantize is exact before its one rounding)."""
   hidden = rows.shape[-1]
-  shape = slabs.output_shape(handle, hidden)
+  shape = receive_slabs.output_shape(handle, hidden)
   if spec.checkpoint_name is not None:
     fp8_slabs = spec.name("tokens", rows_to_fp8_slabs(spec, rows, handle))
     return spec.ops.dequantize_filled_rows(fp8_slabs.reshape(-1, fp8_slabs.shape[-1]),
-                                           slabs.filled(handle), hidden=hidden,
+                                           receive_slabs.filled(handle), hidden=hidden,
                                            dtype=rows.dtype).reshape(shape)
   ops = spec.ops
-  output_rows = slabs.output_rows(handle)
+  output_rows = receive_slabs.output_rows(handle)
   if spec.ep_size == 1:
     wire = ops.quantize_pack_expand(rows)
     targets = _token_member_pos(handle)
@@ -182,7 +182,7 @@ def rows_to_fp8_slabs(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax
   into the slabs."""
   ops = spec.ops
   width = fp8.wire_bytes(rows.shape[-1])
-  shape = slabs.output_shape(handle, width)
+  shape = receive_slabs.output_shape(handle, width)
   if spec.ep_size > 1 and fused_rows(spec, rows.dtype, rows.shape[-1], handle.top_k,
                                      sums=False, wire_dtype=WIRE_DTYPES[0]):
     flat = _fused_on_cuda(
@@ -191,13 +191,14 @@ def rows_to_fp8_slabs(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax
                           wire_dtype=WIRE_DTYPES[0]),
         lambda rows, *maps: rows_to_fp8_slabs(spec.on_all_to_all(), rows, handle).reshape(
             -1, width),
-        rows, handle.send_token, handle.send_slot, handle.recv_pos, slabs.output_rows(handle))
+        rows, handle.send_token, handle.send_slot, handle.recv_pos,
+        receive_slabs.output_rows(handle))
     return flat.reshape(shape)
   if spec.ep_size == 1 or fused_rows(spec, jnp.uint8, width, handle.top_k, sums=False):
     return rows_to_slabs(spec, ops.quantize_pack_expand(rows), handle)
   wire = _exchanged_wire_rows(spec, rows, handle)
   return ops.expand_rows(wire, handle.recv_pos.reshape(-1, handle.top_k),
-                         slabs.output_rows(handle)).reshape(shape)
+                         receive_slabs.output_rows(handle)).reshape(shape)
 
 
 def _exchanged_wire_rows(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
@@ -235,7 +236,7 @@ def _exchanged_layout(spec: Spec, meta, top_k: int):
   """The metadata exchange (R > 1), then the receiver's layout."""
   if spec.ep_size > 1:
     meta = exchange(spec, meta, "exchange_meta")
-  return slabs.lay_out(spec.ops, meta, **_layout_sizes(spec, top_k))
+  return receive_slabs.lay_out(spec.ops, meta, **_layout_sizes(spec, top_k))
 
 
 def _route(spec: Spec, topk_idx, topk_weights):
@@ -259,7 +260,7 @@ def routing(spec: Spec, topk_idx, topk_weights):
     layout = _exchanged_layout(spec, meta, top_k)
   recv_pos, slab_row, slab_weights, counts, demand = layout
   if spec.grouped_rows is not None:
-    recv_pos, slab_row, slab_weights, counts = grouped.from_slabs(
+    recv_pos, slab_row, slab_weights, counts = receive_grouped.from_slabs(
         recv_pos, slab_row, slab_weights, counts, spec.grouped_rows)
   return (RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row), slab_weights,
           counts, demand)
@@ -286,6 +287,6 @@ def dispatch_in_one_launch(spec: Spec, tokens, topk_idx, topk_weights):
                         axis_name=spec.axis_name, mesh=spec.mesh),
       all_to_all_path, tokens, meta, send_token, send_slot)
   handle = RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row)
-  return (handle, flat.reshape(slabs.output_shape(handle, tokens.shape[-1])), slab_weights,
+  return (handle, flat.reshape(receive_slabs.output_shape(handle, tokens.shape[-1])), slab_weights,
           counts, demand)
 

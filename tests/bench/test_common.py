@@ -1,8 +1,11 @@
 """Which code a benchmark result ran: ``common.source_digest`` over a copy of
-the checkout's sources."""
+the checkout's sources, and the mark on a result no clean commit names."""
 
+import json
 import pathlib
 import shutil
+
+import pytest
 
 from moe_ep.bench import common
 
@@ -34,3 +37,14 @@ def test_source_digest_names_the_code_not_the_folder(tmp_path):
   assert common.source_digest(second) not in (digest, edited)
   (second / "pyproject.toml").unlink()
   assert common.source_digest(second) is None  # not a source checkout
+
+
+@pytest.mark.parametrize("commit, traceable", [
+    ("0c0d370ce4aa", True), ("0c0d370ce4aa+dirty", False), (None, False)])
+def test_write_result_marks_a_result_without_a_clean_commit(tmp_path, monkeypatch, commit,
+                                                            traceable):
+  monkeypatch.setattr(common, "git_commit", lambda *args: commit)
+  path = common.write_result("unit", {"median_ms": 1.5}, tmp_path)
+  record = json.loads(path.read_text())
+  assert record["traceable"] is traceable and record["environment"]["commit"] == commit
+  assert record["median_ms"] == 1.5 and record["environment"]["source_digest"]

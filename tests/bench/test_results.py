@@ -2,6 +2,7 @@
 INDEX.md is what benchmarks/index.py writes from the files."""
 
 import importlib.util
+import json
 import pathlib
 import re
 
@@ -45,3 +46,24 @@ def test_every_kept_result_is_cited_and_every_cited_result_is_kept():
     elif not name.startswith(("docs/", "configs/", "examples/", "tests/", "moe_ep/")):
       assert (RESULTS / name).is_file(), name
   assert len(cited) > 20
+
+
+def test_index_hides_results_marked_untraceable(tmp_path, monkeypatch):
+  index = index_module()
+  monkeypatch.setattr(index, "RESULTS", tmp_path)
+  monkeypatch.setattr(index, "INDEX", tmp_path / "INDEX.md")
+  (tmp_path / "ep").mkdir()
+  env = {"device": "NVIDIA H200", "device_count": 1, "date": "2026-12-03T10:00:00"}
+  for name, mark in (("clean", {"traceable": True}), ("old", {}),
+                     ("dirty", {"traceable": False})):
+    (tmp_path / "ep" / f"{name}.json").write_text(
+        json.dumps({"benchmark": "ep", **mark, "environment": env}))
+  (tmp_path / "ep" / "dirty.md").write_text("the dirty run's report")  # its JSON twin's mark
+  assert [p.name for p in index.result_files()] == ["clean.json", "old.json"]
+  assert "dirty" not in index.render() and "clean.json" in index.render()
+
+
+def test_no_cited_result_is_marked_untraceable():
+  index = index_module()
+  for path in RESULTS.rglob("*.json"):
+    assert index.traceable(path), path

@@ -188,3 +188,25 @@ def test_no_intact_step_is_an_error_naming_every_step(tmp_path):
                                               r"unusable\)"):
     resumed.restore_newest_intact(abstract_like(make_state(1)))
   assert sorted(p.name for p in (tmp_path / "checkpoints-unusable").iterdir()) == ["1", "2"]
+
+
+def test_setting_aside_never_reuses_a_taken_name(tmp_path):
+  """Step 2 set aside by two earlier resumes (``2`` and ``2-2`` taken, with
+  something in each): the third goes to ``2-3`` and both earlier ones stay."""
+  checkpoints, _ = saved(tmp_path, [1, 2])
+  for path in data_files(checkpoints.directory / "2"):
+    truncate(path)
+  checkpoints.close()
+  unusable = tmp_path / "checkpoints-unusable"
+  for taken in ("2", "2-2"):
+    (unusable / taken).mkdir(parents=True)
+    (unusable / taken / "earlier").write_text(taken)
+  lines = []
+  resumed = RunCheckpoints(tmp_path / "checkpoints", report=lines.append)
+  _, step, _ = resumed.restore_newest_intact(abstract_like(make_state(1)))
+  assert step == 1 and lines[0].endswith(f"; moved it to {unusable / '2-3'}; trying step 1")
+  assert sorted(p.name for p in unusable.iterdir()) == ["2", "2-2", "2-3"]
+  for taken in ("2", "2-2"):
+    assert (unusable / taken / "earlier").read_text() == taken
+  assert (unusable / "2-3" / "state").is_dir()
+  resumed.close()

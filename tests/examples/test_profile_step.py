@@ -1,4 +1,5 @@
-"""examples/profile_step.py: overlapping and nested ops split the busy time
+"""examples/profile_step.py and the classifier and attribution it runs
+(moe_ep/bench/step_profile.py): overlapping and nested ops split the busy time
 exactly, the classifier's rules on a hand-labelled program, and a traced CPU
 run whose rows add up to the step, whose busy time is the union of the raw
 trace's op intervals and whose trace holds exactly the traced steps."""
@@ -12,6 +13,7 @@ import pytest
 from tiny_run import FAST_OVERRIDES, TINY_YAML, skip_unless_devices_fit
 from examples import profile_step as ps
 from moe_ep.bench import hlo, timeline
+from moe_ep.bench import step_profile as sp
 from examples.train_config import load_config
 
 STEPS = 2
@@ -27,7 +29,7 @@ def test_nested_and_overlapping_ops_split_the_busy_time_between_them():
   events = [event(0, 10, hlo_op="loop"), event(2, 5, hlo_op="body"),
             event(4, 8, line="b", hlo_op="other"),
             event(0, 1, device="d1"), event(3, 4, device="d1")]
-  attributed, own, busy = ps.attribute(events)
+  attributed, own, busy = sp.attribute(events)
   # Worked by hand: [0,2) loop; [2,4) body; [4,5) body|other; [5,8) loop|other; [8,10) loop.
   assert attributed[:3] == pytest.approx([2 + 1.5 + 2, 2 + 0.5, 0.5 + 1.5])
   assert own[:3] == pytest.approx([7, 3, 4])  # the loop's own time leaves out its body's
@@ -42,7 +44,7 @@ def test_ops_of_one_line_that_overlap_without_nesting_keep_all_their_time():
   # to the earlier one's end, and the time it ran after that went missing.
   events = [event(0, 4, hlo_op="a"), event(3.9, 9, hlo_op="b"), event(10, 30, hlo_op="loop"),
             event(11, 15, hlo_op="c"), event(14.5, 20, hlo_op="d"), event(19, 31, hlo_op="e")]
-  attributed, own, busy = ps.attribute(events)
+  attributed, own, busy = sp.attribute(events)
   assert busy == pytest.approx({"d0": 9 + 21})  # the union of the intervals
   assert sum(attributed) == pytest.approx(30) and sum(own) == pytest.approx(30)
   # each earlier op ends where the later starts; the loop owns its gaps
@@ -101,7 +103,7 @@ def test_classifier_follows_the_rules_on_a_hand_labelled_program():
                                                                              "kLoop")
   assert instructions["tuple.14"].shape == "(f32[8,4]{1,0})"
   assert instructions["dot.6"].operands == ("p", "p") and instructions["dot.6"].kind == ""
-  classifier = ps.Classifier(instructions, computations)
+  classifier = sp.Classifier(instructions, computations)
   for name, expected in EXPECTED.items():
     found = classifier.classify(name)
     assert (found.category, found.step_pass, found.recomputes) == expected, name
@@ -116,7 +118,7 @@ def test_a_present_attention_scope_replaces_the_einsum_fallback():
   text = HLO.replace('"jit(step)/jvp()/while/body/rsqrt"',
                      '"jit(step)/jvp()/while/body/attention/rsqrt"')
   _, instructions, computations = hlo.parse_hlo(text)
-  classifier = ps.Classifier(instructions, computations)
+  classifier = sp.Classifier(instructions, computations)
   assert classifier.classify("sqrt.12").category == "attention"
   assert classifier.classify("dot.9").category == "other"  # outside the scope
 
@@ -144,12 +146,12 @@ def profiled(tmp_path_factory):
 def test_rows_add_up_to_the_traced_step(profiled):
   _, report, _ = profiled
   rows = report["rows"]
-  assert list(rows) == [*ps.CATEGORIES, ps.IDLE]
+  assert list(rows) == [*sp.CATEGORIES, sp.IDLE]
   assert sum(row["ms"] for row in rows.values()) == pytest.approx(report["step_ms"], rel=1e-9)
-  assert sum(rows[c]["ms"] for c in ps.CATEGORIES) == pytest.approx(report["busy_ms"], rel=1e-9)
+  assert sum(rows[c]["ms"] for c in sp.CATEGORIES) == pytest.approx(report["busy_ms"], rel=1e-9)
   assert sum(row["share"] for row in rows.values()) == pytest.approx(1.0, rel=1e-9)
   assert 0 < report["busy_ms"] < report["step_ms"]
-  for category in ps.CATEGORIES:  # forward + backward never exceed the row
+  for category in sp.CATEGORIES:  # forward + backward never exceed the row
     assert rows[category]["forward"] + rows[category]["backward"] <= rows[category]["ms"] + 1e-9
 
 
@@ -195,7 +197,7 @@ def test_busy_time_is_the_union_of_the_raw_traces_op_intervals(profiled):
 def test_report_files_hold_the_table_and_the_environment(profiled):
   stem, report, _ = profiled
   table = stem.with_suffix(".md").read_text()
-  for category in (*ps.CATEGORIES, ps.IDLE):
+  for category in (*sp.CATEGORIES, sp.IDLE):
     row = report["rows"][category]
     assert f"| {category} | {ps._ms(row['ms'])} | {row['share']:.1%} |" in table
   assert stem.name == f"profile-tiny-{jax.devices()[0].device_kind.lower().replace(' ', '-')}-" \
@@ -205,4 +207,4 @@ def test_report_files_hold_the_table_and_the_environment(profiled):
   assert report["overrides"][-1] == "model.remat_blocks=true"
   assert report["steps"] == STEPS and report["untraced_step_ms"] > 0
   top = [op["ms"] for op in report["top_ops"]]
-  assert 0 < len(top) <= ps.TOP_OPS and top == sorted(top, reverse=True)
+  assert 0 < len(top) <= sp.TOP_OPS and top == sorted(top, reverse=True)

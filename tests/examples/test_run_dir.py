@@ -78,3 +78,18 @@ def test_resume_compares_with_the_newest_saved_config(tmp_path):
       r"\(these change the parameters")):
     check_resumed_config(tmp_path, load_config(TINY_YAML, [
         "model.d_model=128", "moe.hidden_size=128", "moe.num_experts=4"]))
+
+
+def test_a_dangling_latest_link_is_no_run(tmp_path):
+  """The run the link names was deleted (or the link points at a file): no
+  latest run, rather than a path that does not exist."""
+  run = new_run_dir("tiny", root=tmp_path, now=NOW)
+  link_latest(run, "tiny", root=tmp_path)
+  run.rmdir()
+  assert latest_link("tiny", tmp_path).is_symlink()
+  assert latest_run_dir("tiny", root=tmp_path) is None
+  run.write_text("not a run")
+  assert latest_run_dir("tiny", root=tmp_path) is None
+  latest_link("tiny", tmp_path).unlink()
+  latest_link("tiny", tmp_path).mkdir()  # a directory, not a link
+  assert latest_run_dir("tiny", root=tmp_path) is None

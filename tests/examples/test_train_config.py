@@ -311,3 +311,26 @@ def test_the_printed_config_reads_back_as_the_same_config():
       section, line = head, rest
     overrides += [f"{section}.{item}" for item in line.split()]
   assert len(overrides) > 50 and load_config(TINY_YAML, overrides) == config
+
+
+@pytest.mark.parametrize("section, fields", [
+    ("moe", {"transport": "xla"}),
+    ("moe", {"exchange": "all_to_all"}),
+    ("moe", {"exchange": "peer"}),
+    ("moe", {"remat": RematConfig(save=("router",), apply=True)}),
+    ("model", {"remat_blocks": True}),
+    ("model", {"attention": "xla"}),
+    ("model", {"remat_policy": "full"}),
+])
+def test_each_execution_choice_may_change_on_resume(section, fields):
+  """The same arithmetic on other kernels, another exchange, or other
+  values saved for the backward pass: each on its own is allowed and
+  listed, never refused."""
+  saved = load_config(TINY_YAML)
+  current = {name: getattr(getattr(saved, section), name) for name in fields}
+  assert current != fields, "the change must change something"
+  refused, allowed = resume_changes(saved, changed(saved, **{section: fields}))
+  assert refused == []
+  # "moe.remat.save ['dispatch'] -> ['router']": the field is its first two parts.
+  changed_fields = {".".join(line.split()[0].split(".")[:2]) for line in allowed}
+  assert changed_fields == {f"{section}.{name}" for name in fields}

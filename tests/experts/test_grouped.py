@@ -1,6 +1,7 @@
 """The grouped expert bank's pure-JAX path against float64 numpy, and
 against the slab bank."""
 
+import itertools
 import warnings
 
 import jax
@@ -236,3 +237,29 @@ def test_hopper_branch_traces_inside_shard_map_with_the_types_of_the_jax_branch(
   loss = lambda p, x: jnp.sum(nnx.merge(graphdef, p, rest)(x)[0].astype(jnp.float32))
   text = jax.jit(jax.grad(loss)).trace(params, jnp.ones((8, 64, 256))).lower().as_text()
   assert "mosaic_gpu" not in text  # the CPU lowering took the pure-JAX branch
+
+
+@pytest.mark.parametrize("platform, capability", [("gpu", "9.0"), ("gpu", "8.0"),
+                                                  ("gpu", "10.0"), ("cpu", None)])
+def test_kernels_apply_rule_with_the_device_patched(monkeypatch, platform, capability):
+  """The documented rule of ``expert_layout="auto"``: a GPU of compute
+  capability 9.0, 16-bit dtype, hidden_size and ffn_size multiples of 256
+  (each is the output width of one of the bank's GEMMs, and the other's
+  contraction depth), checked on a grid of sizes around the tiles."""
+
+  class Device:
+    platform = "gpu"
+    compute_capability = None
+
+  device = Device()
+  device.platform, device.compute_capability = platform, capability
+  monkeypatch.setattr(grouped.jax, "devices", lambda *args: [device])
+  # The device query itself, uncached, so it reads the patched device.
+  monkeypatch.setattr(grouped, "hopper_available", grouped.hopper_available.__wrapped__)
+  sizes = (64, 128, 192, 256, 320, 384, 512, 640, 768)
+  for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+    for hidden, ffn in itertools.product(sizes, sizes):
+      want = (capability == "9.0" and jnp.dtype(dtype).itemsize == 2
+              and hidden % 256 == 0 and ffn % 256 == 0)
+      assert grouped.kernels_apply(dtype, hidden, ffn) == want, (dtype, hidden, ffn)
+      assert grouped.bank_layout("auto", dtype, hidden, ffn) == ("grouped" if want else "slabs")

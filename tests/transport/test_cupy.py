@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 
 
 def backends():
-  from moe_ep.transport import cupy as cupy_backend  # only where CuPy exists
+  from moe_ep.transport import cupy_backend  # only where CuPy exists
   return cupy_backend, xla
 
 

@@ -180,11 +180,14 @@ def test_expert_capacity_above_the_dropless_bound_is_clamped():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint32])
-def test_narrow_and_unsigned_ids_route_like_int32(dtype):
+def test_narrow_and_unsigned_ids_route_like_int32(dtype, jitted):
   """Ids are range-tested before narrowing to int32 and after widening narrow
   types: int8 id 100 against 200 experts is expert 100 (not a wrapped
-  comparison), uint32 2**32 - 1 is not routed (not -1 wrapped to a valid id)."""
+  comparison), uint32 2**32 - 1 is not routed (not -1 wrapped to a valid id).
+  Under jit too, where E = 200 becomes a weakly typed constant of the ids'
+  own dtype (200 as int8 is -56) instead of an eager overflow error."""
   info = np.iinfo(dtype)
   ids = np.array([[100, 127], [info.max, 5], [info.min, 100], [7, 7]], np.int64)
   native = np.asarray(ids, dtype)
@@ -193,6 +196,8 @@ def test_narrow_and_unsigned_ids_route_like_int32(dtype):
   weights = np.ones((4, 2), np.float32)
   run = lambda idx: dispatch(tokens, idx, weights, num_experts=200, expert_capacity=8,
                              backend="xla")
+  if jitted:
+    run = jax.jit(run)
   got, ref = run(native), run(want)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import gpu_devices
 from reference import permutation_maps
-from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import cupy_backend
 from moe_ep.transport import fp8, xla
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]

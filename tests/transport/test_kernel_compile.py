@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import cupy_backend
 from moe_ep.transport import kernel_source
 from moe_ep.transport.peer import kernels as peer_kernels
 
@@ -20,7 +20,7 @@ def nvcc(source_text: str, workdir) -> subprocess.CompletedProcess:
   path = workdir / "unit.cu"
   path.write_text(source_text)
   return subprocess.run(
-      [NVCC, "-arch=sm_90", "-cubin", "-Xptxas", "-v", *kernel_source.COMPILE_OPTIONS,
+      [NVCC, "-arch=sm_90", "-cubin", "-Xptxas", "-v", *kernel_source.compile_options(),
        "-o", str(workdir / "unit.cubin"), str(path)],
       capture_output=True, text=True, timeout=300)
 

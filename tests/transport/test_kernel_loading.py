@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import cupy_backend
 from moe_ep.transport import kernel_launch, kernel_source
 from moe_ep.transport.peer import kernels as peer_kernels
 
@@ -68,7 +68,7 @@ def fresh_caches(monkeypatch):
 def test_each_user_compiles_its_files_once_per_device(monkeypatch, fresh_caches):
   calls = []
   monkeypatch.setitem(sys.modules, "cupy", fake_cupy(calls))
-  options = kernel_source.COMPILE_OPTIONS
+  options = kernel_source.compile_options()
 
   functions = cupy_backend.kernels(3)
   assert calls == [(3, f.name, options) for f in cupy_backend.KERNEL_FILES]

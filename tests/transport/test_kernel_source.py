@@ -22,9 +22,35 @@ WHEEL_SOURCES = ("pyproject.toml", "README.md", "moe_ep", "kernels")
 def test_source_checkout_finds_kernels_with_line_directives():
   assert kernel_source.kernel_dir() == REPO / "kernels"
   text = kernel_source.source("rows.cu")
-  assert f'#line 1 "{REPO / "kernels" / "common.cuh"}"' in text
   assert f'#line 1 "{REPO / "kernels" / "rows.cu"}"' in text
-  assert "expand_rows_v16" in text
+  assert '#include "common.cuh"' in text and "expand_rows_v16" in text
+  assert f"-I{REPO / 'kernels'}" in kernel_source.compile_options()
+
+
+def test_every_include_names_a_shipped_header_and_every_header_is_guarded():
+  folder = kernel_source.kernel_dir()
+  headers = {path.name for path in folder.glob("*.cuh")}
+  for path in sorted(folder.glob("*.cu*")):
+    included = re.findall(r'^#include "([^"]+)"', path.read_text(), re.M)
+    assert set(included) <= headers, (path.name, set(included) - headers)
+    if path.suffix == ".cu":
+      assert included and included[0] == kernel_source.COMMON_HEADER, path.name
+  for name in headers:
+    guard = "MOE_EP_" + name.replace(".", "_").upper()
+    assert f"#ifndef {guard}\n#define {guard}\n" in (folder / name).read_text(), name
+
+
+def test_a_changed_header_changes_the_source_text(tmp_path, monkeypatch):
+  """CuPy caches compiled modules by their source text: a header edit must
+  change every kernel file's text."""
+  for path in kernel_source.kernel_dir().iterdir():
+    if path.suffix in (".cu", ".cuh"):
+      (tmp_path / path.name).write_text(path.read_text())
+  monkeypatch.setattr(kernel_source, "kernel_dir", lambda: tmp_path)
+  before = {name: kernel_source.source(name) for name in kernel_source.KERNEL_FILES}
+  (tmp_path / "peer_rows.cuh").write_text((tmp_path / "peer_rows.cuh").read_text() + "\n")
+  after = {name: kernel_source.source(name) for name in kernel_source.KERNEL_FILES}
+  assert all(before[name] != after[name] for name in kernel_source.KERNEL_FILES)
 
 
 def offline_build_missing() -> str | None:
@@ -59,8 +85,10 @@ def test_installed_wheel_ships_and_finds_kernels(tmp_path):
                  check=True, timeout=300)
   (wheel,) = (tmp_path / "dist").glob("moe_ep-*.whl")
   names = set(zipfile.ZipFile(wheel).namelist())
-  assert {"moe_ep/bench/__main__.py", "moe_ep/transport/cupy.py",
-          "moe_ep/transport/peer/__init__.py", "moe_ep/kernels/layout.cu"} <= names
+  assert {"moe_ep/transport/cupy_backend.py", "moe_ep/transport/peer/__init__.py",
+          "moe_ep/kernels/layout.cu", "moe_ep/kernels/peer.cuh"} <= names
+  # What measures stays in the checkout.
+  assert not [name for name in names if name.startswith("moe_ep/bench/")]
   site = tmp_path / "site"
   zipfile.ZipFile(wheel).extractall(site)
   check = ("from moe_ep.transport import kernel_source as k; "

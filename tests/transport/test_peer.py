@@ -89,7 +89,7 @@ def test_channel_layout_regions_are_disjoint_aligned_and_slots_are_a_bijection(e
   layout = channel.ChannelLayout(ep_size, 8192 * 7168 * 2)
   # flags [2][R][M], acks [2][R], step, counters [2R + 2] as kernels/peer.cuh places them
   chunks = int(re.search(r"#define PEER_MAX_CHUNKS (\d+)",
-                         kernel_source.source("peer_exchange.cu")).group(1))
+                         (kernel_source.kernel_dir() / "peer.cuh").read_text()).group(1))
   assert chunks == channel.MAX_CHUNKS
   flags = 16 * ep_size * chunks
   acks, step = flags + 16 * ep_size, flags + 16 * ep_size + 8

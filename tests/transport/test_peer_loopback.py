@@ -1,5 +1,5 @@
 """The peer kernels at EP = 2, 4 and 8 on ONE GPU
-(moe_ep/transport/peer/loopback.py): every rank's output of the dispatch
+(moe_ep/bench/peer_loopback.py): every rank's output of the dispatch
 (bf16 rows, and FP8 quantizing float32 and bf16 rows) and of the combine,
 bit for bit against the pure-JAX path run on R CPU devices; and of the
 drop-in exchange (every vector width) against all_to_all's definition. The maps carry
@@ -18,10 +18,10 @@ from jax.sharding import PartitionSpec as P
 
 from moe_ep.transport import combine, dispatch, ops, row_paths
 from moe_ep.transport import xla as xla_backend
-from moe_ep.transport.cupy import slab_plan
+from moe_ep.transport.kernel_plan import slab_plan
 from moe_ep.transport.exchange import Spec
 from moe_ep.transport.peer import channel, dispatch_layout, fused_layout
-from moe_ep.transport.peer import loopback as peer_loopback
+from moe_ep.bench import peer_loopback
 from moe_ep.transport.peer import rows as peer_rows
 
 pytestmark = pytest.mark.gpu
@@ -323,7 +323,7 @@ def test_fp8_padding_rows_are_left_unwritten_and_dequantize_to_zero(dtype):
   backends' dequantize_filled_rows, the FP8 slabs' reader, zero them: their
   slabs are bitwise the pure-JAX FP8 slabs' (all-zero padding) dequantized by
   pure JAX, every rank of EP=2."""
-  from moe_ep.transport import cupy as cupy_backend
+  from moe_ep.transport import cupy_backend
   from moe_ep.transport import fp8
   ranks = _reference(2, dtype, seed=31)
   send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]

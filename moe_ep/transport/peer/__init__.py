@@ -18,22 +18,23 @@ Every wait ends after :func:`timeout_s` (default 30 s,
 peer callback) then raises :class:`PeerTimeoutError` naming the peer and the
 step, and :func:`reset` rearms after all ranks are idle. The receive
 buffers live outside XLA, allocated once per (EP group, chunk size) at trace
-time: :func:`buffer_bytes`.
+time (:func:`buffer_bytes`), until :func:`release` frees them.
 
 Modules: ``settings`` (what :func:`configure` sets), ``channel`` (a
 channel's byte layout, the EP groups), ``reachability`` (who may use it),
 ``runtime`` (the process's state: channels, sites, failure records),
 ``failures`` (the timeout record and its error), ``kernels`` and
 ``callback`` (compiling and launching), ``dropin`` (the drop-in exchange),
-``rows``, ``fused_layout``, ``dispatch_layout`` (the fused launches),
-``loopback`` (every rank's kernels on one GPU, for tests and benchmarks).
+``rows``, ``fused_layout``, ``dispatch_layout`` (the fused launches).
+Every rank's kernels on one GPU, for tests and benchmarks, is
+:mod:`moe_ep.bench.peer_loopback` (in the checkout, not the wheel).
 """
 
 from moe_ep.transport.peer.dropin import exchange, write_ceiling
 from moe_ep.transport.peer.failures import PeerTimeoutError
 from moe_ep.transport.peer.reachability import supported, unsupported_reason
 from moe_ep.transport.peer.runtime import (buffer_bytes, configure, dispatch_layout_enabled,
-                                           raise_if_failed, reset, timeout_s)
+                                           raise_if_failed, release, reset, timeout_s)
 from moe_ep.transport.peer.settings import DISPATCH_LAYOUT_ENV, TIMEOUT_ENV
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "dispatch_layout_enabled",
     "exchange",
     "raise_if_failed",
+    "release",
     "reset",
     "supported",
     "timeout_s",

@@ -21,8 +21,11 @@ def fused_call(name: str, launches: dict[int, list[Kernel]], inputs, out_shape, 
   outputs). The outputs vary over the inputs' axes and ``axis_name``, as an
   ``all_to_all``'s do."""
 
+  generation = RUNTIME.generation  # the channels the launches' pointers name
+
   def callback(ctx, outs, *buffers):
     import cupy
+    RUNTIME.check_traced(generation, name)
     if RUNTIME.failed_on(launches):
       RUNTIME.raise_if_failed()
     ordinal = kernel_launch.buffer_ordinal(buffers[0])

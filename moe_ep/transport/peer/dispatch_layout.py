@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import kernel_plan
 from moe_ep.transport import meta as meta_format
 from moe_ep.transport.peer.callback import fused_call
 from moe_ep.transport.peer.channel import ChannelLayout, check_axis, meta_channel_layout
@@ -24,10 +24,8 @@ from moe_ep.transport.peer.runtime import RUNTIME, timeout_s
 # each counted by every receiver block (slab_rank_own_count's way). Beyond,
 # its receivers can count each tile once into scratch and rank after a
 # barrier (tested), but they also place every own row, which the senders of
-# peer_dispatch place as they send: at P2's shape (T=8192, E=64, R=2) the
-# loopback took 526.5 us against 455-457 for the layout launches and
-# peer_dispatch
-# (benchmarks/results/tuning/dispatch-layout-chain-loopback-1xH200-20261201.json).
+# peer_dispatch place as they send, and at P2's shape that is slower than the
+# layout launches and peer_dispatch (docs/benchmarks.md, "Tuning").
 DISPATCH_LAYOUT_MAX_TILES = 4
 
 
@@ -112,11 +110,11 @@ def dispatch_layout_shapes(row_kernel: RowKernel, ep_size: int, slab_dtype,
                            slab_width: int) -> list:
   """``row_kernel``'s (:func:`dispatch_layout_kernel`) outputs at EP size
   ``ep_size``: slabs ``[L * C, slab_width]`` of ``slab_dtype``, the slab
-  layout's maps (:func:`moe_ep.transport.cupy.slab_layout_shapes`) and the
+  layout's maps (:func:`moe_ep.transport.kernel_plan.slab_layout_shapes`) and the
   layout's scratch (:func:`dispatch_layout_tiles` ``* L`` int32)."""
   send_capacity, top_k, slab_rows, _, local_experts, capacity, _ = row_kernel.sizes
   return [jax.ShapeDtypeStruct((slab_rows, slab_width), slab_dtype),
-          *cupy_backend.slab_layout_shapes(ep_size, send_capacity, top_k, local_experts,
+          *kernel_plan.slab_layout_shapes(ep_size, send_capacity, top_k, local_experts,
                                            capacity),
           jax.ShapeDtypeStruct((dispatch_layout_tiles(ep_size, send_capacity, top_k)
                                 * local_experts,), np.int32)]

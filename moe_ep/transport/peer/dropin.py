@@ -18,8 +18,8 @@ from moe_ep.transport.peer.runtime import RUNTIME, timeout_s
 
 def blocks_per_peer(layout: ChannelLayout, multiprocessors: int) -> int:
   """Blocks each peer's chunk is split over: :func:`configure`'s value, else
-  half the device's SMs shared among the R - 1 peers (on 2 H200s, 64 blocks
-  moved 282 GB/s against 267 with 132: ``docs/benchmarks.md``); never more
+  half the device's SMs shared among the R - 1 peers (faster than every SM:
+  ``docs/benchmarks.md``, "Tuning"); never more
   than the chunk fills (4 vectors per thread)."""
   wanted = RUNTIME.settings.blocks_per_peer
   if wanted is None:

@@ -8,8 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from moe_ep.transport import cupy as cupy_backend
-from moe_ep.transport import kernel_launch
+from moe_ep.transport import kernel_launch, kernel_plan
 from moe_ep.transport import meta as meta_format
 from moe_ep.transport.peer.callback import fused_call
 from moe_ep.transport.peer.channel import ChannelLayout, check_axis, meta_channel_layout
@@ -17,11 +16,10 @@ from moe_ep.transport.peer.kernels import Kernel, kernel
 from moe_ep.transport.peer.runtime import RUNTIME, timeout_s
 
 LAYOUT_TABLE_BYTES = 8 * 32  # peer_slab_layout's static shared row pointers (ROW_MAX_LANES)
-# The fused metadata exchange and layout pays up to 4 ranks: rank 0's launch
-# against peer_exchange + slab_rank_own_count in the loopback (one H200,
-# graph replay, 2026-12-01): R=2 T=128 E=256 9.5 vs 11.1 us, R=2 T=64 E=64
-# 7.5 vs 9.1, R=4 T=32 E=256 7.5 vs 8.3, but R=8 T=16 E=256 8.7 vs 8.1 (its
-# layout blocks read every source's row from L2, R - 1 senders copy).
+# The fused metadata exchange and layout pays up to 4 ranks (rank 0's launch
+# against peer_exchange + slab_rank_own_count in the loopback); beyond, its
+# layout blocks read every source's row from L2 while R - 1 senders copy, and
+# it is slower (docs/benchmarks.md, "Tuning").
 FUSED_LAYOUT_MAX_RANKS = 4
 
 
@@ -43,11 +41,11 @@ def fused_layout_fits(ep_size: int, send_capacity: int, top_k: int, local_expert
   """Whether :func:`slab_layout` runs as one launch at this shape: 2 <= R <= 4,
   metadata rows of whole 16-byte vectors (``2 * S * K + L`` a multiple of
   4 words) and few received member tiles, where ``slab_rank_own_count``
-  alone lays the slabs out (decode; :func:`moe_ep.transport.cupy.slab_plan`).
+  alone lays the slabs out (decode; :func:`moe_ep.transport.kernel_plan.slab_plan`).
   Elsewhere the drop-in exchange and the backend's ``slab_layout`` run."""
   if not fused_meta_rows(ep_size, meta_format.width(send_capacity, top_k, local_experts)):
     return False
-  plan = cupy_backend.slab_plan(ep_size, send_capacity, top_k, local_experts, expert_capacity)
+  plan = kernel_plan.slab_plan(ep_size, send_capacity, top_k, local_experts, expert_capacity)
   return not plan.counted and layout_shared_fits(plan.shared_ints)
 
 
@@ -61,7 +59,7 @@ def slab_layout_kernel(layout: ChannelLayout, ordinal: int, peers: int, rank: in
   if not fused_layout_fits(layout.ep_size, *sizes):
     raise ValueError(f"no fused slab layout at R={layout.ep_size}, (S, K, L, C)={sizes}: "
                      f"too many member tiles (fused_layout_fits)")
-  plan = cupy_backend.slab_plan(layout.ep_size, send_capacity, top_k, local_experts, capacity)
+  plan = kernel_plan.slab_plan(layout.ep_size, send_capacity, top_k, local_experts, capacity)
   args = (np.uint64(peers), np.int32(rank), np.int32(layout.ep_size),
           *(np.int32(v) for v in (*sizes, layout.chunk_bytes // 4, plan.tiles)),
           np.int64(layout.slot_bytes), np.int64(layout.data_offset), *tail)
@@ -109,6 +107,6 @@ def slab_layout(meta: jax.Array, *, top_k: int, num_local_experts: int, expert_c
   launches = {ordinal: [slab_layout_kernel(layout, ordinal, state.peers.data.ptr, state.rank,
                                            sizes, RUNTIME.device_tail(ordinal, site, timeout_ns))]
               for ordinal, state in (channel.on_device.items() if channel is not None else ())}
-  shapes = cupy_backend.slab_layout_shapes(ep_size, send_capacity, top_k, num_local_experts,
+  shapes = kernel_plan.slab_layout_shapes(ep_size, send_capacity, top_k, num_local_experts,
                                            expert_capacity)
   return fused_call("slab layout", launches, (meta,), shapes, axis_name)

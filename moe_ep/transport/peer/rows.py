@@ -20,11 +20,11 @@ import dataclasses
 import jax
 import numpy as np
 
-from moe_ep.transport import cupy as cupy_backend
+from moe_ep.transport import cupy_backend
 from moe_ep.transport import fp8, kernel_launch
 from moe_ep.transport.kernel_launch import DTYPE_SUFFIX
 from moe_ep.capacity import round_up
-from moe_ep.transport.names import WIRE_DTYPES
+from moe_ep.options import WIRE_DTYPES
 from moe_ep.transport.peer.callback import fused_call
 from moe_ep.transport.peer.channel import ChannelLayout, MAX_CHUNKS, check_axis
 from moe_ep.transport.peer.kernels import THREADS, Kernel, kernel, multiprocessors
@@ -41,20 +41,15 @@ _FP8_STEP_CHANNELS = 512  # channels per quantize step of a warp (kernels/fp8.cu
 _CHUNKS_PER_SENDER = 8  # chunks each sender block signals, at most
 _MIN_CHUNK_BYTES = 128 << 10  # smaller chunks only to give every sender block one
 # The share of a fused exchange's blocks that store rows into the other GPUs
-# (2 H200s, T=8192, H=7168, 132 SMs: combine with 33 / 66 senders 631 / 542
-# us; since the senders also place their tokens' own rows, dispatch rows
-# with 44 / 56 / 66 / 80 senders 493 / 454 / 454 / 495 us, FP8 316 / 305 /
-# 293 / 312 us: docs/benchmarks.md, "Tuning").
+# (the senders also place their tokens' own rows; the sweep over sender
+# counts for both directions and FP8: docs/benchmarks.md, "Tuning").
 SEND_SHARE = {"dispatch": 0.5, "combine": 0.5}
 # Up to this many bytes of combine output times R - 1 (decode and small
 # prefill sizes), its receivers store each token's own member sum into the
 # output first and wait for the other ranks' rows after (kernels/peer_combine.cu's
 # own_first): the output is stored twice, and the own members' reads overlap
-# the other ranks' sending. With every rank at once on one H200 (H=7168 bf16,
-# E=256) own-first was 4% faster at EP=2 for 7.3 MB of output and 5% slower
-# for 14.7 MB; at EP=4, where a rank holds a quarter of the members, it was
-# no faster even at 3.7 MB
-# (benchmarks/results/tuning/combine-own-first-sweep-1xH200-20261201.json).
+# the other ranks' sending; it pays only while the output is small, and less
+# the more ranks share the members (docs/benchmarks.md, "Tuning").
 _COMBINE_OWN_FIRST_BYTES = 8 << 20
 
 

@@ -4,7 +4,7 @@ channels allocated on each device and how each device addresses its peers',
 the traced exchange sites, and the host-mapped failure records.
 
 Channels are allocated at trace time, one ``cudaMalloc`` per device and
-chunk size, and kept for the life of the process (:func:`buffer_bytes`);
+chunk size, and kept until :func:`release` (:func:`buffer_bytes`);
 devices of one process reach each other's by raw pointers with peer access
 enabled, devices of other processes through CUDA IPC handles published once
 per buffer in the ``jax.distributed`` key-value store.
@@ -68,6 +68,8 @@ class Runtime:
     opened: IPC mappings, ``(ordinal, channel, global id) -> pointer``.
     support: :func:`~moe_ep.transport.peer.reachability.unsupported_reason`'s
       answers by mesh and axis.
+    generation: how many times :meth:`release` has run; a peer callback
+      traced in an earlier generation refuses to run (:meth:`check_traced`).
   """
 
   settings: Settings = dataclasses.field(default_factory=Settings)
@@ -79,6 +81,7 @@ class Runtime:
   records_device_ptr: int = 0
   opened: dict[tuple[int, str, int], int] = dataclasses.field(default_factory=dict)
   support: dict[tuple, str | None] = dataclasses.field(default_factory=dict)
+  generation: int = 0
 
   # --- exchange sites and the arguments every kernel ends with ---
 
@@ -249,6 +252,47 @@ class Runtime:
       if self.records is not None:
         ctypes.memset(ctypes.addressof(self.records), 0, ctypes.sizeof(self.records))
 
+  def release(self) -> int:
+    """Frees every channel, IPC mapping, failure word and the failure
+    records of this process, and returns the bytes of device memory freed
+    (:meth:`buffer_bytes` before). The settings stay; the next traced
+    exchange allocates afresh. Call it on every process, with no exchange in
+    flight anywhere (it synchronises the local devices first); programs
+    traced before it must not run again (their callbacks refuse to,
+    :meth:`check_traced`): retrace them (``jax.clear_caches()``)."""
+    with self.lock:
+      freed = self.buffer_bytes()
+      held = self.channels or self.failed_words or self.opened or self.records is not None
+      if held:
+        import cupy
+        ordinals = ({o for c in self.channels.values() for o in c.on_device}
+                    | set(self.failed_words) | {o for o, _, _ in self.opened})
+        for ordinal in sorted(ordinals):
+          with cupy.cuda.Device(ordinal):
+            cupy.cuda.runtime.deviceSynchronize()
+        for (ordinal, _, _), pointer in self.opened.items():
+          with cupy.cuda.Device(ordinal):
+            cupy.cuda.runtime.ipcCloseMemHandle(pointer)
+        if self.records is not None:
+          cupy.cuda.runtime.freeHost(ctypes.addressof(self.records))
+      # Dropping the last references frees the channels' and the failure
+      # words' device memory (cupy.cuda.Memory frees itself).
+      self.channels.clear()
+      self.failed_words.clear()
+      self.opened.clear()
+      self.sites.clear()
+      self.records, self.records_device_ptr = None, 0
+      self.generation += 1
+      return freed
+
+  def check_traced(self, generation: int, what: str) -> None:
+    """RuntimeError naming ``what`` unless it was traced in this
+    :attr:`generation` (after the latest :meth:`release`)."""
+    if generation != self.generation:
+      raise RuntimeError(
+          f"peer {what} was traced before moe_ep.transport.peer.release() freed its "
+          "channels; trace it again (jax.clear_caches() drops the compiled programs)")
+
 
 RUNTIME = Runtime()
 
@@ -288,11 +332,10 @@ def timeout_s() -> float:
 def dispatch_layout_enabled() -> bool:
   """Whether dispatch takes :func:`~moe_ep.transport.peer.dispatch_with_layout`
   where it fits: :func:`configure`'s ``dispatch_layout``, else
-  ``$MOE_EP_PEER_DISPATCH_LAYOUT`` = ``1``. Off by default: on one H200 (the
-  loopback, rank 0, every flag raised) the one launch took as long as the
-  fused layout and peer_dispatch one after the other (26.5 against 26.2 us
-  at T=128, E=256, R=2; 15.6 against 16.5 us at T=32, R=4); what it should
-  gain, the rows leaving before the layout is done, only two GPUs can show."""
+  ``$MOE_EP_PEER_DISPATCH_LAYOUT`` = ``1``. Off by default: in the loopback
+  the one launch took as long as the fused layout and peer_dispatch one after
+  the other (``docs/benchmarks.md``, "Tuning"); what it should gain, the rows
+  leaving before the layout is done, only two GPUs can show."""
   return RUNTIME.settings.dispatch_layout_on()
 
 
@@ -312,6 +355,15 @@ def reset() -> None:
   step counters) of this process. Call it on every process, with no exchange
   in flight anywhere (it synchronises the local devices first)."""
   RUNTIME.reset()
+
+
+def release() -> int:
+  """Frees the device memory this process holds for peer exchanges (the
+  channels, their IPC mappings, the failure records) and returns its bytes.
+  Call it on every process, with no exchange in flight anywhere; programs
+  traced before it must be traced again (``jax.clear_caches()``), and the
+  next traced exchange allocates its channels afresh."""
+  return RUNTIME.release()
 
 
 def kv_client():

@@ -1,9 +1,9 @@
-"""The transport's names that the configuration shares: which backends,
-exchanges and wire dtypes a caller may ask for, which values a remat policy
-may save, and the scopes the compiled program's ops are named under.
+"""The options the configuration and the transport share: which backends,
+exchanges and wire dtypes a caller may ask for, which dtypes the layer
+computes, and which values a remat policy may save.
 
-Cheap to import (JAX only): :mod:`moe_ep.config` validates against these
-without loading the transport's core.
+Below both (JAX only): :mod:`moe_ep.config` validates against these
+without loading :mod:`moe_ep.transport`.
 """
 
 from __future__ import annotations
@@ -20,16 +20,6 @@ WIRE_DTYPES = ("float8_e4m3fn",)
 TOKEN_DTYPES = ("bfloat16", "float16", "float32")
 # The values dispatch names f"{checkpoint_name}.{field}" (and their residual).
 CHECKPOINT_FIELDS = ("tokens", "weights", "handle", "counts")
-
-# Every exchange is issued under one of these scopes, which reach the compiled
-# HLO's op_name metadata: tests and profiles tell the four passes apart by them.
-NAMED_SCOPES = {
-    "dispatch": "moe_dispatch_fwd",
-    "combine": "moe_combine_fwd",
-    "dispatch_bwd": "moe_dispatch_bwd",
-    "combine_bwd": "moe_combine_bwd",
-}
-
 
 def check_backend(backend: str) -> None:
   if backend not in BACKENDS:

@@ -11,14 +11,13 @@ and need compute capability 8.9+ (the e4m3 conversion instructions).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from moe_ep.transport import fp8
 from moe_ep.transport import kernel_launch as kl
+from moe_ep.transport import kernel_plan
 from moe_ep.transport import meta as meta_layout
 from moe_ep.transport import xla
 from moe_ep.transport.kernel_launch import KernelFile, i32, pointer
@@ -48,62 +47,6 @@ def _on_xla_stream(ctx, buffer):
   return kl.on_xla_stream(ctx, buffer, kernels)
 
 
-def _tile_threads(num_keys: int, extra_ints: int = 0) -> int:
-  """Threads per tile block of the layout kernels: one warp-count row of
-  ``num_keys`` ints per warp (plus ``extra_ints``) must fit in shared memory."""
-  warps = (kl.SHARED_INTS - extra_ints) // max(num_keys, 1)
-  if warps < 1:
-    raise ValueError(f"{num_keys} keys do not fit the layout kernels' shared memory")
-  return 32 * min(32, warps)
-
-
-def _route_count_shared_ints(threads: int, ep_size: int, num_experts: int) -> int:
-  return threads // 32 * ep_size + num_experts
-
-
-def _route_rank_shared_ints(threads: int, ep_size: int, top_k: int, num_experts: int,
-                            counted: bool) -> int:
-  """``route_rank``'s; ``counted=False``: it counts its one tile itself."""
-  own_counts = 0 if counted else ep_size + num_experts
-  return (threads // 32 + 3) * ep_size + threads * (ep_size + 1 + 3 * top_k) + own_counts
-
-
-# Up to this many member tiles, slab_rank counts them itself (no slab_count
-# launch): each block counts the other tiles, one pass each. At decode (T=128,
-# E=256, K=8) on an H200, 2 tiles (EP=2): slab kernels 7.4 -> 7.0 us and the
-# routing 17.5 -> 15.8 us; 1 tile (EP=1): 16.6 -> 12.5 us.
-_SLAB_TILES_COUNTED_IN_RANK = 2
-
-# Warps per token tile of the routing kernels beyond one tile: of 1, 2, 4
-# and 8, 4 was the fastest route_rank (or within 0.2 us of it) at every T
-# from 512 to 8192 on an H200 (2026-12-01; up to 2.7 us faster than 1 warp).
-_ROUTE_WARPS = 4
-
-
-def _route_counted(num_tokens: int, threads: int) -> bool:
-  """Whether ``route_count`` counts the token tiles first: more than one
-  tile (one tile: ``route_rank_own_count`` counts it, one launch fewer at decode)."""
-  return num_tokens > threads
-
-
-def _route_threads(num_tokens: int, ep_size: int, num_experts: int, top_k: int) -> int:
-  """Threads per token tile of ``route_count``/``route_rank``: up to 256
-  tokens (decode) one tile of 8 warps, which leaves each thread the fewest
-  serial loads (route_rank 7.2 instead of 8.7-10.0 us at T=128 on an H200),
-  else :data:`_ROUTE_WARPS` warps; fewer where both kernels' shared memory
-  would not fit."""
-  most = 8 if num_tokens <= 32 * 8 else _ROUTE_WARPS
-  for warps in range(most, 0, -1):
-    threads = 32 * warps
-    counted = _route_counted(num_tokens, threads)
-    if max(_route_count_shared_ints(threads, ep_size, num_experts),
-           _route_rank_shared_ints(threads, ep_size, top_k, num_experts,
-                                   counted)) <= kl.SHARED_INTS:
-      return threads
-  raise ValueError(f"ep_size={ep_size}, num_experts={num_experts} and top_k={top_k} do not "
-                   "fit the routing kernels' shared memory")
-
-
 # --- the four backend functions ---------------------------------------------------
 
 
@@ -114,7 +57,7 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
   local_experts = num_experts // ep_size
   width = meta_layout.width(send_capacity, top_k, local_experts)
   demand_offset = meta_layout.demand_offset(send_capacity, top_k)
-  threads = _route_threads(num_tokens, ep_size, num_experts, top_k)
+  threads = kernel_plan.route_threads(num_tokens, ep_size, num_experts, top_k)
   tiles = -(-num_tokens // threads)
   rank_blocks = max(tiles, -(-ep_size * send_capacity // threads))
   workspace = (tiles * ep_size, tiles * num_experts)
@@ -124,7 +67,7 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
             jax.ShapeDtypeStruct((ep_size, width), jnp.int32),
             jax.ShapeDtypeStruct((sum(workspace),), jnp.int32)]
 
-  counted = _route_counted(num_tokens, threads)
+  counted = kernel_plan.route_counted(num_tokens, threads)
 
   def callback(ctx, outs, idx, weights):
     send_slot, send_token, route_slot, meta, scratch = (pointer(b) for b in outs)
@@ -133,61 +76,17 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
     with _on_xla_stream(ctx, idx) as launch:
       if counted:
         launch("route_count", tiles, threads, pointer(idx), *sizes, dest_counts,
-               expert_counts, shared_ints=_route_count_shared_ints(threads, ep_size, num_experts))
+               expert_counts,
+               shared_ints=kernel_plan.route_count_shared_ints(threads, ep_size, num_experts))
       launch("route_rank" if counted else "route_rank_own_count", rank_blocks, threads,
              pointer(idx), pointer(weights), *sizes, *i32(send_capacity, tiles), dest_counts,
              expert_counts, send_slot, send_token, route_slot, meta, *i32(width, demand_offset),
-             shared_ints=_route_rank_shared_ints(threads, ep_size, top_k, num_experts, counted))
+             shared_ints=kernel_plan.route_rank_shared_ints(threads, ep_size, top_k, num_experts,
+                                                            counted))
 
   outputs = _call("moe_cupy_route", callback, shapes, topk_idx.astype(jnp.int32),
                   topk_weights.astype(jnp.float32))
   return tuple(outputs[:4])
-
-
-def slab_layout_shapes(ep_size: int, send_capacity: int, top_k: int, local_experts: int,
-                       expert_capacity: int) -> list:
-  """The slab layout's outputs: ``recv_pos [R, S, K]``, ``slab_row [L, C]``,
-  ``slab_weights [L, C]`` float32, ``counts [L]``, ``demand [L]``."""
-  return [jax.ShapeDtypeStruct((ep_size, send_capacity, top_k), jnp.int32),
-          jax.ShapeDtypeStruct((local_experts, expert_capacity), jnp.int32),
-          jax.ShapeDtypeStruct((local_experts, expert_capacity), jnp.float32),
-          jax.ShapeDtypeStruct((local_experts,), jnp.int32),
-          jax.ShapeDtypeStruct((local_experts,), jnp.int32)]
-
-
-@dataclasses.dataclass(frozen=True)
-class SlabPlan:
-  """The receiver's slab-layout launches at one shape: ``tiles`` member
-  tiles of ``threads``; ``slab_rank``'s grid of ``rank_blocks`` with
-  ``shared_ints`` of dynamic shared memory; ``counted``: a ``slab_count``
-  launch counts the tiles first (else ``slab_rank_own_count``'s blocks count
-  them themselves)."""
-
-  threads: int
-  tiles: int
-  rank_blocks: int
-  shared_ints: int
-  counted: bool
-
-
-def slab_plan(ep_size: int, send_capacity: int, top_k: int, local_experts: int,
-              expert_capacity: int) -> SlabPlan:
-  """:class:`SlabPlan` for ``R * S * K`` received members and ``[L, C]`` slabs."""
-  num_members = ep_size * send_capacity * top_k
-  for name, size in (("R * S * K received members", num_members),
-                     ("L * C slab rows", local_experts * expert_capacity)):
-    if size >= 2**31:  # the kernels index them in int32, as the handle holds them
-      raise ValueError(f"{name} = {size} must be < 2**31 (int32 positions)")
-  threads = _tile_threads(local_experts, extra_ints=2 * local_experts)
-  tiles = -(-num_members // threads)
-  rank_ints = (threads // 32 + 2) * local_experts
-  # Few tiles (decode): slab_rank's blocks count them themselves, one launch fewer.
-  counted = (tiles > _SLAB_TILES_COUNTED_IN_RANK
-             or rank_ints + tiles * local_experts > kl.SHARED_INTS)
-  return SlabPlan(threads=threads, tiles=tiles,
-                  rank_blocks=max(tiles, -(-local_experts * expert_capacity // threads)),
-                  shared_ints=rank_ints + (0 if counted else tiles * local_experts),
-                  counted=counted)
 
 
 def slab_layout(recv_meta, *, top_k: int, num_local_experts: int, expert_capacity: int):
@@ -196,9 +95,10 @@ def slab_layout(recv_meta, *, top_k: int, num_local_experts: int, expert_capacit
   ep_size, width = recv_meta.shape
   local_experts, capacity = num_local_experts, expert_capacity
   send_capacity = meta_layout.send_capacity(width, top_k, local_experts)
-  plan = slab_plan(ep_size, send_capacity, top_k, local_experts, capacity)
+  plan = kernel_plan.slab_plan(ep_size, send_capacity, top_k, local_experts, capacity)
   threads, tiles = plan.threads, plan.tiles
-  shapes = [*slab_layout_shapes(ep_size, send_capacity, top_k, local_experts, capacity),
+  shapes = [*kernel_plan.slab_layout_shapes(ep_size, send_capacity, top_k, local_experts,
+                                            capacity),
             jax.ShapeDtypeStruct((tiles * local_experts,), jnp.int32)]
 
   def callback(ctx, outs, meta):
@@ -380,10 +280,8 @@ def dequantize_filled_rows(wire, filled, *, hidden: int, dtype):
   """Kernel ``unpack_dequantize_expand_{f32,bf16,f16}`` with every filled row
   its own target and source (the others zero); see
   :func:`moe_ep.transport.xla.dequantize_filled_rows`; an unfilled row's
-  codes are not read. On one H200, [81920, 7424] wire rows to bf16 with 80%
-  filled: 452 us (benchmarks/results/tuning/dequantize-skip-1xH200-20261201.json;
-  496-500 us when it read every row, against 742-763 us for XLA's fusion of
-  the same values, tuning/dequantize-filled-1xH200-20261201.json)."""
+  codes are not read (faster than reading every row, and than XLA's fusion
+  of the same values: ``docs/benchmarks.md``, "Tuning")."""
   fp8.check_filled(filled, wire)
   rows = jnp.where(filled, jnp.arange(wire.shape[0], dtype=jnp.int32), -1)
   return unpack_dequantize_expand(wire, rows[:, None], rows, hidden=hidden, dtype=dtype)

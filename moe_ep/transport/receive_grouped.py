@@ -1,14 +1,15 @@
 """The grouped receiver layout: each local expert's rows contiguous in one
-``[M, H]`` buffer (the sibling of :mod:`~moe_ep.transport.slabs`).
+``[M, H]`` buffer (the sibling of :mod:`~moe_ep.transport.receive_slabs`).
 
 Instead of ``[L, C, H]`` slabs of a fixed capacity, each local expert's rows
 sit contiguously in one ``[M, H]`` buffer: group ``l`` starts at row
 ``start[l]``, the exclusive running sum of the kept counts rounded up to
-``ROW_TILE`` (:mod:`moe_ep.row_groups`; the row tile of the grouped GEMM, so every tile of rows belongs
-to one expert), and its padding rows up to the next multiple are zero. The
-buffer is static: ``M`` (:func:`moe_ep.row_groups.grouped_rows_for`) holds every routed row at
-one rank (``T * K`` plus the alignment) and, across ranks, a rank-level
-bound; rows past it are dropped and counted like capacity drops.
+``ROW_TILE`` (:mod:`moe_ep.row_groups`; the row tile of the grouped GEMM, so
+every tile of rows belongs to one expert), and its padding rows up to the next
+multiple are zero. The buffer is static: ``M``
+(:func:`moe_ep.row_groups.grouped_rows_for`) holds every routed row at one
+rank (``T * K`` plus the alignment) and, across ranks, a rank-level bound;
+rows past it are dropped and counted like capacity drops.
 
 The layout is derived from the slab layout at the same per-expert capacity
 (dropless: the bound ``R * T``), by int32 arithmetic only: a kept member at
@@ -16,7 +17,7 @@ slab position ``l * C + c`` moves to row ``start[l] + c``. The handle keeps
 its two flat maps (``recv_pos`` member -> buffer row, ``slab_row`` now
 ``[M]``, buffer row -> received row), so every backend and exchange that
 fills slabs through them fills the grouped buffer unchanged, and the flat
-helpers of :mod:`~moe_ep.transport.slabs` serve both layouts.
+helpers of :mod:`~moe_ep.transport.receive_slabs` serve both layouts.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ row -> received row ``src * S + s``. The row paths
 ``[N, H]`` output rows and ask this module for everything that is
 ``[L, C]``: the layout computed from the received metadata, the flat maps,
 the output's shape, which output rows a member fills. The grouped layout
-(:mod:`~moe_ep.transport.grouped`: each expert's rows contiguous in one
+(:mod:`~moe_ep.transport.receive_grouped`: each expert's rows contiguous in one
 ``[M, H]`` buffer) is derived from this one and keeps the same two flat
 maps, ``slab_row`` then ``[M]``, so the flat helpers here serve it too.
 """
