@@ -243,9 +243,10 @@ def test_hopper_branch_traces_inside_shard_map_with_the_types_of_the_jax_branch(
                                                   ("gpu", "10.0"), ("cpu", None)])
 def test_kernels_apply_rule_with_the_device_patched(monkeypatch, platform, capability):
   """The documented rule of ``expert_layout="auto"``: a GPU of compute
-  capability 9.0, 16-bit dtype, hidden_size and ffn_size multiples of 256
+  capability 9.0, 16-bit dtype, hidden_size and ffn_size multiples of 8
   (each is the output width of one of the bank's GEMMs, and the other's
-  contraction depth), checked on a grid of sizes around the tiles."""
+  contraction depth: a 16-byte row), checked on a grid of sizes on, off and
+  past the tiles."""
 
   class Device:
     platform = "gpu"
@@ -256,10 +257,11 @@ def test_kernels_apply_rule_with_the_device_patched(monkeypatch, platform, capab
   monkeypatch.setattr(grouped.jax, "devices", lambda *args: [device])
   # The device query itself, uncached, so it reads the patched device.
   monkeypatch.setattr(grouped, "hopper_available", grouped.hopper_available.__wrapped__)
-  sizes = (64, 128, 192, 256, 320, 384, 512, 640, 768)
+  sizes = (4, 8, 12, 72, 200, 201, 256, 1408, 2880, 2884)
+  warnings.simplefilter("ignore", UserWarning)  # auto's note where a GPU runs slabs
   for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
     for hidden, ffn in itertools.product(sizes, sizes):
       want = (capability == "9.0" and jnp.dtype(dtype).itemsize == 2
-              and hidden % 256 == 0 and ffn % 256 == 0)
+              and hidden % 8 == 0 and ffn % 8 == 0)
       assert grouped.kernels_apply(dtype, hidden, ffn) == want, (dtype, hidden, ffn)
       assert grouped.bank_layout("auto", dtype, hidden, ffn) == ("grouped" if want else "slabs")
