@@ -171,7 +171,8 @@ def job_device_count(processes: int, gpus_per_process: int | None) -> int:
 
 def run_variant(name: str, config: Config, overrides: list[str], *, base: pathlib.Path,
                 subprocess_run: bool = False, processes: int = 1,
-                gpus_per_process: int | None = None, timeout_s: float = 3600) -> VariantResult:
+                gpus_per_process: int | None = None,
+                timeout_s: float | None = None) -> VariantResult:
   """Trains one variant: in this process (the default), in a child process,
   or as a ``processes``-process job through :func:`moe_ep.launch.launch`."""
   run_dir = pathlib.Path(config.train.run_dir)
@@ -308,7 +309,7 @@ def main(argv=None) -> int:
     return 2
   except launch.LaunchStopped as stopped:  # a signal, passed to the variant's job
     print(f"ablate.py: the sweep stopped: {stopped}", file=sys.stderr, flush=True)
-    return 128 + stopped.signum
+    return stopped.exit_code
   # A variant that failed to train: its own one line (in-process), or its
   # job's report (its last output).
   except (NonFiniteStep, launch.LaunchError) as error:
