@@ -196,6 +196,7 @@ def make_train_step(config: Config, setup: Setup):
     with jax.named_scope("expert_bias"):
       moe_ep.update_expert_biases(model)
     aux = _stacked_aux(moe_ep.collect_aux(model))
+    nnx.pop(model, moe_ep.SownAux)  # the state keeps the structure it was created with
     routes = jnp.maximum(aux.tokens_per_expert.sum(axis=-1, keepdims=True), 1)
     metrics = {
         "loss": loss, "ce_loss": ce_loss,
