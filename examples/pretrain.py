@@ -68,9 +68,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from examples import flops, plots  # noqa: E402
 from examples import mesh as device_mesh  # noqa: E402
-from examples.checkpoints import RunCheckpoints, abstract_like  # noqa: E402
+from examples.checkpoints import RunCheckpoints, SavesFailing, abstract_like  # noqa: E402
 from examples.run_dir import (check_resumed_config, choose_run_dir, latest_link,  # noqa: E402
                               link_latest, write_run_config)
+from examples.run_lock import lock_run_dir, release_all, release_run_dir  # noqa: E402
 from examples.data import make_corpus  # noqa: E402
 from examples.model import TransformerLM  # noqa: E402
 from examples.progress import ProgressReporter  # noqa: E402
@@ -411,7 +412,8 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
   Raises:
     ConfigError: the data file cannot be used, the run to resume is finished,
       or ``config`` changes its model or computation.
-    FileExistsError: a fresh run's explicit ``train.run_dir`` holds another run.
+    FileExistsError: a fresh run's explicit ``train.run_dir`` holds another run,
+      or another live run is using it (:class:`examples.run_lock.RunDirInUse`).
     FileNotFoundError: ``resume`` finds no (intact) checkpoint.
     ValueError: the mesh does not fit the devices (the message says how to fix it).
     Interrupted: Ctrl-C or SIGTERM stopped the loop; the last completed step
@@ -430,6 +432,7 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
   mesh_shape = device_mesh.mesh_shape(config, devices)
   corpus = open_corpus(config)
   run_dir, created = choose_run_dir(config.train.run_dir, name, resume=resume)
+  lock_run_dir(run_dir)  # one run per directory, until this process exits or the run ends
   config = dataclasses.replace(config, train=dataclasses.replace(config.train,
                                                                  run_dir=str(run_dir)))
   changes = check_resumed_config(run_dir, config) if resume else []
@@ -560,6 +563,7 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
       (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
       plots.plot_run(previous + records, run_dir / "metrics.png",
                      loss_floor=getattr(corpus, "entropy_floor", None))
+  release_run_dir(run_dir)
   if nonfinite:
     raise NonFiniteStep(nonfinite["step"], {key: nonfinite[key] for key in FINITE_METRICS},
                         checkpoint_step, run_dir)
@@ -632,6 +636,15 @@ def nonfinite_line(stop: NonFiniteStep, argv: list[str]) -> str:
           "train.skip_nonfinite=N to skip up to N such steps in a row, may get past it)")
 
 
+def saves_failing_line(stop: SavesFailing, argv: list[str]) -> str:
+  """The one line printed when checkpoints keep failing to save."""
+  run_dir = stop.directory.parent
+  if stop.latest_step is None:
+    return f"{stop}: stopped; no checkpoint was saved (metrics in {run_dir}/)"
+  return (f"{stop}: stopped; the newest checkpoint is step {stop.latest_step}; resume from it "
+          f"with: {resume_command(argv, run_dir)}")
+
+
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   job = distributed.initialize_from_env()  # before any JAX computation
@@ -663,9 +676,15 @@ def main(argv=None) -> int:
     if is_main:
       print(f"pretrain.py: error: {nonfinite_line(stop, argv)}", file=sys.stderr, flush=True)
     return 1
+  except SavesFailing as stop:
+    if is_main:
+      print(f"pretrain.py: error: {saves_failing_line(stop, argv)}", file=sys.stderr, flush=True)
+    return 1
   # The run dir, --resume (no checkpoint, a finished run, another model), --data.
   except (ConfigError, FileExistsError, FileNotFoundError) as error:
     return fail(error)
+  finally:
+    release_all()  # the run directory's lock, whichever way the run ended
   if is_main:
     print(done_line(result.summary, result.run_dir), flush=True)
   return 0
