@@ -228,6 +228,8 @@ def ablate(sweep_path, extra_overrides=(), *, out_dir=None, subprocess_run: bool
     try:  # every variant is checked, on the devices it will get, before any trains
       config = load_config(sweep.base, overrides)
       config.mesh_shape(devices)
+      if config.data.path is not None:  # a missing data file, before the first variant trains
+        pretrain.open_corpus(config)
     except ValueError as error:
       raise ConfigError(f"sweep {sweep_path}, variant {name!r}: {error}") from None
     variants[name] = (config, overrides)

@@ -441,7 +441,10 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
   checkpoints = RunCheckpoints(run_dir / "checkpoints", report=notice) if every else None
   end = train_config.steps if stop_at is None else min(stop_at, train_config.steps)
   if resume:
-    newest = checkpoints.latest_step() if checkpoints else None
+    if not checkpoints:
+      raise ConfigError("--resume restores a checkpoint and saves more, which "
+                        "train.checkpoint_every=0 turns off: resume with a checkpoint_every > 0")
+    newest = checkpoints.latest_step()
     if newest is None:
       raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
     if newest >= end:
