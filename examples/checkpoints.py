@@ -167,23 +167,32 @@ def _drop_abandoned_reads() -> None:
   gc.collect()  # the dropped coroutines, now
 
 
-class _FailedSaveLeftovers(logging.Filter):
-  """Drops what Orbax's helper threads log after a save failed (each thread
-  waiting for the step folder that was never made logs a traceback when it
-  gives up); the failure itself is reported in one line."""
+class _OrbaxFailureLogs(logging.Filter):
+  """Drops what Orbax's and asyncio's helper threads log when a save or
+  restore fails (a traceback per thread and per unretrieved future); the
+  failure itself reaches :class:`RunCheckpoints`, which reports it in one
+  line."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return "_SignalingThread.run() raised an exception" not in record.getMessage()
+    if record.levelno < logging.ERROR:
+      return True
+    if record.name == "asyncio":
+      return "exception was never retrieved" not in record.getMessage()
+    return "orbax" not in record.pathname
 
 
-def _quiet_failed_save_leftovers() -> None:
-  """From now on, :class:`_FailedSaveLeftovers` and the warnings of the
-  coroutines a failed save left unawaited are not printed."""
-  logger = logging.getLogger("absl")
-  if not any(isinstance(f, _FailedSaveLeftovers) for f in logger.filters):
-    logger.addFilter(_FailedSaveLeftovers())
-    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited",
-                            category=RuntimeWarning)
+def _quiet_orbax_failures() -> None:
+  """From now on, Orbax's failure leftovers are not printed: its threads'
+  error logs (:class:`_OrbaxFailureLogs`), the errors of reads and writes it
+  abandoned (:func:`_drop_abandoned_reads`) and the warnings of the
+  coroutines it left unawaited."""
+  for name in ("absl", "asyncio"):
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, _OrbaxFailureLogs) for f in logger.filters):
+      logger.addFilter(_OrbaxFailureLogs())
+  warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited",
+                          category=RuntimeWarning)
+  _drop_abandoned_reads()
 
 
 def _leaf_shapes(tree) -> dict[str, tuple]:
@@ -227,6 +236,7 @@ class RunCheckpoints:
       raise FileExistsError(f"{self.directory} is not a directory: no checkpoint could be saved; "
                             "move it away (or set train.checkpoint_every=0)")
     self.max_to_keep, self.report = max_to_keep, report
+    _quiet_orbax_failures()
     # No max_to_keep for Orbax: it would delete before the read-back.
     self.manager = ocp.CheckpointManager(self.directory)
     self.failed_saves = 0
@@ -283,7 +293,6 @@ class RunCheckpoints:
 
   def _failed(self, step: int, reason: str) -> bool:
     """Counts and reports a failed save of ``step`` and deletes what it left."""
-    _quiet_failed_save_leftovers()
     self.failed_saves += 1
     self.failed_in_row += 1
     with contextlib.suppress(Exception):  # a partial step

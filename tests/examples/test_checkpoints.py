@@ -5,6 +5,7 @@ non-finite values or does not match its fingerprint, setting it aside.
 The states are a few small arrays sharded over the 8 CPU devices (no model),
 so each test takes about a second."""
 
+import json
 import pathlib
 
 import jax
@@ -265,3 +266,38 @@ def test_a_checkpoint_of_another_model_is_refused_and_left_in_place(tmp_path, ot
   assert lines == [] and not (tmp_path / "checkpoints-unusable").exists()
   assert sorted(resumed.manager.all_steps()) == [1, 2]
   resumed.close()
+
+
+@pytest.mark.slow
+def test_a_run_on_a_full_disk_goes_on_then_stops_in_one_line(tmp_path):
+  """pretrain.py with every file limited to 16 KiB (RLIMIT_FSIZE: writes past
+  it fail with EFBIG, as on a full disk; the metrics stay below it): each
+  failed save is one line and the run goes on, the third in a row stops it
+  with exit code 1 and one line (it used to end in pages of tracebacks)."""
+  import resource
+  import subprocess
+  import sys
+  from tiny_run import REPO, fast_overrides
+
+  def limit_file_size():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, resource.RLIM_INFINITY))
+
+  run_dir = tmp_path / "run"
+  result = subprocess.run(
+      [sys.executable, str(REPO / "examples" / "pretrain.py"),
+       *fast_overrides(run_dir, "train.steps=8", "train.checkpoint_every=2")],
+      capture_output=True, text=True, cwd=REPO, timeout=300, preexec_fn=limit_file_size,
+      env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+  lines = result.stderr.splitlines()
+  assert result.returncode == 1, result.stderr[-3000:]
+  assert "Traceback" not in result.stderr and len(lines) == 3, result.stderr[-3000:]
+  for step, line in zip((2, 4), lines):
+    assert line.startswith(f"checkpoint {step} was not saved (") and line.endswith(
+        f"failed save{'s' * (step == 4)} so far, the run goes on"), line
+  assert lines[2].startswith("pretrain.py: error: 3 checkpoint saves in a row failed (the last: "
+                             "checkpoint 6 was not saved (") and lines[2].endswith(
+      f": stopped; no checkpoint was saved (metrics in {run_dir.resolve()}/)"), lines[2]
+  # Stopped at the third failed save (step 6), its metrics written first.
+  metrics = (run_dir / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(line)["step"] for line in metrics] == list(range(1, 7))
+  assert "step 7/8" not in result.stdout
