@@ -16,7 +16,7 @@ device's dense bf16 peak, ``examples/flops.py``). The mesh fits the devices
 present (``mesh.dp``/``mesh.ep`` null).
 
 Nothing good is lost: Ctrl-C (SIGINT) or SIGTERM (a scheduler's time limit;
-``moe_ep.launch`` passes both on) finishes the step in progress, saves it and
+``moe_ep.launch`` sends SIGTERM) finishes the step in progress, saves it and
 exits with code 130 or 143, every process at the same step; ``--resume``
 continues from there. A step whose loss, gradient norm or parameters are not
 finite stops the run unsaved, exit code 1 (``train.skip_nonfinite`` skips a few
