@@ -185,7 +185,7 @@ def job_device_count(processes: int, gpus_per_process: int | None) -> int:
 
 def run_variant(name: str, config: Config, overrides: list[str], *, base: pathlib.Path,
                 subprocess_run: bool = False, processes: int = 1,
-                gpus_per_process: int | None = None, timeout_s: float = 3600,
+                gpus_per_process: int | None = None, timeout_s: float | None = None,
                 progress: bool = False) -> VariantResult:
   """Trains one variant: in this process (the default), in a child process,
   or as a ``processes``-process job through :func:`moe_ep.launch.launch`;
@@ -246,6 +246,8 @@ def ablate(sweep_path, extra_overrides=(), *, out_dir=None, subprocess_run: bool
     try:  # every variant is checked, on the devices it will get, before any trains
       config = load_config(sweep.base, overrides)
       config.mesh_shape(devices)
+      if config.data.path is not None:  # a missing data file, before the first variant trains
+        pretrain.open_corpus(config)
     except ValueError as error:
       raise ConfigError(f"sweep {sweep_path}, variant {name!r}: {error}") from None
     variants[name] = (config, overrides)
@@ -336,7 +338,7 @@ def main(argv=None) -> int:
     return 2
   except launch.LaunchStopped as stopped:  # a signal, passed to the variant's job
     print(f"ablate.py: the sweep stopped: {stopped}", file=sys.stderr, flush=True)
-    return 128 + stopped.signum
+    return stopped.exit_code
   # A variant that failed to train: its own one line (in-process), or its
   # job's report (its last output).
   except (NonFiniteStep, launch.LaunchError) as error:

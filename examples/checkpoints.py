@@ -6,19 +6,28 @@ writes each array's shards from the processes that hold them.
 
 Checkpoints are verified. Each is saved with a fingerprint of its state
 (:func:`state_fingerprint`), read back and compared before any older one is
-deleted; on resume, a step that does not restore, restores non-finite values
-or does not match its fingerprint is reported, moved aside (to
-``checkpoints-unusable/``, nothing is deleted) and the next older one tried.
+deleted; on resume, a step that is damaged (its files do not restore,
+restore non-finite values or do not match its fingerprint) is reported,
+moved aside (to ``checkpoints-unusable/``, nothing is deleted) and the next
+older one tried. A step that does not fit the state to restore into (another
+model: other shapes or structure) is not damaged: it is left in place and
+the resume refused. A save that fails (a full disk, a path that is not a
+directory) is counted and reported in one line and the run goes on, until
+:data:`MAX_FAILED_SAVES_IN_ROW` in a row stop it (:class:`SavesFailing`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
+import logging
 import os
 import pathlib
+import shutil
 import sys
 import types
+import warnings
 from typing import Callable
 
 import jax
@@ -30,6 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from examples.run_dir import from_process_0
+from examples.train_config import ConfigError
 
 
 # --- fingerprints ----------------------------------------------------------------
@@ -87,6 +97,21 @@ def state_fingerprint(state) -> tuple[list[int], bool]:
 # --- checkpoints -----------------------------------------------------------------
 
 
+# Saves that fail one after another before the run gives up (a full disk
+# rarely empties by itself; a few tries ride out a brief filesystem hiccup).
+MAX_FAILED_SAVES_IN_ROW = 3
+
+
+class SavesFailing(RuntimeError):
+  """:data:`MAX_FAILED_SAVES_IN_ROW` saves in a row failed; ``latest_step`` is
+  the newest checkpoint that was saved intact (None: none)."""
+
+  def __init__(self, count: int, reason: str, latest_step: int | None,
+               directory: pathlib.Path):
+    super().__init__(f"{count} checkpoint saves in a row failed (the last: {reason})")
+    self.latest_step, self.directory = latest_step, directory
+
+
 class CheckpointError(RuntimeError):
   """Checkpoint ``step`` is unusable; ``reason`` says why in a few words."""
 
@@ -142,6 +167,48 @@ def _drop_abandoned_reads() -> None:
   gc.collect()  # the dropped coroutines, now
 
 
+class _OrbaxFailureLogs(logging.Filter):
+  """Drops what Orbax's and asyncio's helper threads log when a save or
+  restore fails (a traceback per thread and per unretrieved future); the
+  failure itself reaches :class:`RunCheckpoints`, which reports it in one
+  line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno < logging.ERROR:
+      return True
+    if record.name == "asyncio":
+      return "exception was never retrieved" not in record.getMessage()
+    return "orbax" not in record.pathname
+
+
+def _quiet_orbax_failures() -> None:
+  """From now on, Orbax's failure leftovers are not printed: its threads'
+  error logs (:class:`_OrbaxFailureLogs`), the errors of reads and writes it
+  abandoned (:func:`_drop_abandoned_reads`) and the warnings of the
+  coroutines it left unawaited."""
+  for name in ("absl", "asyncio"):
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, _OrbaxFailureLogs) for f in logger.filters):
+      logger.addFilter(_OrbaxFailureLogs())
+  warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited",
+                          category=RuntimeWarning)
+  _drop_abandoned_reads()
+
+
+def _leaf_shapes(tree) -> dict[str, tuple]:
+  """``{"model/embed/embedding/value": (shape, dtype name)}`` of a state's
+  leaves (arrays, ShapeDtypeStructs or Orbax's array metadata)."""
+  def name(path):
+    return "/".join(str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
+                    for key in path)
+  return {name(path): (tuple(leaf.shape), jnp.dtype(leaf.dtype).name)
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _first(names: list[str]) -> str:
+  return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+
+
 def abstract_like(state, shardings=None):
   """``jax.ShapeDtypeStruct`` leaves with ``shardings`` (default: the leaves'
   own): a restore target."""
@@ -165,10 +232,15 @@ class RunCheckpoints:
   def __init__(self, directory, max_to_keep: int = 2,
                report: Callable[[str], None] = lambda line: None):
     self.directory = pathlib.Path(directory).resolve()
+    if self.directory.exists() and not self.directory.is_dir():
+      raise FileExistsError(f"{self.directory} is not a directory: no checkpoint could be saved; "
+                            "move it away (or set train.checkpoint_every=0)")
     self.max_to_keep, self.report = max_to_keep, report
+    _quiet_orbax_failures()
     # No max_to_keep for Orbax: it would delete before the read-back.
     self.manager = ocp.CheckpointManager(self.directory)
     self.failed_saves = 0
+    self.failed_in_row = 0
 
   @property
   def unusable_directory(self) -> pathlib.Path:
@@ -176,36 +248,67 @@ class RunCheckpoints:
     return self.directory.with_name(self.directory.name + "-unusable")
 
   def latest_step(self) -> int | None:
-    return self.manager.latest_step()
+    try:
+      return self.manager.latest_step()
+    except OSError:  # the directory went away or became unreadable
+      return None
 
   def save(self, step: int, state, data_step: int) -> bool:
     """Saves after ``step`` optimizer updates (``data_step``: the next batch
     index of the data stream), reads the step back and compares it with
     ``state``; only then are the steps older than the newest ``max_to_keep``
-    deleted. Returns whether it read back intact; if not, it is reported and
-    deleted, and the older steps are kept.
+    deleted. Returns whether it read back intact; if not (the write failed or
+    the read-back differs), it is reported in one line and counted in
+    :attr:`failed_saves`, what it left is deleted, and the older steps are
+    kept.
 
     Raises:
       ValueError: ``state`` holds non-finite values (a checkpoint never does).
+      SavesFailing: this was the :data:`MAX_FAILED_SAVES_IN_ROW`-th failed
+        save in a row.
     """
     fingerprint, finite = state_fingerprint(state)
     if not finite:
       raise ValueError(f"step {step}: the state holds non-finite values; not saved")
-    self.manager.save(step, force=True, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        position=ocp.args.JsonSave({"step": step, "data_step": data_step,
-                                    "fingerprint": fingerprint})))
-    self.manager.wait_until_finished()
+    try:
+      self.manager.save(step, force=True, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          position=ocp.args.JsonSave({"step": step, "data_step": data_step,
+                                      "fingerprint": fingerprint})))
+      self.manager.wait_until_finished()
+    # Orbax and TensorStore raise many types for a write that fails (OSError,
+    # ValueError, RuntimeError, their own): all mean "not saved".
+    except Exception as error:  # noqa: BLE001
+      return self._failed(step, f"checkpoint {step} was not saved ({_first_line(error)})")
     try:
       self.restore_verified(step, abstract_like(state))
     except CheckpointError as error:
-      self.failed_saves += 1
-      self.report(f"{error}: deleted it and kept the older checkpoints")
-      self.manager.delete(step)
-      return False
+      return self._failed(step, str(error))
+    if self.failed_in_row:  # the failure left the manager's list of steps stale
+      self.manager.reload()
+    self.failed_in_row = 0
     for old in sorted(self.manager.all_steps())[:-self.max_to_keep]:
       self.manager.delete(old)
     return True
+
+  def _failed(self, step: int, reason: str) -> bool:
+    """Counts and reports a failed save of ``step`` and deletes what it left."""
+    self.failed_saves += 1
+    self.failed_in_row += 1
+    with contextlib.suppress(Exception):  # a partial step
+      self.manager.delete(step)
+    with contextlib.suppress(OSError):  # Orbax's temporary folder of the step
+      for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+        shutil.rmtree(partial, ignore_errors=True)
+    with contextlib.suppress(Exception):
+      self.manager.reload()
+    gc.collect()  # the save's unawaited coroutines, while their warnings are off
+    if self.failed_in_row >= MAX_FAILED_SAVES_IN_ROW:
+      raise SavesFailing(self.failed_in_row, reason, self.latest_step(), self.directory)
+    self.report(f"{reason}: deleted what it left and kept the older checkpoints; "
+                f"{self.failed_saves} failed save{'s' * (self.failed_saves != 1)} so far, the "
+                "run goes on")
+    return False
 
   def restore(self, step: int, abstract_state) -> tuple[object, int]:
     """``(state, data_step)`` of checkpoint ``step``, each array placed with
@@ -251,6 +354,12 @@ class RunCheckpoints:
     """
     steps = sorted(self.manager.all_steps(), reverse=True)
     for step in steps:
+      mismatch = self.mismatch(step, abstract_state)
+      if mismatch:
+        raise ConfigError(
+            f"--resume: checkpoint {step} in {self.directory} was saved from another model: "
+            f"{mismatch}; resume with the config it was trained with, or start a new run "
+            "(the checkpoints are left as they are)")
       try:
         state, data_step = self.restore_verified(step, abstract_state)
         return state, step, data_step
@@ -262,6 +371,32 @@ class RunCheckpoints:
     raise FileNotFoundError(f"no intact checkpoint in {self.directory}"
                             + (f" (steps {', '.join(map(str, steps))} are unusable)" if steps
                                else ""))
+
+  def mismatch(self, step: int, abstract_state) -> str | None:
+    """How checkpoint ``step`` differs in its arrays' names, shapes or dtypes
+    from ``abstract_state`` (from the metadata Orbax saved beside them), or
+    None: it fits, or its metadata cannot be read (then the restore tells
+    whether it is damaged)."""
+    try:
+      with ocp.StandardCheckpointer() as checkpointer:
+        metadata = checkpointer.metadata(self.directory / str(step) / "state")
+      saved = _leaf_shapes(getattr(metadata, "item_metadata", metadata))
+    except Exception:  # noqa: BLE001 - damaged or missing metadata: not a mismatch
+      return None
+    if not saved:
+      return None
+    wanted = _leaf_shapes(abstract_state)
+    missing = sorted(set(wanted) - set(saved))
+    extra = sorted(set(saved) - set(wanted))
+    if missing or extra:
+      parts = ([f"it lacks {_first(missing)}"] if missing else []) + (
+          [f"it holds {_first(extra)}, which this model does not"] if extra else [])
+      return ", and ".join(parts)
+    for name, (shape, dtype) in wanted.items():
+      if saved[name] != (shape, dtype):
+        return (f"{name} is {saved[name][1]}{list(saved[name][0])} there and "
+                f"{dtype}{list(shape)} in this model")
+    return None
 
   def _set_aside(self, step: int) -> pathlib.Path:
     """Moves step ``step``'s folder into :attr:`unusable_directory` (process 0

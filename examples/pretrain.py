@@ -18,7 +18,7 @@ device's dense bf16 peak, ``examples/flops.py``). The mesh fits the devices
 present (``mesh.dp``/``mesh.ep`` null).
 
 Nothing good is lost: Ctrl-C (SIGINT) or SIGTERM (a scheduler's time limit;
-``moe_ep.launch`` passes both on) finishes the step in progress, saves it and
+``moe_ep.launch`` sends SIGTERM) finishes the step in progress, saves it and
 exits with code 130 or 143, every process at the same step; ``--resume``
 continues from there. A step whose loss, gradient norm or parameters are not
 finite stops the run unsaved, exit code 1 (``train.skip_nonfinite`` skips a few
@@ -55,11 +55,12 @@ from jax.sharding import PartitionSpec as P
 
 from examples import flops, plots
 from examples import mesh as device_mesh
-from examples.checkpoints import RunCheckpoints, abstract_like
+from examples.checkpoints import RunCheckpoints, SavesFailing, abstract_like
 from examples.metrics_log import (MetricsLog, require_wandb, tensorboard_writer,
                                   wandb_run)
 from examples.run_dir import (check_resumed_config, choose_run_dir, latest_link,
                               link_latest, run_configs, write_run_config)
+from examples.run_lock import lock_run_dir, release_all, release_run_dir
 from examples.data import make_corpus
 from examples.model import TransformerLM
 from examples.progress import ProgressReporter
@@ -192,6 +193,7 @@ def make_train_step(config: Config, setup: Setup):
     with jax.named_scope("expert_bias"):
       moe_ep.update_expert_biases(model)
     aux = _stacked_aux(moe_ep.collect_aux(model))
+    nnx.pop(model, moe_ep.SownAux)  # the state keeps the structure it was created with
     routes = jnp.maximum(aux.tokens_per_expert.sum(axis=-1, keepdims=True), 1)
     metrics = {
         "loss": loss, "ce_loss": ce_loss,
@@ -507,6 +509,7 @@ def start_run(config: Config, *, resume: bool, stop_at: int | None, progress: bo
     raise ConfigError(f"train.eval_every={config.train.eval_every} needs held-out data: set "
                       "data.eval_path (or train.eval_every=0)")
   run_dir, created = choose_run_dir(config.train.run_dir, name, resume=resume)
+  lock_run_dir(run_dir)  # one run per directory, until this process exits or the run ends
   config = dataclasses.replace(config, train=dataclasses.replace(config.train,
                                                                  run_dir=str(run_dir)))
   changes = check_resumed_config(run_dir, config) if resume else []
@@ -515,7 +518,10 @@ def start_run(config: Config, *, resume: bool, stop_at: int | None, progress: bo
   checkpoints = RunCheckpoints(run_dir / "checkpoints", report=notice) if every else None
   end = train_config.steps if stop_at is None else min(stop_at, train_config.steps)
   if resume:
-    newest = checkpoints.latest_step() if checkpoints else None
+    if not checkpoints:
+      raise ConfigError("--resume restores a checkpoint and saves more, which "
+                        "train.checkpoint_every=0 turns off: resume with a checkpoint_every > 0")
+    newest = checkpoints.latest_step()
     if newest is None:
       raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
     if newest >= end:
@@ -692,6 +698,7 @@ def finish_run(run: Run, loop: LoopResult) -> RunResult:
       (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
       plots.plot_run(run.previous + loop.records, run.run_dir / "metrics.png",
                      loss_floor=getattr(run.corpus, "entropy_floor", None))
+  release_run_dir(run.run_dir)
   if loop.nonfinite:
     raise NonFiniteStep(loop.nonfinite["step"],
                         {key: loop.nonfinite[key] for key in FINITE_METRICS},
@@ -741,7 +748,8 @@ def train(config: Config, *, resume: bool = False, stop_at: int | None = None,
     ConfigError: the data file cannot be used, the run to resume is finished,
       ``config`` changes its model or computation, or W&B is asked for but
       not installed.
-    FileExistsError: a fresh run's explicit ``train.run_dir`` holds another run.
+    FileExistsError: a fresh run's explicit ``train.run_dir`` holds another run,
+      or another live run is using it (:class:`examples.run_lock.RunDirInUse`).
     FileNotFoundError: ``resume`` finds no (intact) checkpoint.
     ValueError: the mesh does not fit the devices (the message says how to fix it).
     Interrupted: Ctrl-C or SIGTERM stopped the loop; the last completed step
@@ -826,6 +834,15 @@ def nonfinite_line(stop: NonFiniteStep, argv: list[str]) -> str:
           "train.skip_nonfinite=N to skip up to N such steps in a row, may get past it)")
 
 
+def saves_failing_line(stop: SavesFailing, argv: list[str]) -> str:
+  """The one line printed when checkpoints keep failing to save."""
+  run_dir = stop.directory.parent
+  if stop.latest_step is None:
+    return f"{stop}: stopped; no checkpoint was saved (metrics in {run_dir}/)"
+  return (f"{stop}: stopped; the newest checkpoint is step {stop.latest_step}; resume from it "
+          f"with: {resume_command(argv, run_dir)}")
+
+
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   device_mesh.request_cpu_devices()  # before JAX starts its backends
@@ -858,9 +875,15 @@ def main(argv=None) -> int:
     if is_main:
       print(f"pretrain.py: error: {nonfinite_line(stop, argv)}", file=sys.stderr, flush=True)
     return 1
+  except SavesFailing as stop:
+    if is_main:
+      print(f"pretrain.py: error: {saves_failing_line(stop, argv)}", file=sys.stderr, flush=True)
+    return 1
   # The run dir, --resume (no checkpoint, a finished run, another model), --data.
   except (ConfigError, FileExistsError, FileNotFoundError) as error:
     return fail(error)
+  finally:
+    release_all()  # the run directory's lock, whichever way the run ended
   if is_main:
     print(done_line(result.summary, result.run_dir), flush=True)
   return 0

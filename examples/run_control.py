@@ -67,7 +67,7 @@ def is_finite(record: dict) -> bool:
 
 class StopRequests:
   """Within ``with``, SIGINT (Ctrl-C) and SIGTERM (what a scheduler sends at
-  a time limit; ``moe_ep.launch`` passes both on) ask the training loop to
+  a time limit; ``moe_ep.launch`` sends SIGTERM) ask the training loop to
   stop after the step in progress, which it then saves.
 
   One process: the handlers record the signal; a second Ctrl-C raises

@@ -96,6 +96,23 @@ def held_steps(run_dir) -> tuple[int, int] | None:
   return (steps[0], steps[-1]) if steps else None
 
 
+# The files a run writes in its directory (examples/pretrain.py).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "metrics.png")
+
+
+def check_run_files(run_dir: pathlib.Path) -> None:
+  """Raises FileExistsError (one line) where ``run_dir`` is a file or one of
+  the :data:`RUN_FILES` in it is not a file, before anything is compiled."""
+  if run_dir.exists() and not run_dir.is_dir():
+    raise FileExistsError(f"train.run_dir={str(run_dir)!r} is a file, not a directory; "
+                          "choose another train.run_dir")
+  for name in RUN_FILES:
+    path = run_dir / name
+    if path.exists() and not path.is_file():
+      raise FileExistsError(f"{path} is not a file, so the run cannot write it; move it away "
+                            "or choose another train.run_dir")
+
+
 def choose_run_dir(run_dir: str | None, name: str, *, resume: bool) -> tuple[pathlib.Path, bool]:
   """``(directory, whether this call created it)`` of a run.
 
@@ -107,6 +124,7 @@ def choose_run_dir(run_dir: str | None, name: str, *, resume: bool) -> tuple[pat
   """
   if run_dir is not None:
     run_dir = pathlib.Path(run_dir)
+    check_run_files(run_dir)
     held = held_steps(run_dir)
     if held and not resume:
       raise FileExistsError(f"{run_dir} holds a run (steps {held[0]}-{held[1]}); use --resume "
@@ -115,9 +133,12 @@ def choose_run_dir(run_dir: str | None, name: str, *, resume: bool) -> tuple[pat
   if resume:
     latest = latest_run_dir(name)
     if latest is None:
-      raise FileNotFoundError(f"--resume: no earlier run of {name} to continue "
-                              f"({latest_link(name)} does not exist); name its directory "
-                              "with train.run_dir=...")
+      link = latest_link(name)
+      state = (f"{link} points to {os.readlink(link)}, which is not a directory"
+               if link.is_symlink() else f"{link} does not exist")
+      raise FileNotFoundError(f"--resume: no earlier run of {name} to continue ({state}); "
+                              "name its directory with train.run_dir=...")
+    check_run_files(latest)
     return latest, False
   created = str(new_run_dir(name)) if jax.process_index() == 0 else ""
   return pathlib.Path(from_process_0(created)), True

@@ -210,7 +210,8 @@ class TrainConfig:
     if peak is not None and (not isinstance(peak, (int, float)) or isinstance(peak, bool)
                              or not 0 < peak < math.inf):
       fail(self, "peak_tflops", "must be a finite number > 0 (TFLOP/s per device) or null")
-    if not 0.0 <= self.final_lr_fraction <= 1.0:
+    check_number(self, "final_lr_fraction", 0.0)  # refuses text, lists, mappings, bools
+    if self.final_lr_fraction > 1.0:
       fail(self, "final_lr_fraction", "must be in [0, 1]")
     if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
       fail(self, "run_dir", "must be a non-empty path or null")

@@ -112,7 +112,11 @@ def _check_dtype(obj, field: str, allow_none: bool) -> None:
 
 def check_choice(obj, field: str, choices) -> None:
   value = getattr(obj, field)
-  if value not in choices:
+  try:
+    known = value in choices
+  except TypeError:  # an unhashable value (a YAML mapping or list) is no choice
+    known = False
+  if not known:
     fail(obj, field, f"must be one of {tuple(choices)}")
 
 
@@ -359,7 +363,7 @@ def from_dict(cls, data: dict | None, path: str | None = None):
   path = path or cls.__name__
   data = dict(data or {})
   fields = {f.name: f for f in dataclasses.fields(cls)}
-  unknown = sorted(set(data) - set(fields))
+  unknown = sorted(set(data) - set(fields), key=str)  # YAML keys may mix types
   if unknown:
     raise ValueError(f"unknown key {path}.{unknown[0]} (known: {sorted(fields)})")
   missing = [name for name, field in fields.items() if name not in data

@@ -27,14 +27,24 @@ It joins, in this order:
    and other MPIs; ``deactivate`` to stay single).
 
 3. otherwise nothing: a single process, no coordinator, no port, no network.
+
+Joining waits a bounded time for every process (``MOE_EP_INIT_TIMEOUT_S``,
+default :data:`DEFAULT_INIT_TIMEOUT_S`): a task that never starts, or a wrong
+coordinator address or port, ends the wait with one line naming the
+coordinator, this process and the variable, and exit code
+:data:`INIT_FAILED_EXIT_CODE`, instead of JAX's C++ abort (a CHECK failure
+and a stack trace, after its own five-minute default).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import socket
+import sys
+import threading
 
 import jax
 
@@ -48,6 +58,13 @@ ENV_SLURM_NODE = "SLURMD_NODENAME"
 LAUNCH = "moe_ep.launch"
 # How long process_nodes waits for another process's node name.
 NODE_TIMEOUT_S = 120
+# Seconds every process of a job gets to join it (MOE_EP_INIT_TIMEOUT_S).
+ENV_INIT_TIMEOUT = "MOE_EP_INIT_TIMEOUT_S"
+DEFAULT_INIT_TIMEOUT_S = 60.0
+# JAX's own initialization timeout is this much later than ours, so ours ends
+# the wait (one line) before JAX aborts (a C++ CHECK and a stack trace).
+_JAX_TIMEOUT_MARGIN_S = 30
+INIT_FAILED_EXIT_CODE = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,18 +132,64 @@ def _use_gloo() -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
-def initialize_from_env(timeout_s: int = 300) -> Job:
+def init_timeout_s() -> float:
+  """The join wait: ``MOE_EP_INIT_TIMEOUT_S`` if set, else the default.
+
+  Raises:
+    ValueError: the variable is not a finite number of seconds > 0.
+  """
+  text = os.environ.get(ENV_INIT_TIMEOUT)
+  if text is None:
+    return DEFAULT_INIT_TIMEOUT_S
+  try:
+    value = float(text)
+  except ValueError:
+    value = math.nan
+  if not 0 < value < math.inf:
+    raise ValueError(f"{ENV_INIT_TIMEOUT}={text!r} must be a finite number of seconds > 0")
+  return value
+
+
+def _join(timeout_s: float, coordinator: str, process_id: int, num_processes: int, /,
+          **initialize_kwargs) -> None:
+  """``jax.distributed.initialize(**initialize_kwargs)``, given up after
+  ``timeout_s`` with one line on stderr and exit code
+  :data:`INIT_FAILED_EXIT_CODE` (JAX's connect blocks in C++ and cannot be
+  interrupted from Python: the process ends from a watchdog thread)."""
+
+  def give_up():
+    print(f"moe_ep.distributed: process {process_id} of {num_processes} waited {timeout_s:g} s "
+          f"for the job's {num_processes} processes at the coordinator {coordinator} and not "
+          f"all joined (a task that did not start or died, or a wrong coordinator address or "
+          f"port); {ENV_INIT_TIMEOUT} sets the wait", file=sys.stderr, flush=True)
+    os._exit(INIT_FAILED_EXIT_CODE)
+
+  watchdog = threading.Timer(timeout_s, give_up)
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    jax.distributed.initialize(
+        initialization_timeout=math.ceil(timeout_s) + _JAX_TIMEOUT_MARGIN_S,
+        **initialize_kwargs)
+  finally:
+    watchdog.cancel()
+
+
+def initialize_from_env(timeout_s: float | None = None) -> Job:
   """Joins the job the environment describes (see the module docstring) with
   ``jax.distributed.initialize``; a single process is left alone.
 
-  Call it once, before any JAX computation. ``timeout_s`` bounds the wait for
-  the other processes (then JAX raises naming the coordinator).
+  Call it once, before any JAX computation. ``timeout_s`` (None:
+  :func:`init_timeout_s`) bounds the wait for the other processes; then the
+  process exits with one line (see the module docstring).
 
   Raises:
     ValueError: ``MOE_EP_NUM_PROCESSES`` > 1 without the other variables, or
       ``MOE_EP_CLUSTER`` names no environment JAX knows, or names one that is
-      not present.
+      not present, or ``MOE_EP_INIT_TIMEOUT_S`` is not a number of seconds.
   """
+  if timeout_s is None:
+    timeout_s = init_timeout_s()
   num_processes = int(os.environ.get(ENV_NUM_PROCESSES, "1"))
   if num_processes > 1:
     missing = [v for v in (ENV_PROCESS_ID, ENV_COORDINATOR) if v not in os.environ]
@@ -137,14 +200,12 @@ def initialize_from_env(timeout_s: int = 300) -> Job:
     process_id = int(os.environ[ENV_PROCESS_ID])
     # "deactivate": inside a SLURM allocation JAX would otherwise fill the
     # unset local_device_ids from SLURM_LOCALID.
-    jax.distributed.initialize(
-        coordinator_address=os.environ[ENV_COORDINATOR],
-        num_processes=num_processes,
-        process_id=process_id,
-        local_device_ids=[int(i) for i in local_ids.split(",")] if local_ids else None,
-        cluster_detection_method="deactivate",
-        initialization_timeout=timeout_s,
-    )
+    _join(timeout_s, os.environ[ENV_COORDINATOR], process_id, num_processes,
+          coordinator_address=os.environ[ENV_COORDINATOR],
+          num_processes=num_processes,
+          process_id=process_id,
+          local_device_ids=[int(i) for i in local_ids.split(",")] if local_ids else None,
+          cluster_detection_method="deactivate")
     return Job(LAUNCH, process_id, num_processes)
 
   method = os.environ.get(ENV_CLUSTER) or None
@@ -158,8 +219,12 @@ def initialize_from_env(timeout_s: int = 300) -> Job:
   if cluster.get_process_count() <= 1:  # e.g. `srun -n 1`: nothing to join
     return Job(None)
   _use_gloo()
-  jax.distributed.initialize(cluster_detection_method=method,
-                             initialization_timeout=timeout_s)
+  try:
+    coordinator = cluster.get_coordinator_address(None, None)
+  except Exception:  # noqa: BLE001 - some environments look it up over the network
+    coordinator = "(found by JAX)"
+  _join(timeout_s, coordinator, cluster.get_process_id(), cluster.get_process_count(),
+        cluster_detection_method=method)
   return Job(cluster.__name__, jax.process_index(), jax.process_count())
 
 

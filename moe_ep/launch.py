@@ -6,13 +6,21 @@
 
 Each child gets the environment :mod:`moe_ep.distributed` reads (a free
 loopback port for the coordinator); its output comes back (with a ``[pN]``
-prefix when echoed) less Gloo's connection notice. Every wait is bounded: if
-a child fails, the others are killed and its output tail (the traceback) is
-reported, naming any process that stopped responding; if the whole job
-outlives ``timeout_s``, all are killed. A SIGINT (Ctrl-C) or SIGTERM (a
-scheduler's time limit) to the launcher is passed to every child, which gets
-``--grace`` seconds to save a checkpoint and exit before it is killed; the
-launcher then exits with 128 + the signal's number.
+prefix when echoed) less Gloo's connection notice. If a child fails, the
+others are killed and its output tail (the traceback) is reported, naming
+any process that stopped responding.
+
+A job has no deadline unless ``--timeout`` gives one. The deadline, a
+SIGHUP (a closed terminal, a dropped ssh session), a SIGTERM (a scheduler's
+time limit or preemption), a SIGINT (Ctrl-C) to the launcher, and a child
+that stops on its own signal (exit 143 or 130: one worker preempted) all
+take one path: every child still running gets SIGTERM (examples/pretrain.py
+saves a checkpoint and exits 143), ``--grace`` seconds to exit, and then
+SIGKILL. The launcher's exit code tells a requeue script what happened
+(:func:`exit_code`): 143 stopped and saved (SIGTERM, SIGHUP, the deadline, a
+preempted worker), 130 interrupted (SIGINT), 137 a child had to be killed
+after the grace period, a failing child's own code otherwise (128 + N for a
+child killed by signal N), 2 bad flags.
 """
 
 from __future__ import annotations
@@ -63,18 +71,42 @@ def is_noise(line: str) -> bool:
   return match is not None and match[1] == match[2]
 
 
+# Signals the launcher catches and turns into a SIGTERM to every child.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# A child that exits with one of these stopped on that signal (a preempted
+# worker that saved): the job stops as if the launcher had received it.
+_STOPPED_CODES = {128 + signal.SIGTERM: signal.SIGTERM, 128 + signal.SIGINT: signal.SIGINT,
+                  -signal.SIGTERM: signal.SIGTERM, -signal.SIGINT: signal.SIGINT}
+# The launcher's exit code when a child had to be killed after the grace period.
+KILLED_EXIT_CODE = 128 + signal.SIGKILL
+
+
+def shell_code(returncode: int) -> int:
+  """A child's exit status as a shell reports it (killed by signal N: 128 + N)."""
+  return 128 - returncode if returncode < 0 else returncode
+
+
 class LaunchError(RuntimeError):
-  """A child failed or the job timed out; the message holds the output tail."""
+  """A child failed; the message holds the output tail. ``exit_code`` is the
+  failing child's own (:func:`shell_code`)."""
+
+  def __init__(self, message: str, exit_code: int = 1):
+    super().__init__(message)
+    self.exit_code = exit_code
 
 
 class LaunchStopped(LaunchError):
-  """A SIGINT or SIGTERM to the launcher, passed to the children, ended the
-  job; ``signum`` is the signal. The message says which processes exited
-  and which were killed after the grace period."""
+  """The job was stopped (a signal to the launcher, the deadline, or a child
+  that stopped on its own signal): every child got SIGTERM and the grace
+  period. ``reason`` is ``"SIGINT"``, ``"SIGTERM"``, ``"SIGHUP"`` or
+  ``"deadline"``; ``exit_code`` is 130 (SIGINT) or 143 (the others) where
+  every child exited by itself with 0, 130 or 143, :data:`KILLED_EXIT_CODE`
+  where one had to be killed, else the first other child's own code. The
+  message says which processes exited and which were killed."""
 
-  def __init__(self, message: str, signum: int):
-    super().__init__(message)
-    self.signum = signum
+  def __init__(self, message: str, reason: str, exit_code: int):
+    super().__init__(message, exit_code)
+    self.reason = reason
 
 
 @dataclasses.dataclass
@@ -122,8 +154,13 @@ def _pump(stream, sink: list, tail: collections.deque, prefix: str, echo: bool):
     sink.append(line)
     tail.append(line)
     if echo:
-      sys.stdout.write(prefix + line)
-      sys.stdout.flush()
+      try:
+        sys.stdout.write(prefix + line)
+        sys.stdout.flush()
+      except (OSError, ValueError):
+        # The terminal went away (SIGHUP): keep draining the child's pipe,
+        # which would otherwise fill and block the child while it saves.
+        echo = False
   stream.close()
 
 
@@ -179,6 +216,8 @@ def check_arguments(num_processes, *, timeout_s, grace_s, cpu_devices_per_proces
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       raise ValueError(f"{name(argument)}={value!r} must be an integer >= 1")
   for argument, value in (("timeout_s", timeout_s), ("grace_s", grace_s)):
+    if argument == "timeout_s" and value is None:
+      continue
     if (not isinstance(value, (int, float)) or isinstance(value, bool)
         or not 0 < value < math.inf):
       raise ValueError(f"{name(argument)}={value!r} must be a finite number of seconds > 0")
@@ -188,7 +227,7 @@ def check_arguments(num_processes, *, timeout_s, grace_s, cpu_devices_per_proces
 
 
 class _SignalForwarding:
-  """Within ``with`` (from the main thread only), SIGINT and SIGTERM are
+  """Within ``with`` (from the main thread only), :data:`STOP_SIGNALS` are
   recorded for the launcher's wait loop instead of ending the launcher."""
 
   def __init__(self, enabled: bool):
@@ -201,7 +240,7 @@ class _SignalForwarding:
 
   def __enter__(self):
     if self.enabled:
-      for signum in (signal.SIGINT, signal.SIGTERM):
+      for signum in STOP_SIGNALS:
         self.previous[signum] = signal.signal(signum, self._handle)
     return self
 
@@ -285,26 +324,37 @@ class _Job:
     return LaunchError(
         f"{lead}process {blamed} of {self.num_processes} exited with {codes[blamed]}"
         + (f" (also failed: {', '.join(others)})" if others else "")
-        + f"; last output:\n{self.tail(blamed)}")
+        + f"; last output:\n{self.tail(blamed)}", shell_code(codes[blamed]))
 
-  def stop(self, forwarding: _SignalForwarding, grace_s: float) -> LaunchStopped:
-    """Passes the received signal to every child's process group, waits up to
-    ``grace_s`` for them to save and exit (a second signal ends the wait),
-    then kills the rest, naming them."""
-    signum = forwarding.received[0]
-    name = signal.Signals(signum).name
-    for child in self.children:
-      _signal_group(child, signum)
-    self.wait(grace_s, until=lambda: len(forwarding.received) > 1)
+  def stopped_child(self) -> int | None:
+    """The first child that exited on its own SIGTERM or SIGINT (a preempted
+    worker), or None."""
+    codes = self.codes()
+    return next((pid for pid in self.exit_order if codes[pid] in _STOPPED_CODES), None)
+
+  def stop(self, reason: str, grace_s: float, until=lambda: False,
+           lead: str | None = None) -> LaunchStopped:
+    """Sends SIGTERM to every child's process group, waits up to ``grace_s``
+    for them to save and exit (or for ``until()``: a second signal), then
+    kills the rest; the error names what happened and carries the launcher's
+    exit code."""
+    for pid in self.running():
+      _signal_group(self.children[pid], signal.SIGTERM)
+    self.wait(grace_s, until=until)
     left, codes = self.running(), self.codes()
     self.end()
+    own = [shell_code(code) for pid, code in enumerate(codes)
+           if pid not in left and code not in _STOPPED_CODES and code != 0]
     if left:
       outcome = (f"process{'es' * (len(left) > 1)} {', '.join(map(str, left))} did not exit "
                  f"within {grace_s:g}s and {'were' if len(left) > 1 else 'was'} killed")
+      exit_code = own[0] if own else KILLED_EXIT_CODE
     else:
       outcome = f"every process exited (codes {', '.join(map(str, codes))})"
-    return LaunchStopped(f"{name}: passed it to the {self.num_processes} processes; {outcome}",
-                         signum)
+      exit_code = own[0] if own else 128 + (signal.SIGINT if reason == "SIGINT"
+                                            else signal.SIGTERM)
+    return LaunchStopped(f"{lead or reason}: sent SIGTERM to the {self.num_processes} "
+                         f"processes; {outcome}", reason, exit_code)
 
   def results(self) -> list[ChildResult]:
     for pump in self.pumps:
@@ -313,21 +363,23 @@ class _Job:
             for pid, child in enumerate(self.children)]
 
 
-def launch(command: list[str], num_processes: int, *, timeout_s: float = 600,
+def launch(command: list[str], num_processes: int, *, timeout_s: float | None = None,
            grace_s: float = DEFAULT_GRACE_S, cpu_devices_per_process: int | None = None,
            gpus_per_process: int | None = None, echo: bool = False, env=None, cwd=None,
            forward_signals: bool = True) -> list[ChildResult]:
   """Runs ``command`` as ``num_processes`` processes and waits for all.
 
-  Returns each child's result when all exit 0. Called from the main thread
-  (and ``forward_signals``), a SIGINT or SIGTERM to this process is passed to
+  Returns each child's result when all exit 0. A stop (the module
+  docstring: a signal in :data:`STOP_SIGNALS` to this process, when called
+  from the main thread with ``forward_signals``; the ``timeout_s`` deadline,
+  None: none; a child exiting on its own SIGTERM or SIGINT) sends SIGTERM to
   every child, which gets ``grace_s`` seconds to save and exit.
 
   Raises:
     ValueError: an argument :func:`check_arguments` refuses.
+    LaunchStopped: the job was stopped.
     LaunchError: a child failed (naming it, with its output tail, and any
-      process that stopped responding) or the job outlived ``timeout_s``.
-    LaunchStopped: a forwarded signal ended the job.
+      process that stopped responding).
   """
   check_arguments(num_processes, timeout_s=timeout_s, grace_s=grace_s,
                   cpu_devices_per_process=cpu_devices_per_process,
@@ -339,20 +391,26 @@ def launch(command: list[str], num_processes: int, *, timeout_s: float = 600,
   with _SignalForwarding(forward_signals) as forwarding:
     job = _Job(command, num_processes, env_for, cwd, echo)
     try:
-      deadline = time.monotonic() + timeout_s
+      deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
       while True:
         if forwarding.received:
-          raise job.stop(forwarding, grace_s)
+          count = len(forwarding.received)
+          raise job.stop(signal.Signals(forwarding.received[0]).name, grace_s,
+                         until=lambda: len(forwarding.received) > count)
+        if time.monotonic() > deadline:
+          raise job.stop("deadline", grace_s, until=lambda: bool(forwarding.received))
+        stopped = job.stopped_child()
+        if stopped is not None:
+          code = job.codes()[stopped]
+          name = signal.Signals(_STOPPED_CODES[code]).name
+          raise job.stop(name, grace_s, until=lambda: bool(forwarding.received),
+                         lead=f"process {stopped} of {num_processes} stopped on {name} "
+                              f"(exit {code})")
         codes = job.codes()
         if any(code not in (None, 0) for code in codes):
           raise job.failure()
         if all(code == 0 for code in codes):
           return job.results()
-        if time.monotonic() > deadline:
-          running = job.running()
-          job.end()
-          raise LaunchError(f"timed out after {timeout_s:g}s; still running: {running}; "
-                            f"last output of process {running[0]}:\n{job.tail(running[0])}")
         time.sleep(_POLL_S)
     finally:
       job.end()
@@ -365,10 +423,13 @@ def main(argv=None) -> int:
   devices = parser.add_mutually_exclusive_group()
   devices.add_argument("--cpu-devices-per-process", type=int)
   devices.add_argument("--gpus-per-process", type=int)
-  parser.add_argument("--timeout", type=float, default=3600, help="seconds for the whole job")
+  parser.add_argument("--timeout", type=float, default=None,
+                      help="a deadline in seconds for the whole job, after which it is "
+                           "stopped as by SIGTERM (default: none)")
   parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
-                      help="seconds the processes get to save and exit after a SIGINT or "
-                           "SIGTERM to the launcher (passed on to them) before they are killed")
+                      help="seconds the processes get to save and exit after the SIGTERM "
+                           "a stop sends them (a SIGINT, SIGTERM or SIGHUP to the launcher, "
+                           "the deadline, a preempted process) before they are killed")
   parser.add_argument("command", nargs=argparse.REMAINDER,
                       help="the command, after '--'")
   args = parser.parse_args(argv)
@@ -388,13 +449,19 @@ def main(argv=None) -> int:
     launch(command, args.num_processes, timeout_s=args.timeout, grace_s=args.grace,
            cpu_devices_per_process=args.cpu_devices_per_process,
            gpus_per_process=args.gpus_per_process, echo=True)
-  except LaunchStopped as stopped:
-    print(f"moe_ep.launch: {stopped}", file=sys.stderr)
-    return 128 + stopped.signum
-  except LaunchError as error:
-    print(f"moe_ep.launch: {error}", file=sys.stderr)
-    return 1
+  except LaunchError as error:  # LaunchStopped too
+    _report(f"moe_ep.launch: {error}")
+    return error.exit_code
   return 0
+
+
+def _report(message: str) -> None:
+  """Prints to stderr; a terminal that went away (SIGHUP) does not turn the
+  exit code into a traceback."""
+  try:
+    print(message, file=sys.stderr, flush=True)
+  except (OSError, ValueError):
+    pass
 
 
 if __name__ == "__main__":

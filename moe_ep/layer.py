@@ -44,7 +44,17 @@ class ExpertBias(nnx.Variable):
 class SownAux(nnx.Intermediate):
   """One field of the :class:`MoEAux` of the layer's latest call, kept when
   ``MoEConfig.return_aux`` is False (read them with :func:`moe_ep.collect_aux`,
-  :func:`moe_ep.total_aux_loss`)."""
+  :func:`moe_ep.total_aux_loss`).
+
+  Like values that ``nnx.Module.sow`` keeps, they appear at the layer's
+  first call: a model as built holds only its parameters (and an
+  :class:`ExpertBias` where ``use_expert_bias``), so ``nnx.split(model,
+  nnx.Param)`` covers it. ``nnx.pop(model, SownAux)`` after reading them
+  brings the model back to that structure (a loop under ``nnx.jit`` then
+  compiles once). Every field is float32, the route counts too (exact up to
+  2**24 routes per expert and call), so ``jax.grad`` over all of a model's
+  state meets no integer; :meth:`LatestAux.get` gives them back as int32.
+  """
 
 
 class MoEAux(NamedTuple):
@@ -69,21 +79,30 @@ def _zero_aux(num_experts: int) -> MoEAux:
 
 
 class LatestAux(nnx.Module):
-  """The :class:`MoEAux` of a layer's latest call, one array-valued
-  :class:`SownAux` per field (so ``nnx.state`` tools and checkpoints see plain
-  arrays). Created with its final shapes and placement, so the first call
-  changes neither the module's structure nor its shardings (no retrace)."""
+  """The :class:`MoEAux` of a layer's latest call, one float32
+  :class:`SownAux` per field (so ``nnx.state`` tools and checkpoints see
+  plain arrays); empty until the first :meth:`set` (and after
+  ``nnx.pop(model, SownAux)``)."""
 
-  def __init__(self, num_experts: int, mesh):
-    for field, value in zip(MoEAux._fields, _zero_aux(num_experts)):
-      setattr(self, field, SownAux(sharding.replicated(value, mesh)))
+  def is_empty(self) -> bool:
+    return not all(hasattr(self, field) for field in MoEAux._fields)
 
   def get(self) -> MoEAux:
-    return MoEAux(*(getattr(self, field).get_value() for field in MoEAux._fields))
+    """Raises ValueError where nothing is kept (the layer was not called)."""
+    if self.is_empty():
+      raise ValueError("the MoE layer keeps its MoEAux from its latest call, and has not been "
+                       "called since it was built (or since nnx.pop(model, moe_ep.SownAux)): "
+                       "run the model's forward pass first")
+    aux = MoEAux(*(getattr(self, field).get_value() for field in MoEAux._fields))
+    return aux._replace(tokens_per_expert=aux.tokens_per_expert.astype(jnp.int32))
 
   def set(self, aux: MoEAux) -> None:
     for field, value in zip(MoEAux._fields, aux):
-      getattr(self, field).set_value(value)
+      value = value.astype(jnp.float32)
+      if hasattr(self, field):
+        getattr(self, field).set_value(value)
+      else:  # the first call sows it, as nnx.Module.sow does
+        setattr(self, field, SownAux(value))
 
 
 class _ShardLayout(NamedTuple):
@@ -236,11 +255,24 @@ _warned_meshes: set = set()
 
 def _layer_mesh(config: MoEConfig, mesh):
   """An explicit ``mesh`` wins; otherwise the ambient one (``jax.set_mesh``)
-  if it has ``config.ep_axis``; otherwise None (one device, no EP)."""
+  if it has ``config.ep_axis``; otherwise None (one device, no EP).
+
+  Raises:
+    ValueError: no mesh, inside the legacy ``with mesh:`` whose ``ep`` axis
+      has size > 1 (the layer does not read it: its experts would sit on
+      one device).
+  """
   if mesh is not None:
     return mesh
   ambient = sharding.ambient_mesh()
   if ambient is None:
+    legacy = sharding.legacy_mesh()
+    if legacy is not None and legacy.shape.get(config.ep_axis, 1) > 1:
+      raise ValueError(
+          f"ExpertParallelMoE is built inside the legacy `with mesh:` (axis "
+          f"{config.ep_axis!r} of size {legacy.shape[config.ep_axis]}), which it does not "
+          "read: its experts would sit on one device, without expert parallelism. Build it "
+          "inside `with jax.set_mesh(mesh):` or pass mesh=mesh")
     return None
   if config.ep_axis not in ambient.axis_names:
     key = (tuple(ambient.axis_names), config.ep_axis)
@@ -255,12 +287,23 @@ def _layer_mesh(config: MoEConfig, mesh):
   return ambient
 
 
-def _check_no_ep_mesh(config: MoEConfig) -> None:
+def _check_no_ep_mesh(config: MoEConfig, x) -> None:
   """Raises where a layer built without a mesh is called under ``jax.set_mesh``
-  with an ``config.ep_axis`` of size > 1: it would run unsharded, without EP."""
+  with an ``config.ep_axis`` of size > 1, or with ``x`` sharded over a mesh
+  with such an axis (where its sharding can be seen: a concrete array, or a
+  traced one on Explicit axes): it would run with its experts replicated,
+  without EP."""
   ambient = sharding.ambient_mesh()
   if ambient is None or ambient.shape.get(config.ep_axis, 1) == 1:
-    return
+    input_mesh = sharding.input_mesh(x)
+    if input_mesh is None or dict(input_mesh.shape).get(config.ep_axis, 1) == 1:
+      return
+    raise ValueError(
+        f"ExpertParallelMoE was built without a mesh (no mesh= and no jax.set_mesh around its "
+        f"construction), so its experts are not sharded, but x is sharded over a mesh with "
+        f"axis {config.ep_axis!r} of size {dict(input_mesh.shape)[config.ep_axis]}: the "
+        f"experts would be replicated on every device, without expert parallelism. Build the "
+        f"layer (the model) inside `with jax.set_mesh(mesh):` or pass mesh=mesh")
   raise ValueError(
       f"ExpertParallelMoE was built without a mesh (no mesh= and no jax.set_mesh around its "
       f"construction), so its experts are not sharded, but it is called under jax.set_mesh "
@@ -330,7 +373,7 @@ class ExpertParallelMoE(nnx.Module):
                                      (None, None))
       self.shared_w_out = self._param(rngs, _scaled_init(0), (shared, hidden), (None, None))
     if not config.return_aux:
-      self.latest_aux = LatestAux(experts, self.mesh)
+      self.latest_aux = LatestAux()  # empty: the first call sows into it
 
   @staticmethod
   def _shard_layout(config: MoEConfig, mesh) -> _ShardLayout:
@@ -393,7 +436,7 @@ class ExpertParallelMoE(nnx.Module):
     del rngs, deterministic
     config, mesh = self.config, self.mesh
     if mesh is None:
-      _check_no_ep_mesh(config)
+      _check_no_ep_mesh(config, x)
     layout = self._shard_layout(config, mesh)
     if x.ndim < 1 or x.shape[-1] != config.hidden_size:
       raise ValueError(f"x must be [..., hidden_size={config.hidden_size}]; got shape {x.shape}")
@@ -429,7 +472,9 @@ class ExpertParallelMoE(nnx.Module):
       raise errors.TraceContextError(
           "ExpertParallelMoE with MoEConfig.return_aux=False keeps its MoEAux in layer."
           "latest_aux, which a JAX transform over a closure of the model (jax.grad, jax.jit, "
-          "jax.vmap of `lambda x: model(x)`) cannot update: use the NNX transforms with the "
-          "model as an argument (nnx.grad(loss_fn)(model, x), nnx.value_and_grad, nnx.jit), "
-          "or set MoEConfig.return_aux=True and use the (y, aux) it returns") from error
+          "jax.vmap of `lambda x: model(x)`, or a lax.while_loop / lax.scan body that merges "
+          "state split outside it) cannot update: use the NNX transforms with the model as an "
+          "argument (nnx.grad(loss_fn)(model, x), nnx.value_and_grad, nnx.jit); inside a "
+          "loop body merge with fresh variables, nnx.merge(graphdef, state, copy=True); or "
+          "set MoEConfig.return_aux=True and use the (y, aux) it returns") from error
     return y

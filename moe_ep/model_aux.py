@@ -12,6 +12,7 @@ many layers.
 ...   loss, grads = nnx.value_and_grad(loss_fn)(model)
 ...   optimizer.update(model, grads)
 ...   moe_ep.update_expert_biases(model)
+...   nnx.pop(model, moe_ep.SownAux)   # optional: the model as built again
 """
 
 from __future__ import annotations

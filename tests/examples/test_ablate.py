@@ -212,3 +212,20 @@ def test_a_sweep_shows_each_variant_as_it_starts_and_flags_timings_from_too_few_
     rows = [line for line in text.splitlines() if line.startswith("| a ") or line.startswith("| b ")]
     assert all(line.endswith(f"| {steps - 1}{' (too few)' * flagged} |") for line in rows), rows
     assert ("timed steps" in text) and (("fewer than 50 timed steps" in text) == flagged)
+
+
+def test_a_variants_missing_data_file_is_found_before_any_trains(tmp_path, capsys):
+  """The second variant's data file is missing: refused in one line naming the
+  variant, before the first trains (it used to fail after it had trained,
+  naming no variant and writing no results.md)."""
+  (tmp_path / "text.txt").write_text("some text to train on, " * 40)
+  sweep = write_sweep(tmp_path / "sweep.yaml", overrides={"train.steps": 2},
+                      variants={"text": {"data.path": str(tmp_path / "text.txt"),
+                                         "model.vocab_size": 256},
+                                "missing": {"data.path": str(tmp_path / "nope.txt"),
+                                            "model.vocab_size": 256}})
+  code, err = run_main([str(sweep), "--out", str(tmp_path / "out")], capsys)
+  assert code == 2
+  assert err == (f"ablate.py: error: sweep {sweep}, variant 'missing': data.path="
+                 f"'{tmp_path}/nope.txt': No such file or directory\n")
+  assert not (tmp_path / "out").exists()

@@ -5,6 +5,7 @@ non-finite values or does not match its fingerprint, setting it aside.
 The states are a few small arrays sharded over the 8 CPU devices (no model),
 so each test takes about a second."""
 
+import json
 import pathlib
 
 import jax
@@ -16,7 +17,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tiny_run  # noqa: F401  (puts the repository on sys.path)
-from examples.checkpoints import RunCheckpoints, abstract_like, state_fingerprint
+from examples.checkpoints import (MAX_FAILED_SAVES_IN_ROW, RunCheckpoints, SavesFailing,
+                                  abstract_like, state_fingerprint)
+from examples.train_config import ConfigError
 
 
 def make_state(seed: int) -> dict:
@@ -89,8 +92,8 @@ def test_save_keeps_the_newest_steps_and_deletes_only_after_the_read_back(tmp_pa
 
   monkeypatch.setattr(RunCheckpoints, "_restore", damaged_read)
   assert checkpoints.save(4, make_state(4), data_step=4) is False
-  assert lines == ["checkpoint 4 does not match the fingerprint it was saved with: deleted it "
-                   "and kept the older checkpoints"]
+  assert lines == ["checkpoint 4 does not match the fingerprint it was saved with: deleted what "
+                   "it left and kept the older checkpoints; 1 failed save so far, the run goes on"]
   assert sorted(checkpoints.manager.all_steps()) == [2, 3]
   assert checkpoints.failed_saves == 1
   monkeypatch.setattr(RunCheckpoints, "_restore", real_restore)
@@ -210,3 +213,113 @@ def test_setting_aside_never_reuses_a_taken_name(tmp_path):
     assert (unusable / taken / "earlier").read_text() == taken
   assert (unusable / "2-3" / "state").is_dir()
   resumed.close()
+
+
+def block_directory(directory: pathlib.Path) -> pathlib.Path:
+  """Moves ``directory`` aside and puts a file in its place (a save there
+  fails for real, as on a full or broken disk); returns where it went."""
+  aside = directory.with_name(directory.name + "-moved")
+  directory.rename(aside)
+  directory.write_text("not a directory")
+  return aside
+
+
+def unblock_directory(directory: pathlib.Path, aside: pathlib.Path) -> None:
+  directory.unlink()
+  aside.rename(directory)
+
+
+def test_a_failed_save_is_one_line_and_counted_until_too_many_in_a_row(tmp_path):
+  checkpoints, lines = saved(tmp_path, [1, 2])
+  directory = checkpoints.directory
+  aside = block_directory(directory)
+  assert checkpoints.save(3, make_state(3), data_step=3) is False
+  (line,) = lines
+  assert line.startswith("checkpoint 3 was not saved (") and line.endswith(
+      "): deleted what it left and kept the older checkpoints; 1 failed save so far, the run "
+      "goes on"), line
+  assert "\n" not in line and len(line) < 400
+  assert (checkpoints.failed_saves, checkpoints.failed_in_row) == (1, 1)
+  unblock_directory(directory, aside)
+  assert checkpoints.save(4, make_state(4), data_step=4)  # a save that works resets the row
+  assert (checkpoints.failed_saves, checkpoints.failed_in_row) == (1, 0)
+  aside = block_directory(directory)
+  for step in (5, 6):
+    assert checkpoints.save(step, make_state(step), data_step=step) is False
+  with pytest.raises(SavesFailing) as error:
+    checkpoints.save(7, make_state(7), data_step=7)
+  assert str(error.value).startswith(f"{MAX_FAILED_SAVES_IN_ROW} checkpoint saves in a row "
+                                     "failed (the last: checkpoint 7 was not saved (")
+  assert checkpoints.failed_saves == 4 and len(lines) == 3
+  unblock_directory(directory, aside)
+  assert sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) == [2, 4]
+  assert_same(RunCheckpoints(directory).restore(4, abstract_like(make_state(4)))[0],
+              make_state(4))
+
+
+def test_a_checkpoints_path_that_is_a_file_is_refused_in_one_line(tmp_path):
+  (tmp_path / "checkpoints").write_text("")
+  with pytest.raises(FileExistsError, match=r"^.*/checkpoints is not a directory: no checkpoint "
+                                            r"could be saved; move it away"):
+    RunCheckpoints(tmp_path / "checkpoints")
+
+
+@pytest.mark.parametrize("other_state, difference", [
+    (lambda state: {**state, "w": jax.ShapeDtypeStruct((8, 7), jnp.float32,
+                                                        sharding=state["w"].sharding)},
+     "w is float32[8, 6] there and float32[8, 7] in this model"),
+    (lambda state: {key: state[key] for key in ("w", "count")},
+     "it holds b, which this model does not"),
+    (lambda state: {**state, "extra": state["b"]}, "it lacks extra"),
+])
+def test_a_checkpoint_of_another_model_is_refused_and_left_in_place(tmp_path, other_state,
+                                                                     difference):
+  """Not damaged, only another model (a resume with a changed config where
+  config.yaml is gone): nothing is moved to checkpoints-unusable."""
+  checkpoints, lines = saved(tmp_path, [1, 2])
+  checkpoints.close()
+  resumed = RunCheckpoints(tmp_path / "checkpoints", report=lines.append)
+  with pytest.raises(ConfigError) as error:
+    resumed.restore_newest_intact(other_state(abstract_like(make_state(1))))
+  assert str(error.value) == (
+      f"--resume: checkpoint 2 in {resumed.directory} was saved from another model: "
+      f"{difference}; resume with the config it was trained with, or start a new run (the "
+      "checkpoints are left as they are)")
+  assert lines == [] and not (tmp_path / "checkpoints-unusable").exists()
+  assert sorted(resumed.manager.all_steps()) == [1, 2]
+  resumed.close()
+
+
+@pytest.mark.slow
+def test_a_run_on_a_full_disk_goes_on_then_stops_in_one_line(tmp_path):
+  """pretrain.py with every file limited to 16 KiB (RLIMIT_FSIZE: writes past
+  it fail with EFBIG, as on a full disk; the metrics stay below it): each
+  failed save is one line and the run goes on, the third in a row stops it
+  with exit code 1 and one line (it used to end in pages of tracebacks)."""
+  import resource
+  import subprocess
+  import sys
+  from tiny_run import REPO, fast_overrides
+
+  def limit_file_size():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, resource.RLIM_INFINITY))
+
+  run_dir = tmp_path / "run"
+  result = subprocess.run(
+      [sys.executable, "-m", "examples.pretrain",
+       *fast_overrides(run_dir, "train.steps=8", "train.checkpoint_every=2")],
+      capture_output=True, text=True, cwd=REPO, timeout=300, preexec_fn=limit_file_size,
+      env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+  lines = result.stderr.splitlines()
+  assert result.returncode == 1, result.stderr[-3000:]
+  assert "Traceback" not in result.stderr and len(lines) == 3, result.stderr[-3000:]
+  for step, line in zip((2, 4), lines):
+    assert line.startswith(f"checkpoint {step} was not saved (") and line.endswith(
+        f"failed save{'s' * (step == 4)} so far, the run goes on"), line
+  assert lines[2].startswith("pretrain.py: error: 3 checkpoint saves in a row failed (the last: "
+                             "checkpoint 6 was not saved (") and lines[2].endswith(
+      f": stopped; no checkpoint was saved (metrics in {run_dir.resolve()}/)"), lines[2]
+  # Stopped at the third failed save (step 6), its metrics written first.
+  metrics = (run_dir / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(line)["step"] for line in metrics] == list(range(1, 7))
+  assert "step 7/8" not in result.stdout

@@ -1,10 +1,13 @@
 """moe_ep.launch: a failing child's traceback is reported (from the child
 that said why, naming a process that stopped responding), the job's
-processes do not outlive a failed, timed-out or signalled job, SIGINT and
-SIGTERM are passed to the children (killed after the grace period), bad
-arguments are refused up front, and the children's output comes back
-without Gloo's connection notices. The children are plain Python one-liners
-(one starts JAX), so these tests take a few seconds."""
+processes do not outlive a failed, stopped or signalled job; SIGINT,
+SIGTERM, SIGHUP, the deadline and a child preempted on its own all send
+SIGTERM to the children (killed after the grace period) and give the exit
+code a requeue script reads (143 saved, 130 interrupted, 137 killed, a
+failing child's own); bad arguments are refused up front, and the
+children's output comes back without Gloo's connection notices. The
+children are plain Python one-liners (one starts JAX), so these tests take
+a few seconds."""
 
 import os
 import re
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_ep.launch import LaunchError, is_noise, launch
+from moe_ep.launch import LaunchError, LaunchStopped, is_noise, launch
 from moe_ep.launch import main as launch_main
 
 pytestmark = [
@@ -67,9 +70,9 @@ def is_gone(pid: int, wait_s: float = 2.0) -> bool:
 
 @pytest.fixture
 def failed_job(tmp_path, request):
-  """Runs CHILD as a job that must fail; yields ``(error, seconds, pids)``
-  with ``pids[process_id] = (child pid, grandchild pid)``, and afterwards
-  kills whatever of those the launcher left running."""
+  """Runs CHILD as a job that must fail or be stopped; yields ``(error,
+  seconds, pids)`` with ``pids[process_id] = (child pid, grandchild pid)``,
+  and afterwards kills whatever of those the launcher left running."""
   num_processes, failing_id, timeout_s = request.param
   start = time.monotonic()
   with pytest.raises(LaunchError) as error:
@@ -106,10 +109,14 @@ def test_failing_childs_own_subprocesses_are_killed(failed_job):
 
 
 @pytest.mark.parametrize("failed_job", [(2, NO_FAILURE, 3)], indirect=True)
-def test_hanging_job_is_killed_at_the_timeout(failed_job):
+def test_a_job_past_its_deadline_is_stopped_with_its_subprocesses(failed_job):
   error, seconds, pids = failed_job
-  assert "timed out after 3s; still running: [0, 1]" in str(error)
-  assert seconds < 30
+  # CHILD has no SIGTERM handler: the forwarded SIGTERM ends it (-15).
+  assert isinstance(error, LaunchStopped) and error.reason == "deadline"
+  assert str(error) == ("deadline: sent SIGTERM to the 2 processes; every process exited "
+                        "(codes -15, -15)")
+  assert error.exit_code == 143
+  assert 3 <= seconds < 30
   for process_id, pair in enumerate(pids):
     assert pair, f"process {process_id} never started within the timeout"
     for pid in pair:
@@ -182,11 +189,21 @@ def test_bad_launcher_flags_are_one_line(flags, message, capsys):
   assert len(err.splitlines()) == 1
 
 
-def test_a_failed_job_exits_non_zero_with_its_report(capsys):
+def test_a_failed_job_exits_with_the_failing_childs_code_and_its_report(capsys):
   code = launch_main(["--num-processes", "2", "--", sys.executable, "-c",
                       "import sys; print('bad input'); sys.exit(3)"])
   err = capsys.readouterr().err
-  assert code == 1 and "exited with 3" in err and "bad input" in err
+  assert code == 3 and "exited with 3" in err and "bad input" in err
+
+
+def test_the_launcher_has_no_deadline_by_default():
+  """A job that runs past the old one-hour default is not stopped: the
+  parsed default is None, and launch() keeps a None deadline (a sleeping
+  child finishes on its own)."""
+  results = launch([sys.executable, "-c", "import time; time.sleep(1.5)"], 2)
+  assert [r.returncode for r in results] == [0, 0]
+  import inspect
+  assert inspect.signature(launch).parameters["timeout_s"].default is None
 
 
 # Process 0 prints what went wrong, a moment after the others exit silently
@@ -229,13 +246,14 @@ time.sleep(600)
 """
 
 
-def signal_launcher(tmp_path, signum, *, ignoring: str = NO_FAILURE, grace_s: float = 30):
-  """Runs ``python -m moe_ep.launch`` with 2 TRAPPING_CHILD processes, sends
-  it ``signum`` once both are ready; returns ``(exit code, stderr, seconds
-  from the signal to the launcher's exit, child pids)``."""
+def trapping_job(tmp_path, *flags, ignoring: str = NO_FAILURE, grace_s: float = 30,
+                 stop=lambda launcher, pids: None):
+  """Runs ``python -m moe_ep.launch`` with 2 TRAPPING_CHILD processes and
+  calls ``stop(launcher, child pids)`` once both are ready; returns ``(exit
+  code, stderr, seconds from the stop to the launcher's exit, child pids)``."""
   launcher = subprocess.Popen(
       [sys.executable, "-m", "moe_ep.launch", "--num-processes", "2", "--grace", str(grace_s),
-       "--", sys.executable, "-c", TRAPPING_CHILD, str(tmp_path), ignoring],
+       *flags, "--", sys.executable, "-c", TRAPPING_CHILD, str(tmp_path), ignoring],
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   deadline = time.monotonic() + 60
   while not all((tmp_path / str(i)).exists() for i in (0, 1)):
@@ -243,28 +261,60 @@ def signal_launcher(tmp_path, signum, *, ignoring: str = NO_FAILURE, grace_s: fl
     time.sleep(0.05)
   pids = [int((tmp_path / str(i)).read_text()) for i in (0, 1)]
   start = time.monotonic()
-  launcher.send_signal(signum)
-  _, err = launcher.communicate(timeout=grace_s + 30)
+  stop(launcher, pids)
+  _, err = launcher.communicate(timeout=grace_s + 60)
   return launcher.returncode, err, time.monotonic() - start, pids
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
-def test_a_signal_to_the_launcher_is_passed_to_every_child(tmp_path, signum):
-  code, err, _, pids = signal_launcher(tmp_path, signum)
+def signal_launcher(tmp_path, signum, **kwargs):
+  return trapping_job(tmp_path, stop=lambda launcher, pids: launcher.send_signal(signum),
+                      **kwargs)
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 143),
+                                          (signal.SIGINT, 130)], ids=lambda s: str(s))
+def test_a_signal_to_the_launcher_becomes_sigterm_to_every_child(tmp_path, signum, code):
+  """SIGHUP (a closed terminal) no longer leaves the children running: like
+  SIGTERM and SIGINT it reaches them as SIGTERM, they save, and the exit
+  code says 143 (stopped, saved) or 130 (interrupted)."""
+  exit_code, err, _, pids = signal_launcher(tmp_path, signum)
   name = signal.Signals(signum).name
-  assert code == 128 + signum
-  assert err == (f"moe_ep.launch: {name}: passed it to the 2 processes; every process exited "
-                 f"(codes {128 + signum}, {128 + signum})\n")
+  assert exit_code == code, err
+  assert err == (f"moe_ep.launch: {name}: sent SIGTERM to the 2 processes; every process "
+                 f"exited (codes 143, 143)\n")
   for process_id in (0, 1):
-    assert (tmp_path / f"{process_id}.saved").read_text() == str(int(signum))
+    assert (tmp_path / f"{process_id}.saved").read_text() == str(int(signal.SIGTERM))
+    assert is_gone(pids[process_id])
+
+
+def test_the_deadline_stops_the_job_the_same_way(tmp_path):
+  exit_code, err, _, pids = trapping_job(tmp_path, "--timeout", "4")
+  assert exit_code == 143, err
+  assert err == ("moe_ep.launch: deadline: sent SIGTERM to the 2 processes; every process "
+                 "exited (codes 143, 143)\n")
+  for process_id in (0, 1):
+    assert (tmp_path / f"{process_id}.saved").read_text() == str(int(signal.SIGTERM))
+    assert is_gone(pids[process_id])
+
+
+def test_one_preempted_child_stops_the_job_with_143(tmp_path):
+  """A scheduler's SIGTERM to one worker: it saves and exits 143; the others
+  get SIGTERM, save, and the launcher exits 143, not 1."""
+  exit_code, err, _, pids = trapping_job(
+      tmp_path, stop=lambda launcher, pids: os.kill(pids[1], signal.SIGTERM))
+  assert exit_code == 143, err
+  assert err == ("moe_ep.launch: process 1 of 2 stopped on SIGTERM (exit 143): sent SIGTERM to "
+                 "the 2 processes; every process exited (codes 143, 143)\n")
+  for process_id in (0, 1):
+    assert (tmp_path / f"{process_id}.saved").read_text() == str(int(signal.SIGTERM))
     assert is_gone(pids[process_id])
 
 
 def test_a_child_that_ignores_the_signal_is_killed_after_the_grace_period(tmp_path):
   code, err, seconds, pids = signal_launcher(tmp_path, signal.SIGTERM, ignoring="1", grace_s=1)
-  assert code == 128 + signal.SIGTERM
-  assert err == ("moe_ep.launch: SIGTERM: passed it to the 2 processes; process 1 did not exit "
-                 "within 1s and was killed\n")
+  assert code == 137
+  assert err == ("moe_ep.launch: SIGTERM: sent SIGTERM to the 2 processes; process 1 did not "
+                 "exit within 1s and was killed\n")
   assert (tmp_path / "0.saved").exists() and not (tmp_path / "1.saved").exists()
   assert 1 <= seconds < 15
   assert all(is_gone(pid) for pid in pids)

@@ -1,13 +1,15 @@
 """examples/pretrain.py as a 2-process job (2 x 4 CPU devices) under
-``python -m moe_ep.launch``: SIGTERM to the launcher (what a scheduler sends
-at a time limit) reaches both processes, which stop at the same step, save
-it together and exit 143; ``--resume`` then continues the job from that
-step, each process restoring (and verifying) its shards."""
+``python -m moe_ep.launch``: SIGHUP to the launcher (a closed terminal or a
+dropped ssh session; a scheduler's SIGTERM and the deadline take the same
+path) reaches both processes as SIGTERM; they stop at the same step, save it
+together and exit 143, and so does the launcher; ``--resume`` then continues
+the job from that step, each process restoring (and verifying) its shards."""
 
 import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,8 +37,8 @@ def launcher_command(run_dir: pathlib.Path, *extra) -> list[str]:
           *extra]
 
 
-def sigterm_then_resume() -> dict:
-  """Runs the job, SIGTERMs the launcher after step STOP_AFTER, then resumes
+def sighup_then_resume() -> dict:
+  """Runs the job, SIGHUPs the launcher after step STOP_AFTER, then resumes
   it for two more steps; returns what the tests check."""
   run_dir = pathlib.Path(tempfile.mkdtemp(prefix="moe_ep_sigterm_")) / "run"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -46,7 +48,7 @@ def sigterm_then_resume() -> dict:
   for line in launcher.stdout:
     lines.append(line)
     if line.startswith(f"[p0] step {STOP_AFTER}/"):
-      launcher.terminate()  # SIGTERM
+      launcher.send_signal(signal.SIGHUP)
       break
   rest, err = launcher.communicate(timeout=240)
   stopped = {"code": launcher.returncode, "out": "".join(lines) + rest, "err": err,
@@ -61,18 +63,18 @@ def sigterm_then_resume() -> dict:
 
 
 def background_jobs(item) -> dict:
-  return {"sigterm": sigterm_then_resume}
+  return {"sighup": sighup_then_resume}
 
 
 @pytest.fixture(scope="module")
 def job():
-  return background.result("sigterm", sigterm_then_resume)
+  return background.result("sighup", sighup_then_resume)
 
 
-def test_sigterm_stops_both_processes_at_one_step_and_saves_it(job):
+def test_sighup_stops_both_processes_at_one_step_and_saves_it(job):
   stopped, step = job["stopped"], job["step"]
   assert stopped["code"] == 143, stopped["out"][-3000:] + stopped["err"][-3000:]
-  assert stopped["err"].endswith("moe_ep.launch: SIGTERM: passed it to the 2 processes; "
+  assert stopped["err"].endswith("moe_ep.launch: SIGHUP: sent SIGTERM to the 2 processes; "
                                  "every process exited (codes 143, 143)\n"), stopped["err"]
   assert STOP_AFTER <= step < STEPS
   assert re.search(rf"^\[p0\] stopped by SIGTERM at step {step}: saved a checkpoint; resume "
