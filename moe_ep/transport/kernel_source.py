@@ -2,7 +2,7 @@
 
 Used by the CuPy backend (NVRTC) and by the test that compiles every kernel
 with ``nvcc``, so both see the same text and options: each kernel file
-``#include``\ s its headers (``common.cuh`` and the ``.cuh`` files it uses,
+includes (``#include``) its headers (``common.cuh`` and the ``.cuh`` files it uses,
 each guarded), found through ``-I`` on :func:`kernel_dir`
 (:func:`compile_options`). The text starts with a digest of the headers, so a
 compile cache keyed on the text (CuPy's) misses when a header changes, and a
