@@ -91,7 +91,6 @@ def _transforms(dtype, *minor_sizes: int):
   blocks and in the global arrays they are copied from or to, has each of
   ``minor_sizes`` elements: the widest swizzle that tiles them all."""
   swizzle = plgpu.find_swizzle(math.gcd(*minor_sizes) * jnp.dtype(dtype).itemsize * 8)
-  swizzle = min(swizzle, 128)
   return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
           plgpu.SwizzleTransform(swizzle))
 
