@@ -7,8 +7,8 @@
   (``C = T``) and ``jax.lax.ragged_dot``, side by side, for group sizes that
   are uniform, skewed (Dirichlet, alpha 4), with one empty expert, and with
   one expert holding every row (:mod:`moe_ep.bench.models` runs it on public
-  models' shapes, Zipf loads too, against a dense chain). Every figure counts the routed rows' FLOPs
-  (``T * K`` rows), whatever a method computes or drops.
+  models' shapes, Zipf loads too, against a dense chain). Every figure counts
+  the routed rows' FLOPs (``T * K`` rows), whatever a method computes or drops.
 """
 
 from __future__ import annotations

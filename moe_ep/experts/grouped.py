@@ -11,7 +11,7 @@ per expert, whatever the worst case the static ``M`` must hold.
 of the same three passes (forward, input gradient, weight gradient over the
 ragged rows): the Hopper kernels of :mod:`moe_ep.experts.hopper` where they
 apply (a CUDA device of compute capability 9.0, 16-bit operands, sizes that
-are multiples of the tiles), ``jax.lax.ragged_dot`` elsewhere. Both
+are multiples of 8), ``jax.lax.ragged_dot`` elsewhere. Both
 accumulate in float32 and round once.
 """
 
@@ -61,14 +61,20 @@ def check_implementation(implementation: str) -> None:
     raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
 
 
+def _default_device():
+  """The default backend's first device, or None where there is none."""
+  try:
+    return jax.devices()[0]
+  except RuntimeError:
+    return None
+
+
 @functools.cache
 def hopper_available() -> bool:
   """Whether the default backend is a CUDA GPU of compute capability 9.0."""
-  try:
-    device = jax.devices()[0]
-  except RuntimeError:
-    return False
-  return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
+  device = _default_device()
+  return (device is not None and device.platform == "gpu"
+          and getattr(device, "compute_capability", None) == "9.0")
 
 
 def kernels_apply(dtype, hidden: int, ffn: int) -> bool:
@@ -96,10 +102,8 @@ def bank_layout(expert_layout: str, dtype, hidden: int, ffn: int) -> str:
 
 
 def _on_gpu() -> bool:
-  try:
-    return jax.devices()[0].platform == "gpu"
-  except RuntimeError:
-    return False
+  device = _default_device()
+  return device is not None and device.platform == "gpu"
 
 
 @functools.cache
@@ -125,8 +129,8 @@ def _uses_hopper(implementation: str, dtype, rows: int, contraction: int, column
     if not fits:
       raise ValueError(
           f"implementation='hopper' needs bfloat16/float16 operands, rows a multiple of "
-          f"{ROW_TILE} and sizes of {hopper.SIZE_MULTIPLE}; got {jnp.dtype(dtype).name} rows={rows} "
-          f"contraction={contraction} columns={columns}: use 'auto' or 'xla'")
+          f"{ROW_TILE} and sizes of {hopper.SIZE_MULTIPLE}; got {jnp.dtype(dtype).name} "
+          f"rows={rows} contraction={contraction} columns={columns}: use 'auto' or 'xla'")
     return True
   return fits and hopper_available()
 

@@ -21,7 +21,8 @@ through ``max_concurrent_steps`` shared-memory stages, two compute warpgroups
 each accumulate a ``[128, tile_n]`` float32 tile with wgmma, and the
 epilogue stores ``[64, 64]`` pieces by TMA. They run inside XLA's program as
 custom calls, on its stream, and need 16-bit inputs (bfloat16, float16) and
-sizes that are multiples of the tiles (:func:`supports`).
+sizes that are multiples of ``SIZE_MULTIPLE`` (:func:`supports`); tiles past
+a size are TMA's to fill with zeros and clip.
 """
 
 from __future__ import annotations
