@@ -109,7 +109,6 @@ class TokenShardCorpus:
 
   def __init__(self, path: str, *, split: str = "train", seq_len: int, batch_size: int,
                seed: int, token_dtype: str | None, vocab_size: int):
-    grain = _grain()
     paths = shard_paths(path, split)
     if not paths:
       raise ValueError(f"no {split}*.bin (or other .bin) token shards found in {path}")
@@ -136,7 +135,8 @@ class TokenShardCorpus:
                        f"model.vocab_size>={used} (it is {vocab_size})")
     self.path, self.split, self.meta = path, split, meta
     self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
-    self.dataset = grain.MapDataset.source(self.windows).shuffle(seed=seed).repeat()
+    # The data's own faults are named first: they need no Grain to find.
+    self.dataset = _grain().MapDataset.source(self.windows).shuffle(seed=seed).repeat()
 
   def rows(self, step: int, start: int, stop: int) -> np.ndarray:
     """Rows ``start:stop`` of step ``step``'s batch: ``[stop - start, seq_len + 1]`` int32."""

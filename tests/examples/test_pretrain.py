@@ -309,6 +309,7 @@ def test_eval_loss_is_the_held_out_cross_entropy_of_the_state_at_that_step(unint
 
 
 def test_tensorboard_events_hold_every_logged_scalar(uninterrupted):
+  pytest.importorskip("tensorboardX")
   event_accumulator = pytest.importorskip(
       "tensorboard.backend.event_processing.event_accumulator")
   run_dir, result = uninterrupted
