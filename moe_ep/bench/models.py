@@ -7,7 +7,9 @@ For each model shape ``(T, K, H, F, E)``, timed side by side in one run:
   ``@ [F, H]``), forward and backward with every gradient;
 * the grouped bank (P3-grouped) on Zipf loads (expert ``i`` gets a share
   proportional to ``1 / i``, shuffled: a few experts hold many times the
-  mean, as early in training) and on Dirichlet loads (alpha 4);
+  mean, as early in training) and on Dirichlet loads (alpha 4), with the
+  activation fused into the GEMMs (the default) and as XLA passes
+  (``_unfused``);
 * the whole layer (P4) dropless with ``expert_layout="auto"`` (an untrained
   router, near balanced) and at capacity 1.0 on slabs, each with the input's
   gradient.
@@ -54,15 +56,17 @@ def dense_chain(rows: int, hidden: int, ffn: int, iters: int) -> dict:
 
 
 def bank(tokens: int, top_k: int, hidden: int, ffn: int, num_experts: int, load: str,
-         iters: int) -> dict:
-  """The grouped bank over groups of ``load`` sizes: ms and facts."""
+         iters: int, fuse_activation: bool = True) -> dict:
+  """The grouped bank over groups of ``load`` sizes, its activation fused
+  into the GEMMs or not: ms and facts."""
   routed = tokens * top_k
   sizes = experts.group_sizes(routed, num_experts, load)
   counts = jnp.asarray(sizes)
   num_rows = grouped_rows_for(tokens, top_k, num_experts, 1)
   rows = experts.grouped_rows(sizes, num_rows, hidden, seed=3)
   w_in, w_out = experts.weights(hidden, ffn, num_experts, seed=1)
-  mlp = experts.fwd_bwd(lambda x, a, b: grouped_expert_mlp(x, counts, a, b, "swiglu"))
+  mlp = experts.fwd_bwd(lambda x, a, b: grouped_expert_mlp(
+      x, counts, a, b, "swiglu", fuse_activation=fuse_activation))
   timing = experts.measure(mlp, rows, w_in, w_out, iters=iters)
   return {"largest_over_mean": float(sizes.max() * num_experts / routed), **timing}
 
@@ -75,6 +79,8 @@ def run(shapes: dict = SHAPES, loads=LOADS, iters: int = 5, layers: bool = True,
     methods = {"dense": dense_chain(tokens * top_k, hidden, ffn, iters)}
     for load in loads:
       methods[f"grouped_{load}"] = bank(tokens, top_k, hidden, ffn, num_experts, load, iters)
+      methods[f"grouped_{load}_unfused"] = bank(tokens, top_k, hidden, ffn, num_experts, load,
+                                                iters, fuse_activation=False)
     for method in methods.values():
       if "median_ms" in method:
         method["tflops"] = flops / method["median_ms"] / 1e9

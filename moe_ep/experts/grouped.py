@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_ep import sharding
-from moe_ep.experts import hopper
+from moe_ep.experts import hopper, hopper_fused
 from moe_ep.experts.slabs import Namer, _no_name, activate
 from moe_ep.row_groups import ROW_TILE, group_of_rows, group_starts
 
@@ -229,26 +229,132 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tiles: GroupTiles,
   return _grouped_matmul(implementation, lhs, rhs, tiles)
 
 
+# --- the activation fused into the two GEMMs (Hopper) ------------------------
+#
+# Two custom rules whose product is the MLP: the first returns ``hidden`` and
+# ``act``; the second multiplies ``act`` by ``w_out`` and, backward, returns
+# the whole gradient through the activation as ``hidden``'s (the derivative
+# in its input gradient's epilogue), none as ``act``'s. Apart they would not
+# be each other's derivative; composed, as only :func:`grouped_expert_mlp`
+# composes them, ``act`` is always the activation of ``hidden``.
+
+
+def _fuses_activation(implementation, dtype, rows, hidden, ffn, activation) -> bool:
+  return (activation in hopper_fused.ACTIVATIONS
+          and _uses_hopper(implementation, dtype, rows, hidden, ffn)
+          and _uses_hopper(implementation, dtype, rows, ffn, hidden))
+
+
+def _activation_xla(lhs, rhs, tiles, row_weights, activation):
+  hidden = _forward_xla(lhs, rhs, tiles, False)
+  return hidden, activate(hidden, activation, row_weights)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _activation_matmul(implementation, activation, lhs, rhs, row_weights, tiles):
+  return jax.lax.platform_dependent(
+      lhs, rhs, row_weights, tiles,
+      cuda=lambda a, b, w, t: tuple(
+          sharding.vary_like(v, a, b) for v in hopper_fused.activation_matmul(
+              a, b, t.tile_group, w, activation)),
+      default=lambda a, b, w, t: _activation_xla(a, b, t, w, activation))
+
+
+def _activation_matmul_fwd(implementation, activation, lhs, rhs, row_weights, tiles):
+  out = _activation_matmul(implementation, activation, lhs, rhs, row_weights, tiles)
+  return out, (lhs, rhs, row_weights, tiles)
+
+
+def _activation_matmul_bwd(implementation, activation, residuals, grads):
+  lhs, rhs, row_weights, tiles = residuals
+  hidden_grad = grads[0].astype(lhs.dtype)  # act's is taken through hidden: zero here
+  lhs_grad = _forward(implementation, hidden_grad, rhs, tiles, True)
+  rhs_grad = _wgrad(implementation, lhs, hidden_grad, tiles)
+  weights_grad = (None if row_weights is None else
+                  sharding.vary_like(jnp.zeros_like(row_weights), row_weights))
+  tiles_grad = jax.tree.map(lambda t: jnp.zeros(t.shape, jax.dtypes.float0), tiles)
+  return lhs_grad, rhs_grad, weights_grad, tiles_grad
+
+
+_activation_matmul.defvjp(_activation_matmul_fwd, _activation_matmul_bwd)
+
+
+def _activation_grad_xla(out_grad, w_out, hidden, tiles, row_weights, activation):
+  act_grad = _forward_xla(out_grad, w_out, tiles, True)
+  if row_weights is None:
+    _, vjp = jax.vjp(lambda h: activate(h, activation), hidden)
+    return vjp(act_grad)[0], None
+  _, vjp = jax.vjp(lambda h, w: activate(h, activation, w), hidden, row_weights)
+  return vjp(act_grad)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _activated_matmul(implementation, activation, act, hidden, w_out, row_weights, tiles):
+  return _forward(implementation, act, w_out, tiles, False)
+
+
+def _activated_matmul_fwd(implementation, activation, act, hidden, w_out, row_weights, tiles):
+  out = _forward(implementation, act, w_out, tiles, False)
+  return out, (act, hidden, w_out, row_weights, tiles)
+
+
+def _activated_matmul_bwd(implementation, activation, residuals, out_grad):
+  act, hidden, w_out, row_weights, tiles = residuals
+  out_grad = out_grad.astype(act.dtype)
+  hidden_grad, weights_grad = jax.lax.platform_dependent(
+      out_grad, w_out, hidden, row_weights, tiles,
+      cuda=lambda g, b, h, w, t: jax.tree.map(
+          lambda v: sharding.vary_like(v, g, b, h),
+          hopper_fused.activation_grad_matmul(g, b, h, t.tile_group, w, activation)),
+      default=lambda g, b, h, w, t: _activation_grad_xla(g, b, h, t, w, activation))
+  w_out_grad = _wgrad(implementation, act, out_grad, tiles)
+  tiles_grad = jax.tree.map(lambda t: jnp.zeros(t.shape, jax.dtypes.float0), tiles)
+  act_grad = sharding.vary_like(jnp.zeros_like(act), act)  # all of it went through hidden
+  return act_grad, hidden_grad, w_out_grad, weights_grad, tiles_grad
+
+
+_activated_matmul.defvjp(_activated_matmul_fwd, _activated_matmul_bwd)
+
+
 def grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array, w_out: jax.Array,
                        activation: str, name: Namer = _no_name,
                        implementation: str = "auto",
-                       row_weights: jax.Array | None = None) -> jax.Array:
+                       row_weights: jax.Array | None = None,
+                       fuse_activation: bool = True) -> jax.Array:
   """Applies expert ``l``'s MLP to the rows of group ``l``.
 
   Args:
     rows: ``[M, H]`` in the grouped layout, compute dtype.
     counts: ``[L]`` int32 rows of each group.
     w_in: ``[L, H, n*F]``; w_out: ``[L, F, H]`` (as :func:`moe_ep.experts.expert_mlp`).
-    activation, name: as :func:`moe_ep.experts.expert_mlp`.
+    activation, name: as :func:`moe_ep.experts.expert_mlp`. Where the
+      activation is fused, ``"expert_hidden"`` names both the activation's
+      input ``[M, n*F]`` and its output ``[M, F]``: saving it keeps every
+      expert GEMM out of backward's recomputation.
     implementation: as :func:`grouped_matmul`.
     row_weights: ``[M]`` float32 routing weight of each row, or None: the
       output is then weighted (:func:`moe_ep.experts.activate`).
+    fuse_activation: on the Hopper kernels, compute the activation in the
+      first GEMM's epilogue and its derivative in the epilogue of the
+      second's input gradient (:mod:`moe_ep.experts.hopper_fused`); False
+      runs them as XLA passes between the GEMMs.
 
   Returns:
     ``[M, H]`` in ``rows.dtype``, zero on rows of no group, where the
     gradient of ``rows`` is zero too.
   """
   tiles = group_tiles(counts, rows.shape[0])
+  ffn = w_out.shape[1]
+  if fuse_activation and _fuses_activation(implementation, rows.dtype, rows.shape[0],
+                                           rows.shape[1], ffn, activation):
+    w_in = sharding.vary_like(w_in.astype(rows.dtype), rows)
+    w_out = sharding.vary_like(w_out.astype(rows.dtype), rows)
+    hidden, act = _activation_matmul(implementation, activation, rows, w_in, row_weights,
+                                     tiles)
+    hidden, act = name("expert_hidden", hidden), name("expert_hidden", act)
+    out = _activated_matmul(implementation, activation, act, hidden, w_out, row_weights,
+                            tiles)
+    return name("expert_output", out)
   hidden = name("expert_hidden", grouped_matmul(rows, w_in, tiles, implementation))
   out = grouped_matmul(activate(hidden, activation, row_weights), w_out, tiles, implementation)
   return name("expert_output", out)

@@ -87,7 +87,7 @@ def supports(dtype, *, rows: int, contraction: int, columns: int) -> bool:
           and contraction > 0 and columns > 0)
 
 
-def _transforms(dtype, *minor_sizes: int):
+def smem_transforms(dtype, *minor_sizes: int):
   """Tiling and swizzle of shared-memory blocks whose minor dimension, in the
   blocks and in the global arrays they are copied from or to, has each of
   ``minor_sizes`` elements: the widest swizzle that tiles them all."""
@@ -96,7 +96,7 @@ def _transforms(dtype, *minor_sizes: int):
           plgpu.SwizzleTransform(swizzle))
 
 
-def _pad(x: jax.Array, axis: int) -> jax.Array:
+def pad_minor(x: jax.Array, axis: int) -> jax.Array:
   """``x`` with zero columns appended on ``axis`` up to ``_SWIZZLED_MULTIPLE``."""
   extra = round_up(x.shape[axis], _SWIZZLED_MULTIPLE) - x.shape[axis]
   if not extra:
@@ -106,18 +106,18 @@ def _pad(x: jax.Array, axis: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
-def _transposed(ref):
+def transposed(ref):
   """``ref`` viewed transposed, for a wgmma operand read the other way round."""
   with warnings.catch_warnings():  # renamed in newer JAX; the same view in both
     warnings.simplefilter("ignore", DeprecationWarning)
     return plgpu.transpose_ref(ref, (1, 0))
 
 
-def _num_sms() -> int:
+def num_sms_here() -> int:
   return jax.devices()[0].core_count
 
 
-def _store_tile(acc, out_smem, out_ref, wg_idx, epi_tile: int):
+def store_tile(acc, out_smem, out_ref, wg_idx, epi_tile: int):
   """Stores one warpgroup's ``[128, tile_n]`` float32 accumulator into
   ``out_ref`` (a ``[128, tile_n]`` view of the output) by TMA, in
   ``[epi_tile, epi_tile]`` pieces through two shared-memory slots."""
@@ -134,7 +134,7 @@ def _store_tile(acc, out_smem, out_ref, wg_idx, epi_tile: int):
       plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], out_ref.at[piece])
 
 
-def _kernel_call(body, out_type, num_sms):
+def kernel_call(body, out_type, num_sms):
   return plgpu.kernel(
       body, out_type=out_type, grid=(num_sms,), grid_names=("sm",), num_threads=3,
       thread_name="wg",
@@ -159,8 +159,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
     ``[M, N]`` in ``lhs.dtype``, zero on rows of tiles of no group.
   """
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  lhs = _pad(lhs, 1)
-  rhs = _pad(_pad(rhs, 1), 2)
+  lhs = pad_minor(lhs, 1)
+  rhs = pad_minor(pad_minor(rhs, 1), 2)
   m, k = lhs.shape
   padded_n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   tile_m, tile_n, tile_k = ROW_TILE, config.tile_n, config.tile_k
@@ -169,9 +169,9 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
   dtype = lhs.dtype
   # Both operands share one swizzle (wgmma's rule); the arrays' minor sizes
   # are K, and N where the weights are not read transposed.
-  transforms = _transforms(dtype, tile_k, k, *(() if transpose_rhs else (padded_n,)))
+  transforms = smem_transforms(dtype, tile_k, k, *(() if transpose_rhs else (padded_n,)))
   epi = config.epi_tile
-  out_transforms = _transforms(dtype, epi, padded_n)
+  outsmem_transforms = smem_transforms(dtype, epi, padded_n)
 
   def pipeline(body, compute_context):
     rhs_spec = (plgpu.BlockSpec((cta_tile_n, tile_k), lambda ki: (0, ki), transforms=transforms,
@@ -193,7 +193,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
-        out_smem=plgpu.SMEM((2, 2, epi, epi), dtype, transforms=out_transforms),
+        out_smem=plgpu.SMEM((2, 2, epi, epi), dtype, transforms=outsmem_transforms),
         collective_axes="wg")
     def scope(allocs, out_smem):
       wg_idx = lax.axis_index("wg")
@@ -212,7 +212,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
         # the input gradient there is zero, not what memory held).
         @pl.when((group < 0) & (wg_idx < 2))
         def _():
-          _store_tile(jnp.zeros((tile_m, tile_n), jnp.float32), out_smem,
+          store_tile(jnp.zeros((tile_m, tile_n), jnp.float32), out_smem,
                       out_gmem.at[m_slice, n_slice].at[:, wg_n_slice], wg_idx, epi)
 
         @pl.when(group >= 0)
@@ -221,12 +221,12 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
             @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
             def _(acc_ref):
               eval_pipeline(acc_ref)
-              _store_tile(acc_ref[...], out_smem,
+              store_tile(acc_ref[...], out_smem,
                           out_gmem.at[m_slice, n_slice].at[:, wg_n_slice], wg_idx, epi)
 
           def mma(_, lhs_smem, rhs_smem, acc_ref):
             if transpose_rhs:
-              rhs_block = _transposed(rhs_smem.at[wg_n_slice, :])
+              rhs_block = transposed(rhs_smem.at[wg_n_slice, :])
             else:
               rhs_block = rhs_smem.at[:, wg_n_slice]
             plgpu.wgmma(acc_ref, lhs_smem, rhs_block)
@@ -239,7 +239,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  call = _kernel_call(body, jax.ShapeDtypeStruct((m, padded_n), dtype), num_sms or _num_sms())
+  call = kernel_call(body, jax.ShapeDtypeStruct((m, padded_n), dtype), num_sms or num_sms_here())
   return call(tile_group, lhs, rhs)[:, :n]
 
 
@@ -260,7 +260,7 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
     ``[G, K, N]`` in ``lhs.dtype``, zero for an empty group.
   """
   unpadded_k, unpadded_n = lhs.shape[1], rhs.shape[1]
-  lhs, rhs = _pad(lhs, 1), _pad(rhs, 1)
+  lhs, rhs = pad_minor(lhs, 1), pad_minor(rhs, 1)
   m, k = lhs.shape
   n = rhs.shape[1]
   tile_m, tile_n, tile_c = ROW_TILE, config.tile_n, config.tile_k
@@ -268,19 +268,19 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
   k_iters, n_iters = pl.cdiv(k, tile_m), pl.cdiv(n, cta_tile_n)
   dtype = lhs.dtype
   # One swizzle for both wgmma operands, whose minor sizes are K and N.
-  lhs_transforms = rhs_transforms = _transforms(dtype, tile_m, k, cta_tile_n, n)
+  lhssmem_transforms = rhssmem_transforms = smem_transforms(dtype, tile_m, k, cta_tile_n, n)
   epi = config.epi_tile
-  out_transforms = _transforms(dtype, epi, n)
+  outsmem_transforms = smem_transforms(dtype, epi, n)
 
   def pipeline(body, compute_context, steps, first_block):
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(steps,), memory_registers=40,
         in_specs=[
             plgpu.BlockSpec((tile_c, tile_m), lambda ci: (first_block + ci, 0),
-                            transforms=lhs_transforms, memory_space=plgpu.SMEM,
+                            transforms=lhssmem_transforms, memory_space=plgpu.SMEM,
                             delay_release=config.delay_release),
             plgpu.BlockSpec((tile_c, cta_tile_n), lambda ci: (first_block + ci, 0),
-                            transforms=rhs_transforms, memory_space=plgpu.SMEM,
+                            transforms=rhssmem_transforms, memory_space=plgpu.SMEM,
                             delay_release=config.delay_release)],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context)
@@ -294,7 +294,7 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
         pl.run_scoped,
         allocs=pipeline(ignore, ignore, dynamic_one, dynamic_one).get_allocations(lhs_gmem,
                                                                                 rhs_gmem),
-        out_smem=plgpu.SMEM((2, 2, epi, epi), dtype, transforms=out_transforms),
+        out_smem=plgpu.SMEM((2, 2, epi, epi), dtype, transforms=outsmem_transforms),
         collective_axes="wg")
     def scope(allocs, out_smem):
       wg_idx = lax.axis_index("wg")
@@ -314,11 +314,11 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
           def _(acc_ref):
             eval_pipeline(acc_ref)
-            _store_tile(acc_ref[...], out_smem,
+            store_tile(acc_ref[...], out_smem,
                         out_gmem.at[group].at[k_slice, n_slice].at[:, wg_n_slice], wg_idx, epi)
 
         def mma(_, lhs_smem, rhs_smem, acc_ref):
-          plgpu.wgmma(acc_ref, _transposed(lhs_smem), rhs_smem.at[:, wg_n_slice])
+          plgpu.wgmma(acc_ref, transposed(lhs_smem), rhs_smem.at[:, wg_n_slice])
           plgpu.wgmma_wait(config.delay_release)
           return acc_ref
 
@@ -327,6 +327,6 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  call = _kernel_call(body, jax.ShapeDtypeStruct((num_groups, k, n), dtype),
-                      num_sms or _num_sms())
+  call = kernel_call(body, jax.ShapeDtypeStruct((num_groups, k, n), dtype),
+                      num_sms or num_sms_here())
   return call(group_start, group_steps, lhs, rhs)[:, :unpadded_k, :unpadded_n]

@@ -229,7 +229,7 @@ def test_hopper_branch_traces_inside_shard_map_with_the_types_of_the_jax_branch(
   from moe_ep import ExpertParallelMoE, MoEConfig
   from moe_ep.experts import hopper
   monkeypatch.setattr(grouped, "hopper_available", lambda: True)
-  monkeypatch.setattr(hopper, "_num_sms", lambda: 132)
+  monkeypatch.setattr(hopper, "num_sms_here", lambda: 132)
   cfg = MoEConfig(hidden_size=256, ffn_size=256, num_experts=8, top_k=2, dtype="bfloat16",
                   transport="xla", expert_layout="grouped")
   layer = ExpertParallelMoE(cfg, mesh=make_mesh((2, 4), ("dp", "ep")), rngs=nnx.Rngs(0))
