@@ -7,8 +7,8 @@ For each model shape ``(T, K, H, F, E)``, timed side by side in one run:
   ``@ [F, H]``), forward and backward with every gradient;
 * the grouped bank (P3-grouped) on Zipf loads (expert ``i`` gets a share
   proportional to ``1 / i``, shuffled: a few experts hold many times the
-  mean, as early in training) and on Dirichlet loads (alpha 4), with the
-  activation fused into the GEMMs (the default) and as XLA passes
+  mean, as early in training) and on Dirichlet loads (alpha 4); where the
+  activation is fused into the GEMMs by default, also with it as XLA passes
   (``_unfused``);
 * the whole layer (P4) dropless with ``expert_layout="auto"`` (an untrained
   router, near balanced) and at capacity 1.0 on slabs, each with the input's
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from moe_ep.bench import experts, layer
 from moe_ep.experts import bank_layout, grouped_expert_mlp
+from moe_ep.experts.grouped import fuses_activation_by_default
 from moe_ep.row_groups import grouped_rows_for
 
 # name: (T, K, H, F, E). DeepSeek-V3's 256 experts at 8192 tokens: its bank
@@ -56,7 +57,7 @@ def dense_chain(rows: int, hidden: int, ffn: int, iters: int) -> dict:
 
 
 def bank(tokens: int, top_k: int, hidden: int, ffn: int, num_experts: int, load: str,
-         iters: int, fuse_activation: bool = True) -> dict:
+         iters: int, fuse_activation: bool | None = None) -> dict:
   """The grouped bank over groups of ``load`` sizes, its activation fused
   into the GEMMs or not: ms and facts."""
   routed = tokens * top_k
@@ -79,8 +80,9 @@ def run(shapes: dict = SHAPES, loads=LOADS, iters: int = 5, layers: bool = True,
     methods = {"dense": dense_chain(tokens * top_k, hidden, ffn, iters)}
     for load in loads:
       methods[f"grouped_{load}"] = bank(tokens, top_k, hidden, ffn, num_experts, load, iters)
-      methods[f"grouped_{load}_unfused"] = bank(tokens, top_k, hidden, ffn, num_experts, load,
-                                                iters, fuse_activation=False)
+      if fuses_activation_by_default(hidden, ffn):
+        methods[f"grouped_{load}_unfused"] = bank(tokens, top_k, hidden, ffn, num_experts,
+                                                  load, iters, fuse_activation=False)
     for method in methods.values():
       if "median_ms" in method:
         method["tflops"] = flops / method["median_ms"] / 1e9

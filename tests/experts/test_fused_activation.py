@@ -187,3 +187,10 @@ def test_fused_kernels_match_float64(hidden, ffn, activation, weighted):
       assert error <= 2e-2, (fuse, name, error)
     for value in gots[:2]:
       assert not np.any(np.asarray(value, np.float32)[no_group])
+
+
+def test_the_activation_is_fused_by_default_where_ffn_is_below_twice_hidden():
+  assert grouped.fuses_activation_by_default(hidden=2048, ffn=768)
+  assert grouped.fuses_activation_by_default(hidden=2048, ffn=4088)
+  assert not grouped.fuses_activation_by_default(hidden=2048, ffn=4096)
+  assert not grouped.fuses_activation_by_default(hidden=6144, ffn=16384)
