@@ -15,7 +15,8 @@ It runs the forward, the input gradient and the weight gradient of
 ``grouped_matmul`` on the edge cases of the layout: empty groups, a group of
 one row, a group holding every row, row tiles of no group at the buffer's
 end, groups cut off by the end of the buffer, and many small groups; then the
-SwiGLU bank forward and backward. Each result is checked against the
+SwiGLU bank forward and backward, and the bank with its activation fused
+into the kernels' epilogues (``moe_ep.experts.hopper_fused``). Each result is checked against the
 ``ragged_dot`` implementation, so a kernel that the sanitizer passes but that
 computes the wrong rows still fails (exit code 1).
 """
@@ -95,9 +96,53 @@ def main(check_reference: bool = True):
   if not (np.isfinite(float(value)) and all(np.isfinite(np.asarray(g, np.float32)).all()
                                             for g in grads)):
     failures.append("the SwiGLU bank's loss or gradients are not finite")
+  failures += fused_activation_cases(rng, check_reference)
   if failures:
     raise SystemExit("\n".join(failures))
-  print(f"hopper sanitizer workload done: {len(CASES)} grouped_matmul cases and the SwiGLU bank")
+  print(f"hopper sanitizer workload done: {len(CASES)} grouped_matmul cases, the SwiGLU bank "
+        f"and {len(FUSED_CASES)} fused-activation banks")
+
+
+FUSED_CASES = [  # group sizes, spare row tiles, H, F, activation
+    ([300, 0, 1, 129], 1, 256, 512, "swiglu"),
+    ([700, 700], -3, 256, 256, "gelu"),  # the buffer ends inside the second group
+    ([300, 0, 129], 1, 2880, 1408, "swiglu"),  # edge tiles (TMA fill and clip)
+    ([200, 1], 1, 200, 72, "geglu"),  # sizes of only 8 | size
+]
+
+
+def fused_activation_cases(rng, check_reference: bool) -> list[str]:
+  """The bank with its activation in the kernels' epilogues, weighted, forward
+  and every gradient, against the same bank on ``ragged_dot``."""
+  failures = []
+  for sizes, spare, hidden, ffn, activation in FUSED_CASES:
+    n = 1 if activation == "gelu" else 2
+    x, w_in, _, tiles, in_group = grouped_problem(rng, sizes, spare, hidden, n * ffn)
+    w_out = jnp.asarray(rng.normal(size=(len(sizes), ffn, hidden)) / ffn ** 0.5, jnp.bfloat16)
+    weights = jnp.asarray(rng.uniform(0.1, 1, x.shape[0]) * in_group, jnp.float32)
+    cotangent = jnp.asarray(rng.normal(size=x.shape) * in_group[:, None], jnp.bfloat16)
+    counts = jnp.asarray(sizes, jnp.int32)
+
+    def run(implementation, fuse):
+      mlp = lambda r, a, b, w: grouped.grouped_expert_mlp(
+          r, counts, a, b, activation, implementation=implementation, row_weights=w,
+          fuse_activation=fuse)
+      out, vjp = jax.vjp(mlp, x, w_in, w_out, weights)
+      return (out, *vjp(cotangent))
+
+    got = jax.jit(lambda: run("hopper", True))()
+    if not check_reference:
+      jax.block_until_ready(got)
+      continue
+    want = jax.jit(lambda: run("xla", False))()
+    for name, g, w in zip(("out", "d_rows", "d_w_in", "d_w_out", "d_weights"), got, want):
+      g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+      # bf16 roundings of hidden, act and d_hidden at different points: 2e-2
+      # of the norm (tests/experts/test_fused_activation.py's bound).
+      error = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30)
+      if not error <= 2e-2:
+        failures.append(f"fused {activation} {name} of {sizes} H={hidden} F={ffn}: {error:.3g}")
+  return failures
 
 
 if __name__ == "__main__":
