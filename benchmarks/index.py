@@ -4,14 +4,24 @@ with the benchmark, device, date and commit each file records (a markdown
 report's are its JSON twin's; what a file does not record is said so).
 
     python benchmarks/index.py
+    python benchmarks/index.py --trace FILE.json ...
+
+``--trace`` names the commit of results written where git could not (a
+copied working tree whose HEAD is older, so the result is marked
+untraceable): the commit among the last 300 whose package and kernel
+sources have the result's ``source_digest``, recorded as ``traced_commit``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 import re
+import subprocess
+import sys
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 INDEX = RESULTS / "INDEX.md"
 NOT_RECORDED = "not recorded"
@@ -45,6 +55,8 @@ def _from_name(path: pathlib.Path) -> tuple[str, str]:
 def _commit(record: dict, env: dict) -> str:
   """The commit (10 hex digits, ``+dirty`` where so recorded) a result ran,
   else its source digest, else not recorded."""
+  if record.get("traced_commit"):
+    return f"{record['traced_commit'][:10]} (by source digest)"
   for value in (env.get("commit"), env.get("kernel_commit"), env.get("code"),
                 record.get("git_commit"), record.get("commit")):
     match = re.match(r"([0-9a-f]{7,40})(\+dirty)?", str(value or ""))
@@ -75,9 +87,42 @@ def facts(path: pathlib.Path) -> dict[str, str]:
 
 def traceable(path: pathlib.Path) -> bool:
   """False where the file (or its JSON twin) is marked ``"traceable": false``
-  (``moe_ep.bench.common.write_result``: no clean commit names its code);
-  results written before the mark count as traceable."""
-  return _record(path).get("traceable", True) is not False
+  (``moe_ep.bench.common.write_result``: no clean commit names its code)
+  and not traced to a commit by its source digest (``--trace``); results
+  written before the mark count as traceable."""
+  record = _record(path)
+  return record.get("traceable", True) is not False or bool(record.get("traced_commit"))
+
+
+def source_digest_at(commit: str) -> str:
+  """``moe_ep.bench.common.source_digest`` of ``commit``'s tree: the same
+  files (``moe_ep/**.py``, ``kernels/**.cu``, ``kernels/**.cuh``) and bytes."""
+  names = subprocess.run(["git", "ls-tree", "-r", "--name-only", commit, "--", "moe_ep",
+                          "kernels"], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout.split()
+  names = sorted(n for n in names if (n.startswith("moe_ep/") and n.endswith(".py")) or (
+      n.startswith("kernels/") and n.endswith((".cu", ".cuh"))))
+  digest = hashlib.sha256()
+  for name in names:
+    blob = subprocess.run(["git", "show", f"{commit}:{name}"], cwd=REPO, capture_output=True,
+                          check=True).stdout
+    digest.update(name.encode() + b"\0" + blob + b"\0")
+  return digest.hexdigest()[:16]
+
+
+def trace(path: pathlib.Path, depth: int = 300) -> str | None:
+  """Records in ``path`` the commit whose sources have its ``source_digest``
+  (the newest of the last ``depth``); returns it, or None where none has."""
+  record = json.loads(path.read_text())
+  digest = (record.get("environment") or {}).get("source_digest")
+  commits = subprocess.run(["git", "rev-list", "-n", str(depth), "HEAD"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()
+  for commit in commits if digest else ():
+    if source_digest_at(commit) == digest:
+      record["traced_commit"] = commit
+      path.write_text(json.dumps(record, indent=2))
+      return commit
+  return None
 
 
 def result_files() -> list[pathlib.Path]:
@@ -103,10 +148,15 @@ def render() -> str:
   return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+  if argv[:1] == ["--trace"]:
+    for name in argv[1:]:
+      commit = trace(pathlib.Path(name))
+      print(f"{name}: {commit or 'no commit of the last 300 has its source digest'}")
+    return
   INDEX.write_text(render())
   print(f"wrote {INDEX}")
 
 
 if __name__ == "__main__":
-  main()
+  main(sys.argv[1:])

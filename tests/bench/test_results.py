@@ -67,3 +67,19 @@ def test_no_cited_result_is_marked_untraceable():
   index = index_module()
   for path in RESULTS.rglob("*.json"):
     assert index.traceable(path), path
+
+
+def test_a_traced_commit_has_the_results_source_digest():
+  """``index.py --trace`` records the commit whose sources hash to the
+  result's digest; recomputed here from git (where the history is there)."""
+  import subprocess
+  index = index_module()
+  traced = [(path, json.loads(path.read_text())) for path in RESULTS.rglob("*.json")]
+  traced = [(path, record) for path, record in traced if record.get("traced_commit")]
+  assert traced  # the models results of 2026-12-03 are traced this way
+  for path, record in traced:
+    try:
+      digest = index.source_digest_at(record["traced_commit"])
+    except subprocess.CalledProcessError:
+      continue  # a shallow clone without that commit
+    assert digest == record["environment"]["source_digest"], path
