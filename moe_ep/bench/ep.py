@@ -31,55 +31,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from moe_ep.bench import common
-from moe_ep.transport import (combine, dispatch, expert_capacity_for, fp8, ops, peer, row_paths,
-                              send_capacity_for)
-from moe_ep.transport.exchange import Spec
+from moe_ep.bench.ep_inputs import ep_inputs, per_rank, random_rows, routing_only
+from moe_ep.transport import combine, dispatch, fp8, peer, row_paths
 from moe_ep.transport.peer import rows as peer_rows
 
 PATHS = ("all_to_all", "peer")
 FP8 = "float8_e4m3fn"
-
-
-def _shard(mesh, array):
-  """A global array sharded over "ep" from a host array every process holds."""
-  array = np.asarray(array)
-  return jax.make_array_from_callback(array.shape, NamedSharding(mesh, P("ep")),
-                                      lambda index: array[index])
-
-
-def _random_rows(mesh, rows: int, hidden: int, seed: int):
-  """``[rows, hidden]`` bf16 normal values made on the devices, sharded over "ep"."""
-  make = jax.jit(lambda key: jax.random.normal(key, (rows, hidden), jnp.bfloat16),
-                 out_shardings=NamedSharding(mesh, P("ep")))
-  return make(jax.random.key(seed))
-
-
-def _host_routing(rng, tokens: int, top_k: int, num_experts: int):
-  idx = np.argsort(rng.random((tokens, num_experts)), axis=1)[:, :top_k].astype(np.int32)
-  weights = rng.random((tokens, top_k)).astype(np.float32)
-  return idx, weights / weights.sum(-1, keepdims=True)
-
-
-def _inputs(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_factor,
-            seed: int) -> tuple:
-  """``(expert_capacity, send_capacity, x, idx, weights)`` of one P2 shape:
-  ``tokens`` random rows and routes per rank, sharded over the EP axis."""
-  ep_size = mesh.shape["ep"]
-  capacity = expert_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
-  send_capacity = send_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
-  rng = np.random.default_rng(seed)
-  x = _random_rows(mesh, ep_size * tokens, hidden, seed)
-  idx, weights = (_shard(mesh, a) for a in _host_routing(rng, ep_size * tokens, top_k,
-                                                         num_experts))
-  return capacity, send_capacity, x, idx, weights
-
-
-def _smap(mesh, fn):
-  return jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+# The name the FP8 dispatch's slabs take where it lands them as FP8 (as the layer's does).
+FP8_CHECKPOINT_NAME = "moe.dispatch"
 
 
 def _chained(fn, repeat: int):
@@ -108,7 +69,7 @@ def _timed(mesh, fn, args, *, repeat: int, iters: int, same_shape: bool = False)
       return x
   else:
     chain_body = _chained(fn, repeat)
-  timing = common.time_ms(jax.jit(_smap(mesh, chain_body)), *args, iters=iters)
+  timing = common.time_ms(jax.jit(per_rank(mesh, chain_body)), *args, iters=iters)
   return {"ms": timing["median_ms"] / repeat, "chain": timing}
 
 
@@ -179,14 +140,6 @@ def _grids(ep_size: int, tokens: int, send_capacity: int, hidden: int, top_k: in
   return {name: dataclasses.asdict(kernel.grid(ep_size, sms)) for name, kernel in kernels.items()}
 
 
-def _routing_only(spec, num_experts: int):
-  """Dispatch's routing alone (route, metadata exchange, slab layout), what
-  dispatch adds to its row path: ``(idx, weights) -> RoutingHandle``."""
-  return lambda idx, weights: row_paths.routing(
-      spec, *ops.merge_duplicate_routes(ops.valid_ids(idx, num_experts),
-                                               weights))[0]
-
-
 def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_factor,
          backend: str, iters: int, repeat: int = 10, grids=(), with_fp8=False) -> dict:
   """Dispatch, dispatch rows and combine on each path at one shape; with
@@ -194,8 +147,10 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
   the receive, and with named FP8 slabs as the layer runs it) and its rows
   alone, with the speed-up over bf16 (bytes: the FP8 wire rows)."""
   ep_size = mesh.shape["ep"]
-  capacity, send_capacity, x, idx, weights = _inputs(mesh, tokens, hidden, num_experts, top_k,
-                                                     capacity_factor, tokens + num_experts)
+  inputs = ep_inputs(mesh, tokens, hidden, num_experts, top_k, capacity_factor,
+                     tokens + num_experts)
+  capacity, send_capacity = inputs.expert_capacity, inputs.send_capacity
+  x, idx, weights = inputs.dispatch_args
   row_bytes = hidden * 2
   wire_row_bytes = fp8.wire_bytes(hidden)
   num_slab_rows = num_experts // ep_size * capacity
@@ -205,21 +160,20 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
   reference = None
   for path in PATHS if reason is None else PATHS[:1]:
     exchange = dict(backend=backend, exchange=path, mesh=mesh)
-    spec = Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=capacity,
-                send_capacity=send_capacity, axis_name="ep", **exchange)
+    options = inputs.dispatch_options(backend, path)
+    plan = inputs.plan(backend, path)
 
     def dispatch_fn(x, idx, weights):
-      return dispatch(x, idx, weights, num_experts=num_experts, expert_capacity=capacity,
-                      axis_name="ep", send_capacity=send_capacity, **exchange)
+      return dispatch(x, idx, weights, **options)
 
     def rows_fn(x, handle):
-      return row_paths.rows_to_slabs(spec, x, handle)
+      return row_paths.rows_to_slabs(plan, x, handle)
 
     def combine_fn(slabs, handle):
       return combine(slabs, handle, num_tokens=tokens, axis_name="ep", **exchange)
 
-    dispatched = jax.jit(_smap(mesh, dispatch_fn))(x, idx, weights)
-    y = jax.jit(_smap(mesh, combine_fn))(dispatched.tokens, dispatched.handle)
+    dispatched = jax.jit(per_rank(mesh, dispatch_fn))(x, idx, weights)
+    y = jax.jit(per_rank(mesh, combine_fn))(dispatched.tokens, dispatched.handle)
     if reference is None:
       reference = dispatched.tokens, y
       send_slot = np.asarray(multihost_utils.process_allgather(dispatched.handle.send_slot,
@@ -235,20 +189,21 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
                                   "combine")):
       timings[name] = _with_gbs(_timed(mesh, fn, args, repeat=repeat, iters=iters),
                                 nbytes[f"{kind}_off_device"], nbytes[f"{kind}_received"])
-    timings["routing"] = _timed(mesh, _routing_only(spec, num_experts), (idx, weights),
+    timings["routing"] = _timed(mesh, routing_only(plan), (idx, weights),
                                 repeat=repeat, iters=iters)
     timings["bitwise_equal_to_all_to_all"] = (_same_bits(dispatched.tokens, reference[0])
                                               and _same_bits(y, reference[1]))
     if with_fp8:
-      fp8_spec = dataclasses.replace(spec, wire_dtype=FP8)
+      # FP8 rows dequantized as they land, and FP8 slabs (what the named dispatch lands)
+      fp8_plan = inputs.plan(backend, path, wire_dtype=FP8)
+      fp8_slabs_plan = inputs.plan(backend, path, wire_dtype=FP8,
+                                   checkpoint_name=FP8_CHECKPOINT_NAME)
       fp8_slabs = None
       for name, checkpoint_name in (("dispatch_fp8", None),
-                                    ("dispatch_fp8_named", "moe.dispatch")):
+                                    ("dispatch_fp8_named", FP8_CHECKPOINT_NAME)):
         fn = lambda x, idx, weights, n=checkpoint_name: dispatch(
-            x, idx, weights, num_experts=num_experts, expert_capacity=capacity,
-            axis_name="ep", send_capacity=send_capacity, wire_dtype=FP8, checkpoint_name=n,
-            **exchange)
-        slabs = jax.jit(_smap(mesh, fn))(x, idx, weights).tokens
+            x, idx, weights, **options, wire_dtype=FP8, checkpoint_name=n)
+        slabs = jax.jit(per_rank(mesh, fn))(x, idx, weights).tokens
         fp8_slabs = slabs if fp8_slabs is None else fp8_slabs
         timings[name] = _with_gbs(_timed(mesh, fn, (x, idx, weights), repeat=repeat,
                                          iters=iters),
@@ -257,7 +212,7 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
         timings[name]["speedup_vs_bf16"] = timings["dispatch"]["ms"] / timings[name]["ms"]
         timings[name]["same_slabs_as_fused"] = _same_bits(slabs, fp8_slabs)
       timings["dispatch_rows_fp8"] = _with_gbs(
-          _timed(mesh, lambda x, h: row_paths.rows_to_slabs_fp8(fp8_spec, x, h),
+          _timed(mesh, lambda x, h: row_paths.rows_to_slabs_fp8(fp8_plan, x, h),
                  (x, dispatched.handle), repeat=repeat, iters=iters),
           fp8_bytes["dispatch_off_device"], fp8_bytes["dispatch_received"])
       timings["dispatch_rows_fp8"]["speedup_vs_bf16"] = (
@@ -265,13 +220,13 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
 
       # What the layer's named FP8 dispatch produces and saves: the FP8 slabs
       # (codes and scales), dequantized row for row before the expert GEMM reads them.
-      fp8_routing = _routing_only(fp8_spec, num_experts)
+      fp8_routing = routing_only(fp8_slabs_plan)
 
       def fp8_slabs_fn(x, idx, weights):
-        return row_paths.rows_to_fp8_slabs(fp8_spec, x, fp8_routing(idx, weights))
+        return row_paths.rows_to_fp8_slabs(fp8_slabs_plan, x, fp8_routing(idx, weights))
 
       def fp8_slab_rows_fn(x, handle):
-        return row_paths.rows_to_fp8_slabs(fp8_spec, x, handle)
+        return row_paths.rows_to_fp8_slabs(fp8_slabs_plan, x, handle)
 
       for name, fn, args, bf16 in (
           ("dispatch_fp8_slabs", fp8_slabs_fn, (x, idx, weights), "dispatch"),
@@ -318,7 +273,7 @@ def raw_case(mesh, send_capacity: int, hidden: int, backend: str, iters: int,
   drop-in peer exchange, and the peer-write ceiling (stores into the peers'
   slots and the signal, no copy on either side)."""
   ep_size = mesh.shape["ep"]
-  buffer = _random_rows(mesh, ep_size * ep_size * send_capacity, hidden, send_capacity)
+  buffer = random_rows(mesh, ep_size * ep_size * send_capacity, hidden, send_capacity)
   chunk_bytes = send_capacity * hidden * 2
   off_device, received = (ep_size - 1) * chunk_bytes, ep_size * chunk_bytes
   result = {"shape_per_rank": [ep_size, send_capacity, hidden], "dtype": "bfloat16"}
@@ -337,8 +292,8 @@ def raw_case(mesh, send_capacity: int, hidden: int, backend: str, iters: int,
     def ceiling(b):
       return peer.write_ceiling(b, "ep", mesh)
 
-    want = jax.jit(_smap(mesh, all_to_all))(buffer)
-    got = jax.jit(_smap(mesh, exchange))(buffer)
+    want = jax.jit(per_rank(mesh, all_to_all))(buffer)
+    got = jax.jit(per_rank(mesh, exchange))(buffer)
     result["peer_exchange"] = _with_gbs(_timed(mesh, exchange, (buffer,), repeat=repeat,
                                                iters=iters, same_shape=True),
                                         off_device, received)
@@ -353,36 +308,33 @@ def decode_case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, ca
                 backend: str, iters: int, repeat: int = 10) -> dict:
   """Decode latency: one dispatch + combine round trip (routing included, and
   the row paths alone) per path, ``tokens`` per rank."""
-  ep_size = mesh.shape["ep"]
-  capacity, send_capacity, x, idx, weights = _inputs(mesh, tokens, hidden, num_experts, top_k,
-                                                     capacity_factor, tokens)
+  inputs = ep_inputs(mesh, tokens, hidden, num_experts, top_k, capacity_factor, tokens)
+  x, idx, weights = inputs.dispatch_args
   reason = _peer_reason(mesh, backend)
-  result = {"tokens_per_rank": tokens, "num_experts": num_experts, "expert_capacity": capacity,
-            "send_capacity": send_capacity, "peer_unsupported_reason": reason}
+  result = {"tokens_per_rank": tokens, "num_experts": num_experts,
+            "expert_capacity": inputs.expert_capacity, "send_capacity": inputs.send_capacity,
+            "peer_unsupported_reason": reason}
   for path in PATHS if reason is None else PATHS[:1]:
     exchange = dict(backend=backend, exchange=path, mesh=mesh)
-    spec = Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=capacity,
-                send_capacity=send_capacity, axis_name="ep", **exchange)
+    options = inputs.dispatch_options(backend, path)
+    plan = inputs.plan(backend, path)
 
     def round_trip(x, idx, weights):
-      d = dispatch(x, idx, weights, num_experts=num_experts, expert_capacity=capacity,
-                   axis_name="ep", send_capacity=send_capacity, **exchange)
+      d = dispatch(x, idx, weights, **options)
       return combine(d.tokens, d.handle, num_tokens=tokens, axis_name="ep", **exchange)
 
     def rows_round_trip(x, handle):
-      return row_paths.slabs_to_rows(spec, row_paths.rows_to_slabs(spec, x, handle), handle)
+      return row_paths.slabs_to_rows(plan, row_paths.rows_to_slabs(plan, x, handle), handle)
 
-    handle = jax.jit(_smap(mesh, lambda *a: dispatch(
-        *a, num_experts=num_experts, expert_capacity=capacity, axis_name="ep",
-        send_capacity=send_capacity, **exchange).handle))(x, idx, weights)
-    slabs = jax.jit(_smap(mesh, lambda x, h: row_paths.rows_to_slabs(spec, x, h)))(x, handle)
+    handle = jax.jit(per_rank(mesh, lambda *a: dispatch(*a, **options).handle))(x, idx, weights)
+    slabs = jax.jit(per_rank(mesh, lambda x, h: row_paths.rows_to_slabs(plan, x, h)))(x, handle)
     # The round trip's parts, each alone (where the decode time goes).
     parts = {
         "round_trip_us": (round_trip, (x, idx, weights)),
         "rows_round_trip_us": (rows_round_trip, (x, handle)),
-        "routing_us": (_routing_only(spec, num_experts), (idx, weights)),
-        "dispatch_rows_us": (lambda x, h: row_paths.rows_to_slabs(spec, x, h), (x, handle)),
-        "combine_rows_us": (lambda s, h: row_paths.slabs_to_rows(spec, s, h), (slabs, handle))}
+        "routing_us": (routing_only(plan), (idx, weights)),
+        "dispatch_rows_us": (lambda x, h: row_paths.rows_to_slabs(plan, x, h), (x, handle)),
+        "combine_rows_us": (lambda s, h: row_paths.slabs_to_rows(plan, s, h), (slabs, handle))}
     result[path] = {name: 1e3 * _timed(mesh, fn, args, repeat=repeat, iters=iters)["ms"]
                     for name, (fn, args) in parts.items()}
   return result

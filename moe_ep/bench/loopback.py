@@ -9,7 +9,7 @@ in turn): ``same_as_full_exchange`` checks the last one's output against it.
 Decode (``decode_concurrent``): every rank's kernels at once on this GPU,
 each rank a 1/R share of its SMs (:func:`_decode_concurrent`).
 
-Routing: P2's (``ep._host_routing``: uniform top-k), its handle from the
+Routing: P2's (:func:`~moe_ep.bench.ep_inputs.uniform_routing`), its handle from the
 pure-JAX layout on R CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``). Dispatch's bytes
 per launch (``hbm_bytes``): the HBM traffic it must do, from the handle:
@@ -23,10 +23,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from moe_ep.bench import ep
+from moe_ep.bench.ep_inputs import per_rank, routing_only, sharded_routing, uniform_routing
 from moe_ep.transport import expert_capacity_for, kernel_launch, send_capacity_for
 from moe_ep.transport import xla as xla_backend
-from moe_ep.transport.exchange import Spec
+from moe_ep.transport.plan import plan_dispatch
 from moe_ep.transport.peer import channel, dispatch_layout, fused_layout, kernels
 from moe_ep.bench import peer_loopback
 from moe_ep.transport.peer import rows as peer_rows
@@ -34,21 +34,21 @@ from moe_ep.transport.peer import rows as peer_rows
 FP8 = "float8_e4m3fn"
 
 
-def _handle(ep_size: int, tokens: int, num_experts: int, top_k: int, capacity_factor) -> tuple:
-  """Every rank's routing handle (pure JAX on R CPU devices), and the
-  capacities."""
+def _handle(ep_size: int, tokens: int, num_experts: int, hidden: int, top_k: int,
+            capacity_factor) -> tuple:
+  """Every rank's routing handle of bf16 rows of ``hidden`` (pure JAX on R
+  CPU devices), and the capacities."""
   mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:ep_size]), ("ep",))
   capacity = expert_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
   send_capacity = send_capacity_for(tokens, top_k, num_experts, ep_size, capacity_factor)
-  rng = np.random.default_rng(tokens + num_experts)
-  idx, weights = (ep._shard(mesh, a)
-                  for a in ep._host_routing(rng, ep_size * tokens, top_k, num_experts))
-  spec = Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=capacity,
-              send_capacity=send_capacity, axis_name="ep", backend="xla",
-              exchange="all_to_all", mesh=mesh)
-  routing = ep._routing_only(spec, num_experts)
+  idx, weights = sharded_routing(mesh, tokens, top_k, num_experts, tokens + num_experts)
+  plan = plan_dispatch(num_experts=num_experts, ep_size=ep_size, expert_capacity=capacity,
+                       send_capacity=send_capacity, top_k=top_k, hidden=hidden,
+                       row_dtype="bfloat16", axis_name="ep", backend="xla",
+                       exchange="all_to_all", mesh=mesh)
+  routing = routing_only(plan)
 
-  maps = jax.jit(ep._smap(mesh, lambda idx, weights: routing(idx, weights)._asdict()))(
+  maps = jax.jit(per_rank(mesh, lambda idx, weights: routing(idx, weights)._asdict()))(
       idx, weights)
   ranks = [{k: np.asarray(v.addressable_shards[r].data) for k, v in maps.items()}
            for r in range(ep_size)]
@@ -119,7 +119,7 @@ def _decode_concurrent(ep_size: int, tokens: int, num_experts: int, hidden: int,
   rng = np.random.default_rng(tokens + num_experts + ep_size)
   with jax.default_device(jax.devices("cpu")[0]):
     routes = [[np.asarray(a) for a in xla_backend.route(
-        *ep._host_routing(rng, tokens, top_k, num_experts), num_experts=num_experts,
+        *uniform_routing(rng, tokens, top_k, num_experts), num_experts=num_experts,
         ep_size=ep_size, send_capacity=send_capacity)] for _ in range(ep_size)]
     maps = [[np.asarray(a) for a in xla_backend.slab_layout(
         np.stack([r[3][q] for r in routes]), top_k=top_k, num_local_experts=local,
@@ -191,7 +191,7 @@ def run(ep_sizes=(2, 4, 8), tokens=8192, num_experts=64, hidden=7168, top_k=8,
           f"the routing runs on {ep_size} CPU devices: set "
           f"XLA_FLAGS=--xla_force_host_platform_device_count={ep_size}")})
       continue
-    ranks, capacity, send_capacity = _handle(ep_size, tokens, num_experts, top_k,
+    ranks, capacity, send_capacity = _handle(ep_size, tokens, num_experts, hidden, top_k,
                                              capacity_factor)
     slab_rows = ranks[0]["slab_row"].size
     rows = [_bf16_bits(r, (tokens, hidden)) for r in range(ep_size)]

@@ -22,7 +22,6 @@ to the parts of a train step.
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import gzip
 import itertools
@@ -38,8 +37,8 @@ import jax
 import numpy as np
 
 from moe_ep.bench import ep
+from moe_ep.bench.ep_inputs import ep_inputs, per_rank, routing_only
 from moe_ep.transport import combine, dispatch, row_paths
-from moe_ep.transport.exchange import Spec, resolve_exchange
 
 
 def _is_cpu_op(name: str) -> bool:
@@ -149,18 +148,13 @@ def trace_calls(fn, args, *, calls: int = 3) -> list[dict]:
 
 
 def _case(mesh, tokens, hidden, num_experts, top_k, capacity_factor, backend, exchange) -> dict:
-  """P2's inputs at one shape, and the keyword arguments of its dispatch."""
-  capacity, send_capacity, *args = ep._inputs(mesh, tokens, hidden, num_experts, top_k,
-                                               capacity_factor, tokens + num_experts)
-  paths = dict(backend=backend, exchange=exchange, mesh=mesh)
-  shape = dict(num_experts=num_experts, expert_capacity=capacity, axis_name="ep",
-               send_capacity=send_capacity)
-  # The spec's exchange is the resolved one, as dispatch resolves it: a spec
-  # holding "auto" would take neither path's fused kernels.
-  resolved = resolve_exchange(exchange, backend, "ep", mesh.shape["ep"], mesh)
-  return dict(args=tuple(args), paths=paths, shape=shape,
-              spec=Spec(ep_size=mesh.shape["ep"], **shape,
-                        **dict(paths, exchange=resolved)))
+  """P2's inputs at one shape, the keyword arguments of its dispatch, and the
+  plan of its dispatch with FP8 slabs (resolved as dispatch resolves it)."""
+  inputs = ep_inputs(mesh, tokens, hidden, num_experts, top_k, capacity_factor,
+                     tokens + num_experts)
+  return dict(args=inputs.dispatch_args, options=inputs.dispatch_options(backend, exchange),
+              fp8_slabs_plan=inputs.plan(backend, exchange, wire_dtype=ep.FP8,
+                                         checkpoint_name=ep.FP8_CHECKPOINT_NAME))
 
 
 def run(tokens=8192, num_experts=64, decode_tokens=128, decode_experts=256, hidden=7168,
@@ -169,22 +163,22 @@ def run(tokens=8192, num_experts=64, decode_tokens=128, decode_experts=256, hidd
   the traced calls over every device of the job (``exchange``: as
   :func:`~moe_ep.transport.dispatch`'s)."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
-  smap = lambda fn: jax.jit(ep._smap(mesh, fn))  # noqa: E731
+  smap = lambda fn: jax.jit(per_rank(mesh, fn))  # noqa: E731
   big = _case(mesh, tokens, hidden, num_experts, top_k, capacity_factor, backend, exchange)
-  fp8_spec = dataclasses.replace(big["spec"], wire_dtype=ep.FP8)
-  fp8_routing = ep._routing_only(fp8_spec, num_experts)
+  fp8_slabs_plan = big["fp8_slabs_plan"]
+  fp8_routing = routing_only(fp8_slabs_plan)
   small = _case(mesh, decode_tokens, hidden, decode_experts, top_k, capacity_factor, backend,
                 exchange)
 
   def round_trip(x, idx, weights):
-    d = dispatch(x, idx, weights, **small["shape"], **small["paths"])
-    return combine(d.tokens, d.handle, num_tokens=decode_tokens, axis_name="ep",
-                   **small["paths"])
+    d = dispatch(x, idx, weights, **small["options"])
+    return combine(d.tokens, d.handle, num_tokens=decode_tokens, axis_name="ep", backend=backend,
+                   exchange=exchange, mesh=mesh)
 
   programs = {
-      "dispatch": (lambda x, idx, w: dispatch(x, idx, w, **big["shape"], **big["paths"]), big),
+      "dispatch": (lambda x, idx, w: dispatch(x, idx, w, **big["options"]), big),
       "dispatch_fp8_slabs": (lambda x, idx, w: row_paths.rows_to_fp8_slabs(
-          fp8_spec, x, fp8_routing(idx, w)), big),
+          fp8_slabs_plan, x, fp8_routing(idx, w)), big),
       "decode_round_trip": (round_trip, small)}
   result = {"ep_size": mesh.shape["ep"], "processes": jax.process_count(), "hidden": hidden,
             "top_k": top_k, "capacity_factor": capacity_factor, "transport": backend,

@@ -7,9 +7,10 @@ benchmarks) imports without the differentiable core (the options the
 configuration shares live below, in :mod:`moe_ep.options`):
 
 * ``ops``: the ``custom_vjp`` operations and their argument checks;
-* ``exchange``, ``row_paths``, ``receive_slabs``, ``receive_grouped``: which exchange
-  carries the rows, the row paths over it, the receiver's layouts (``[L, C]``
-  slabs or each expert's rows contiguous in ``[M, H]``);
+* ``plan``, ``row_paths``, ``receive_slabs``, ``receive_grouped``: the
+  dispatch plan (which exchange carries the rows, which launches move them,
+  resolved once per call), the row paths executing it, the receiver's
+  layouts (``[L, C]`` slabs or each expert's rows contiguous in ``[M, H]``);
 * ``handle``, ``meta``, ``scopes``: the routing handle, the metadata's wire
   format, the scopes the exchanges run under (capacity math and the grouped
   layout's row groups live below, in :mod:`moe_ep.capacity` and

@@ -2,11 +2,11 @@
 
 Both are ``custom_vjp`` operations whose backward passes read only the routing
 handle (plain int32 data), so remat can save it and backward never re-runs the
-routing or the forward exchange. This module checks the arguments, resolves
-the static :class:`~moe_ep.transport.exchange.Spec` of a call, and holds the
-forward and backward rules and the checkpoint names; the rows move by
-:mod:`~moe_ep.transport.row_paths`, over the exchange
-:mod:`~moe_ep.transport.exchange` chose, with the local passes of a backend
+routing or the forward exchange. This module checks the arguments, has the
+call's :class:`~moe_ep.transport.plan.DispatchPlan` resolved once
+(:mod:`~moe_ep.transport.plan`), and holds the forward and backward rules and
+the checkpoint names; the rows move by :mod:`~moe_ep.transport.row_paths`,
+which executes the plan with the local passes of a backend
 (:mod:`~moe_ep.transport.xla` or :mod:`~moe_ep.transport.cupy_backend`).
 """
 
@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_ep.transport import receive_grouped, receive_slabs, row_paths
-from moe_ep.transport.exchange import Spec, one_launch_dispatch, resolve_exchange
-from moe_ep.transport.exchange import ep_size as ep_size_of
+from moe_ep.transport.plan import DispatchPlan, ep_size_of, plan_combine, plan_dispatch
 from moe_ep.capacity import check_experts, check_num_tokens, expert_capacity_for, positive_int
 from moe_ep.row_groups import ROW_TILE
 from moe_ep.transport.handle import Dispatched, RoutingHandle
@@ -32,43 +31,43 @@ __all__ = ["combine", "dispatch"]
 # --- dispatch ----------------------------------------------------------------
 
 
-def _dispatch_forward(spec: Spec, tokens, topk_idx, topk_weights) -> Dispatched:
+def _dispatch_forward(plan: DispatchPlan, tokens, topk_idx, topk_weights) -> Dispatched:
   with jax.named_scope(NAMED_SCOPES["dispatch"]):
-    if one_launch_dispatch(spec, tokens.dtype, tokens.shape[-1], topk_idx.shape[1]):
+    if plan.dispatch_row_path == "one_launch":
       handle, slab_values, slab_weights, counts, demand = row_paths.dispatch_in_one_launch(
-          spec, tokens, topk_idx, topk_weights)
+          plan, tokens, topk_idx, topk_weights)
     else:
-      handle, slab_weights, counts, demand = row_paths.routing(spec, topk_idx, topk_weights)
-      to_slabs = row_paths.rows_to_slabs_fp8 if spec.wire_dtype else row_paths.rows_to_slabs
-      slab_values = to_slabs(spec, tokens, handle)
+      handle, slab_weights, counts, demand = row_paths.routing(plan, topk_idx, topk_weights)
+      to_slabs = row_paths.rows_to_slabs_fp8 if plan.wire_dtype else row_paths.rows_to_slabs
+      slab_values = to_slabs(plan, tokens, handle)
   # Names go on the outputs here, inside the forward rule, so they also mark
   # the residual (the handle) that the backward rule reads.
   # The FP8 path names its FP8 slabs (the smaller residual) itself.
   return Dispatched(
-      tokens=slab_values if spec.wire_dtype else spec.name("tokens", slab_values),
-      weights=spec.name("weights", slab_weights),
-      handle=spec.name("handle", handle),
-      counts=spec.name("counts", counts),
+      tokens=slab_values if plan.wire_dtype else plan.name("tokens", slab_values),
+      weights=plan.name("weights", slab_weights),
+      handle=plan.name("handle", handle),
+      counts=plan.name("counts", counts),
       demand=demand,
   )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dispatch(spec, tokens, topk_idx, topk_weights):
-  return _dispatch_forward(spec, tokens, topk_idx, topk_weights)
+def _dispatch(plan, tokens, topk_idx, topk_weights):
+  return _dispatch_forward(plan, tokens, topk_idx, topk_weights)
 
 
-def _dispatch_fwd(spec, tokens, topk_idx, topk_weights):
-  out = _dispatch_forward(spec, tokens, topk_idx, topk_weights)
+def _dispatch_fwd(plan, tokens, topk_idx, topk_weights):
+  out = _dispatch_forward(plan, tokens, topk_idx, topk_weights)
   return out, out.handle
 
 
-def _dispatch_bwd(spec, handle, grads: Dispatched):
+def _dispatch_bwd(plan, handle, grads: Dispatched):
   with jax.named_scope(NAMED_SCOPES["dispatch_bwd"]):
-    token_grad = row_paths.slabs_to_rows(spec, grads.tokens, handle)
-    weight_grad = row_paths.weights_to_routes(spec, grads.weights.astype(jnp.float32), handle)
+    token_grad = row_paths.slabs_to_rows(plan, grads.tokens, handle)
+    weight_grad = row_paths.weights_to_routes(plan, grads.weights.astype(jnp.float32), handle)
   # Slabs carry the tokens' dtype, so grads.tokens has it too.
-  return token_grad.astype(grads.tokens.dtype), None, weight_grad.astype(spec.weight_dtype)
+  return token_grad.astype(grads.tokens.dtype), None, weight_grad.astype(plan.weight_dtype)
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
@@ -173,7 +172,7 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
       collective), ``"peer"`` (direct NVLink stores into the other GPUs'
       memory, :mod:`moe_ep.transport.peer`; needs ``mesh``) or ``"auto"``
       (peer wherever it runs:
-      :func:`~moe_ep.transport.exchange.resolve_exchange`). Same results,
+      :func:`~moe_ep.transport.plan.resolve_exchange`). Same results,
       bitwise, either way.
     mesh: the ``jax.sharding.Mesh`` of the enclosing ``shard_map`` (only the
       peer exchange needs it).
@@ -234,34 +233,34 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
                      "(the grouped GEMM's row tile); see grouped_rows_for")
   topk_idx, topk_weights = merge_duplicate_routes(valid_ids(topk_idx, num_experts),
                                                    topk_weights)
-  spec = Spec(num_experts=num_experts, ep_size=ep_size, expert_capacity=expert_capacity,
-               send_capacity=send_capacity, axis_name=axis_name,
-               backend=backend, checkpoint_name=checkpoint_name,
-               weight_dtype=jnp.dtype(topk_weights.dtype).name,
-               exchange=resolve_exchange(exchange, backend, axis_name, ep_size, mesh),
-               mesh=mesh, wire_dtype=wire_dtype,
-               grouped_rows=None if grouped_rows is None else int(grouped_rows))
-  spec.ops  # resolves the backend now: a missing CuPy fails at trace time
-  return _dispatch(spec, tokens, topk_idx, topk_weights)
+  plan = plan_dispatch(num_experts=num_experts, ep_size=ep_size,
+                       expert_capacity=expert_capacity, send_capacity=send_capacity,
+                       top_k=top_k, hidden=tokens.shape[-1], row_dtype=tokens.dtype,
+                       axis_name=axis_name, backend=backend, exchange=exchange, mesh=mesh,
+                       wire_dtype=wire_dtype,
+                       grouped_rows=None if grouped_rows is None else int(grouped_rows),
+                       checkpoint_name=checkpoint_name,
+                       weight_dtype=jnp.dtype(topk_weights.dtype).name)
+  return _dispatch(plan, tokens, topk_idx, topk_weights)
 
 
 # --- combine -----------------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _combine(spec, expert_outputs, handle):
+def _combine(plan, expert_outputs, handle):
   with jax.named_scope(NAMED_SCOPES["combine"]):
-    return row_paths.slabs_to_rows(spec, expert_outputs, handle)
+    return row_paths.slabs_to_rows(plan, expert_outputs, handle)
 
 
-def _combine_fwd(spec, expert_outputs, handle):
-  return _combine(spec, expert_outputs, handle), handle
+def _combine_fwd(plan, expert_outputs, handle):
+  return _combine(plan, expert_outputs, handle), handle
 
 
-def _combine_bwd(spec, handle, output_grad):
+def _combine_bwd(plan, handle, output_grad):
   # y has expert_outputs' dtype, so output_grad (and the slab grad) does too.
   with jax.named_scope(NAMED_SCOPES["combine_bwd"]):
-    slab_grad = row_paths.rows_to_slabs(spec, output_grad, handle)
+    slab_grad = row_paths.rows_to_slabs(plan, output_grad, handle)
   return slab_grad, None
 
 
@@ -305,13 +304,6 @@ def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int
   if ep_size != handle.ep_size:
     raise ValueError(f"axis_name={axis_name!r} has size {ep_size} but the handle was "
                      f"made for {handle.ep_size} ranks")
-  # Combine reads only the handle's flat maps: to it a grouped buffer is one group of M rows.
-  local_experts, capacity = ((1, handle.slab_row.shape[0]) if handle.grouped
-                             else handle.slab_row.shape)
-  spec = Spec(num_experts=local_experts * ep_size, ep_size=ep_size,
-               expert_capacity=capacity, send_capacity=handle.send_capacity,
-               axis_name=axis_name, backend=backend,
-               exchange=resolve_exchange(exchange, backend, axis_name, ep_size, mesh),
-               mesh=mesh)
-  spec.ops
-  return _combine(spec, expert_outputs, handle)
+  plan = plan_combine(handle, hidden=expert_outputs.shape[-1], row_dtype=expert_outputs.dtype,
+                      axis_name=axis_name, backend=backend, exchange=exchange, mesh=mesh)
+  return _combine(plan, expert_outputs, handle)

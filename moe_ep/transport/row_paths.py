@@ -20,9 +20,11 @@ exchanged. Every row movement has its map in both directions in the handle,
 so a backend can read each input row once (``expand_rows``) or write each
 output row once (``gather_sum_rows``).
 
-On the peer exchange the row paths (and at decode sizes the metadata
-exchange with the layout) can run as one fused launch each; this module
-chooses that launch when lowering for CUDA and the path above everywhere
+Every function here executes a :class:`~moe_ep.transport.plan.DispatchPlan`,
+which chose each path once where dispatch or combine was called; none
+chooses again. On the peer exchange the row paths (and at decode sizes the
+metadata exchange with the layout) can run as one fused launch each, which
+runs when lowering for CUDA and the plan's ``all_to_all`` branch everywhere
 else (:func:`_fused_on_cuda`), with bitwise the same results. Where the
 output rows land is the receiver's layout, :mod:`~moe_ep.transport.receive_slabs`.
 """
@@ -34,11 +36,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_ep.transport import fp8, receive_grouped, receive_slabs
-from moe_ep.transport.exchange import Spec, exchange, fused_rows, fused_slab_layout
+from moe_ep.transport import fp8, peer, receive_grouped, receive_slabs
 from moe_ep.transport.handle import RoutingHandle
-from moe_ep.options import WIRE_DTYPES
 from moe_ep.transport.peer import dispatch_layout, fused_layout, rows as peer_rows
+from moe_ep.transport.plan import DispatchPlan
 
 
 def _fused_on_cuda(scope: str, fused, unfused, *args):
@@ -47,6 +48,18 @@ def _fused_on_cuda(scope: str, fused, unfused, *args):
   the named scope ``scope``."""
   with jax.named_scope(scope):
     return jax.lax.platform_dependent(*args, cuda=fused, default=unfused)
+
+
+def exchange(plan: DispatchPlan, x: jax.Array, what: str) -> jax.Array:
+  """``all_to_all`` over the leading [R] axis: row d goes to rank d, and the
+  result's row src is what rank src sent here; by direct stores into the
+  peers' memory when ``plan.exchange == "peer"`` (bitwise the same result).
+  ``what`` names the exchange inside the enclosing pass's scope
+  (``moe_dispatch_fwd/exchange_rows``)."""
+  if plan.exchange == "peer":
+    return peer.exchange(x, plan.axis_name, plan.mesh, what)
+  with jax.named_scope(what):
+    return jax.lax.all_to_all(x, plan.axis_name, 0, 0, tiled=True)
 
 
 def _lookup(table: jax.Array, index: jax.Array, fill) -> jax.Array:
@@ -72,63 +85,82 @@ def _token_member_pos(handle: RoutingHandle) -> jax.Array:
 # --- the row paths ------------------------------------------------------------
 
 
-def rows_to_slabs(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
-  """``rows [T, H]`` (one per token) -> ``[L, C, H]`` slabs along ``handle``."""
-  ops = spec.ops
+def rows_to_slabs(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """``rows [T, H]`` (one per token) -> ``[L, C, H]`` slabs along ``handle``,
+  by ``plan.dispatch_row_path`` (the one-launch dispatch's rows alone: its
+  fused row launch); FP8 plans: :func:`rows_to_slabs_fp8`."""
+  if plan.wire_dtype is not None:
+    raise ValueError(f"rows_to_slabs moves rows as they are, not on a {plan.wire_dtype} wire; "
+                     "use rows_to_slabs_fp8 or rows_to_fp8_slabs")
+  path = plan.dispatch_row_path
+  return _rows_to_slabs(plan, "fused" if path == "one_launch" else path, rows, handle)
+
+
+def _rows_to_slabs(plan: DispatchPlan, path: str, rows: jax.Array,
+                   handle: RoutingHandle) -> jax.Array:
+  """:func:`rows_to_slabs` by ``path``: ``"local"``, ``"fused"`` or ``"exchange"``
+  (also for FP8 wire rows of ``W`` bytes, which cross like any rows)."""
+  ops = plan.ops
   hidden = rows.shape[-1]
   shape = receive_slabs.output_shape(handle, hidden)
   output_rows = receive_slabs.output_rows(handle)
-  if spec.ep_size == 1:
+  if path == "local":
     token_of_output_row = _lookup(handle.send_token.reshape(-1), output_rows, -1)
     return ops.expand_rows(rows, _token_member_pos(handle), token_of_output_row).reshape(shape)
-  if fused_rows(spec, rows.dtype, hidden, handle.top_k, sums=False):
+  if path == "fused":
     flat = _fused_on_cuda(
         "exchange_rows",
-        functools.partial(peer_rows.dispatch_rows, axis_name=spec.axis_name, mesh=spec.mesh),
-        lambda rows, *maps: _exchanged_rows_to_slabs(spec.on_all_to_all(), rows, handle),
+        functools.partial(peer_rows.dispatch_rows, axis_name=plan.axis_name, mesh=plan.mesh),
+        lambda rows, *maps: _exchanged_rows_to_slabs(plan.on_all_to_all(), rows, handle),
         rows, handle.send_token, handle.send_slot, handle.recv_pos, output_rows)
     return flat.reshape(shape)
-  return _exchanged_rows_to_slabs(spec, rows, handle).reshape(shape)
+  if path == "exchange":
+    return _exchanged_rows_to_slabs(plan, rows, handle).reshape(shape)
+  raise ValueError(f"no row path {path!r} from rows to slabs")
 
 
-def _exchanged_rows_to_slabs(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+def _exchanged_rows_to_slabs(plan: DispatchPlan, rows: jax.Array,
+                             handle: RoutingHandle) -> jax.Array:
   """R > 1, unfused: ``expand_rows`` to ``[R, S, H]``, the exchange, ``expand_rows``
   to the flat output rows ``[L * C, H]``."""
-  ops = spec.ops
+  ops = plan.ops
   hidden = rows.shape[-1]
   send_rows = ops.expand_rows(rows, _wire_rows(handle), handle.send_token.reshape(-1))
-  recv_rows = exchange(spec, send_rows.reshape(spec.ep_size, -1, hidden), "exchange_rows")
+  recv_rows = exchange(plan, send_rows.reshape(plan.ep_size, -1, hidden), "exchange_rows")
   return ops.expand_rows(recv_rows.reshape(-1, hidden), handle.recv_pos.reshape(-1, handle.top_k),
                          receive_slabs.output_rows(handle))
 
 
-def slabs_to_rows(spec: Spec, slab_values: jax.Array, handle: RoutingHandle) -> jax.Array:
-  """``slab_values [L, C, H]`` -> ``[T, H]``: each token's sum over its kept rows."""
-  ops = spec.ops
+def slabs_to_rows(plan: DispatchPlan, slab_values: jax.Array, handle: RoutingHandle) -> jax.Array:
+  """``slab_values [L, C, H]`` -> ``[T, H]``: each token's sum over its kept
+  rows, by ``plan.combine_row_path``."""
+  ops = plan.ops
   hidden = slab_values.shape[-1]
   flat = slab_values.reshape(-1, hidden)
-  if spec.ep_size == 1:
+  path = plan.combine_row_path
+  if path == "local":
     return ops.gather_sum_rows(flat, _token_member_pos(handle))
-  if fused_rows(spec, slab_values.dtype, hidden, handle.top_k, sums=True):
+  if path == "fused":
     return _fused_on_cuda(
         "exchange_rows",
-        functools.partial(peer_rows.combine_rows, axis_name=spec.axis_name, mesh=spec.mesh),
-        lambda flat, *maps: _exchanged_slabs_to_rows(spec.on_all_to_all(), flat, handle),
+        functools.partial(peer_rows.combine_rows, axis_name=plan.axis_name, mesh=plan.mesh),
+        lambda flat, *maps: _exchanged_slabs_to_rows(plan.on_all_to_all(), flat, handle),
         flat, handle.recv_pos, handle.send_slot)
-  return _exchanged_slabs_to_rows(spec, flat, handle)
+  return _exchanged_slabs_to_rows(plan, flat, handle)
 
 
-def _exchanged_slabs_to_rows(spec: Spec, flat: jax.Array, handle: RoutingHandle) -> jax.Array:
+def _exchanged_slabs_to_rows(plan: DispatchPlan, flat: jax.Array,
+                             handle: RoutingHandle) -> jax.Array:
   """R > 1, unfused: per received row the sum of its members (``gather_sum_rows``),
   the exchange, per token the sum over ranks: ``[L * C, H]`` -> ``[T, H]``."""
-  ops = spec.ops
+  ops = plan.ops
   hidden = flat.shape[-1]
   partial_sums = ops.gather_sum_rows(flat, handle.recv_pos.reshape(-1, handle.top_k))
-  returned = exchange(spec, partial_sums.reshape(spec.ep_size, -1, hidden), "exchange_rows")
+  returned = exchange(plan, partial_sums.reshape(plan.ep_size, -1, hidden), "exchange_rows")
   return ops.gather_sum_rows(returned.reshape(-1, hidden), _wire_rows(handle))
 
 
-def rows_to_slabs_fp8(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+def rows_to_slabs_fp8(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
   """:func:`rows_to_slabs` with the rows on the wire in FP8: ``rows [T, H]``
   -> ``[L, C, H]`` in ``rows.dtype``.
 
@@ -137,39 +169,41 @@ def rows_to_slabs_fp8(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax
   wire rows cross in one exchange. One rank: quantize, then expand, so the
   slabs do not depend on ``R``.
 
-  The receiving side depends on ``spec.checkpoint_name``. Without one, each
-  received row is dequantized straight into its slab rows (one fused pass),
-  the quantize fused with the send expand, the wire rows crossing by either
-  exchange's drop-in. With one, the receiver only expands the wire rows into
-  FP8 slabs ``[L, C, W]`` (:func:`rows_to_fp8_slabs`: on the peer path one
-  fused kernel quantizes, moves and places them), which carry the name
-  ``"{checkpoint_name}.tokens"``, and the backend's ``dequantize_filled_rows``
+  The receiving side depends on ``plan.fp8_slabs`` (a checkpoint name).
+  Without one, each received row is dequantized straight into its slab rows
+  (one fused pass), the quantize fused with the send expand, the wire rows
+  crossing by either exchange's drop-in. With one, the receiver only expands
+  the wire rows into FP8 slabs ``[L, C, W]`` (:func:`rows_to_fp8_slabs`: on
+  the peer path one fused kernel quantizes, moves and places them), which
+  carry the name ``"{checkpoint_name}.tokens"``, and the backend's ``dequantize_filled_rows``
   dequantizes them: a remat policy that saves the dispatch then keeps the
   FP8 slabs (about half the bf16 residual) and backward recomputes only the
   dequantize, never the exchange. The dequantize zeroes every slab row no
   member fills (the FP8 slabs' own padding may be unwritten). Both give
   bitwise the same slabs (the dequantize is exact before its one rounding)."""
+  if plan.wire_dtype is None:
+    raise ValueError("rows_to_slabs_fp8 needs a plan with wire_dtype='float8_e4m3fn'")
   hidden = rows.shape[-1]
   shape = receive_slabs.output_shape(handle, hidden)
-  if spec.checkpoint_name is not None:
-    fp8_slabs = spec.name("tokens", rows_to_fp8_slabs(spec, rows, handle))
-    return spec.ops.dequantize_filled_rows(fp8_slabs.reshape(-1, fp8_slabs.shape[-1]),
+  if plan.fp8_slabs:
+    fp8_slabs = plan.name("tokens", rows_to_fp8_slabs(plan, rows, handle))
+    return plan.ops.dequantize_filled_rows(fp8_slabs.reshape(-1, fp8_slabs.shape[-1]),
                                            receive_slabs.filled(handle), hidden=hidden,
                                            dtype=rows.dtype).reshape(shape)
-  ops = spec.ops
+  ops = plan.ops
   output_rows = receive_slabs.output_rows(handle)
-  if spec.ep_size == 1:
+  if plan.dispatch_row_path == "local":
     wire = ops.quantize_pack_expand(rows)
     targets = _token_member_pos(handle)
     sources = _lookup(handle.send_token.reshape(-1), output_rows, -1)
   else:
-    wire = _exchanged_wire_rows(spec, rows, handle)
+    wire = _exchanged_wire_rows(plan, rows, handle)
     targets, sources = handle.recv_pos.reshape(-1, handle.top_k), output_rows
   return ops.unpack_dequantize_expand(wire, targets, sources, hidden=hidden,
                                       dtype=rows.dtype).reshape(shape)
 
 
-def rows_to_fp8_slabs(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+def rows_to_fp8_slabs(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
   """``rows [T, H]`` -> FP8 slabs ``[L, C, W]`` uint8 (the wire rows of the
   slab rows; padding rows all-zero bytes, or unwritten where the peer kernel
   quantizes: read them only through a backend's ``dequantize_filled_rows``,
@@ -179,46 +213,52 @@ def rows_to_fp8_slabs(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax
   is quantized once and its wire row moved like a bf16 row
   (:func:`rows_to_slabs`); elsewhere the quantize is fused with the send
   expand, the wire rows cross by the exchange's drop-in and are expanded
-  into the slabs."""
-  ops = spec.ops
+  into the slabs. The path is ``plan.dispatch_row_path`` of a plan with
+  :attr:`~moe_ep.transport.plan.DispatchPlan.fp8_slabs` (a checkpoint name)."""
+  if not plan.fp8_slabs:
+    raise ValueError("rows_to_fp8_slabs needs the plan of a dispatch that lands FP8 slabs: "
+                     "wire_dtype='float8_e4m3fn' and a checkpoint_name (plan_dispatch)")
+  ops = plan.ops
   width = fp8.wire_bytes(rows.shape[-1])
   shape = receive_slabs.output_shape(handle, width)
-  if spec.ep_size > 1 and fused_rows(spec, rows.dtype, rows.shape[-1], handle.top_k,
-                                     sums=False, wire_dtype=WIRE_DTYPES[0]):
+  path = plan.dispatch_row_path
+  if path == "fused":
     flat = _fused_on_cuda(
         "exchange_rows",
-        functools.partial(peer_rows.dispatch_rows, axis_name=spec.axis_name, mesh=spec.mesh,
-                          wire_dtype=WIRE_DTYPES[0]),
-        lambda rows, *maps: rows_to_fp8_slabs(spec.on_all_to_all(), rows, handle).reshape(
+        functools.partial(peer_rows.dispatch_rows, axis_name=plan.axis_name, mesh=plan.mesh,
+                          wire_dtype=plan.wire_dtype),
+        lambda rows, *maps: rows_to_fp8_slabs(plan.on_all_to_all(), rows, handle).reshape(
             -1, width),
         rows, handle.send_token, handle.send_slot, handle.recv_pos,
         receive_slabs.output_rows(handle))
     return flat.reshape(shape)
-  if spec.ep_size == 1 or fused_rows(spec, jnp.uint8, width, handle.top_k, sums=False):
-    return rows_to_slabs(spec, ops.quantize_pack_expand(rows), handle)
-  wire = _exchanged_wire_rows(spec, rows, handle)
+  if path in ("local", "fused_wire"):
+    return _rows_to_slabs(plan, "local" if path == "local" else "fused",
+                          ops.quantize_pack_expand(rows), handle)
+  wire = _exchanged_wire_rows(plan, rows, handle)
   return ops.expand_rows(wire, handle.recv_pos.reshape(-1, handle.top_k),
                          receive_slabs.output_rows(handle)).reshape(shape)
 
 
-def _exchanged_wire_rows(spec: Spec, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+def _exchanged_wire_rows(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
   """R > 1: each token quantized once, fused with its expand into the send
   rows, and the exchange: ``rows [T, H]`` -> received wire rows ``[R * S,
   W]`` uint8."""
-  send_wire = spec.ops.quantize_pack_expand(rows, _wire_rows(handle),
+  send_wire = plan.ops.quantize_pack_expand(rows, _wire_rows(handle),
                                             handle.send_token.reshape(-1))
   width = send_wire.shape[-1]
-  return exchange(spec, send_wire.reshape(spec.ep_size, -1, width),
+  return exchange(plan, send_wire.reshape(plan.ep_size, -1, width),
                   "exchange_rows").reshape(-1, width)
 
 
-def weights_to_routes(spec: Spec, slab_values: jax.Array, handle: RoutingHandle) -> jax.Array:
+def weights_to_routes(plan: DispatchPlan, slab_values: jax.Array,
+                      handle: RoutingHandle) -> jax.Array:
   """``[L, C]`` per-output-row float32 values -> ``[T, K]`` per route (0 if
   dropped). Small: plain jnp on every backend."""
   top_k = handle.top_k
   per_member = _lookup(slab_values.reshape(-1), handle.recv_pos, 0.0)  # [R, S, K]
-  if spec.ep_size > 1:
-    per_member = exchange(spec, per_member, "exchange_weights")
+  if plan.ep_size > 1:
+    per_member = exchange(plan, per_member, "exchange_weights")
   member = jnp.where(handle.route_slot >= 0,
                      handle.route_slot * top_k + jnp.arange(top_k, dtype=jnp.int32), -1)
   return _lookup(per_member.reshape(-1), member, 0.0)
@@ -227,64 +267,66 @@ def weights_to_routes(spec: Spec, slab_values: jax.Array, handle: RoutingHandle)
 # --- routing: the metadata exchange and the receiver's layout ------------------
 
 
-def _layout_sizes(spec: Spec, top_k: int) -> dict:
-  return dict(top_k=top_k, num_local_experts=spec.num_local_experts,
-              expert_capacity=spec.expert_capacity)
+def _layout_sizes(plan: DispatchPlan, top_k: int) -> dict:
+  return dict(top_k=top_k, num_local_experts=plan.num_local_experts,
+              expert_capacity=plan.expert_capacity)
 
 
-def _exchanged_layout(spec: Spec, meta, top_k: int):
-  """The metadata exchange (R > 1), then the receiver's layout."""
-  if spec.ep_size > 1:
-    meta = exchange(spec, meta, "exchange_meta")
-  return receive_slabs.lay_out(spec.ops, meta, **_layout_sizes(spec, top_k))
+def _exchanged_layout(plan: DispatchPlan, meta, top_k: int):
+  """The metadata exchange (``meta_path == "exchange"``), then the receiver's layout."""
+  if plan.meta_path == "exchange":
+    meta = exchange(plan, meta, "exchange_meta")
+  return receive_slabs.lay_out(plan.ops, meta, **_layout_sizes(plan, top_k))
 
 
-def _route(spec: Spec, topk_idx, topk_weights):
+def _route(plan: DispatchPlan, topk_idx, topk_weights):
   """The sender's routing: ``(send_slot, send_token, route_slot, meta)``."""
-  return spec.ops.route(topk_idx, topk_weights.astype(jnp.float32), num_experts=spec.num_experts,
-                        ep_size=spec.ep_size, send_capacity=spec.send_capacity)
+  return plan.ops.route(topk_idx, topk_weights.astype(jnp.float32), num_experts=plan.num_experts,
+                        ep_size=plan.ep_size, send_capacity=plan.send_capacity)
 
 
-def routing(spec: Spec, topk_idx, topk_weights):
+def routing(plan: DispatchPlan, topk_idx, topk_weights):
   """Dispatch's routing: ``(handle, slab weights [L, C], counts [L], demand
-  [L])`` from the ids and weights, with the metadata exchange."""
-  send_slot, send_token, route_slot, meta = _route(spec, topk_idx, topk_weights)
+  [L])`` from the ids and weights, with the metadata exchange
+  (``plan.meta_path``)."""
+  if plan.meta_path is None:
+    raise ValueError("routing needs a dispatch's plan (plan_dispatch); a combine's routes nothing")
+  send_slot, send_token, route_slot, meta = _route(plan, topk_idx, topk_weights)
   top_k = topk_idx.shape[1]
-  if fused_slab_layout(spec, top_k):  # decode: the exchange and the layout in one launch
+  if plan.meta_path == "fused_layout":  # decode: the exchange and the layout in one launch
     layout = _fused_on_cuda(
         "exchange_meta",
-        functools.partial(fused_layout.slab_layout, **_layout_sizes(spec, top_k),
-                          axis_name=spec.axis_name, mesh=spec.mesh),
-        lambda meta: _exchanged_layout(spec.on_all_to_all(), meta, top_k), meta)
+        functools.partial(fused_layout.slab_layout, **_layout_sizes(plan, top_k),
+                          axis_name=plan.axis_name, mesh=plan.mesh),
+        lambda meta: _exchanged_layout(plan.on_all_to_all(), meta, top_k), meta)
   else:
-    layout = _exchanged_layout(spec, meta, top_k)
+    layout = _exchanged_layout(plan, meta, top_k)
   recv_pos, slab_row, slab_weights, counts, demand = layout
-  if spec.grouped_rows is not None:
+  if plan.grouped_rows is not None:
     recv_pos, slab_row, slab_weights, counts = receive_grouped.from_slabs(
-        recv_pos, slab_row, slab_weights, counts, spec.grouped_rows)
+        recv_pos, slab_row, slab_weights, counts, plan.grouped_rows)
   return (RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row), slab_weights,
           counts, demand)
 
 
-def dispatch_in_one_launch(spec: Spec, tokens, topk_idx, topk_weights):
-  """Decode sizes on the peer path, where
-  :func:`~moe_ep.transport.exchange.one_launch_dispatch`:
+def dispatch_in_one_launch(plan: DispatchPlan, tokens, topk_idx, topk_weights):
+  """Decode sizes on the peer path (``plan.dispatch_row_path == "one_launch"``):
   route, then one launch for the metadata exchange, the layout and the rows
   (:func:`~moe_ep.transport.peer.dispatch_layout.dispatch_with_layout`);
   ``(handle, slabs [L, C, H], slab weights, counts, demand)``."""
-  send_slot, send_token, route_slot, meta = _route(spec, topk_idx, topk_weights)
+  send_slot, send_token, route_slot, meta = _route(plan, topk_idx, topk_weights)
   top_k = topk_idx.shape[1]
 
   def all_to_all_path(rows, meta, *maps):  # the maps: send_token, send_slot, as outside
-    on_all_to_all = spec.on_all_to_all()
+    on_all_to_all = plan.on_all_to_all()
     recv_pos, slab_row, *rest = _exchanged_layout(on_all_to_all, meta, top_k)
     handle = RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row)
     return (_exchanged_rows_to_slabs(on_all_to_all, rows, handle), recv_pos, slab_row, *rest)
 
   flat, recv_pos, slab_row, slab_weights, counts, demand = _fused_on_cuda(
       "exchange_rows",
-      functools.partial(dispatch_layout.dispatch_with_layout, **_layout_sizes(spec, top_k),
-                        axis_name=spec.axis_name, mesh=spec.mesh),
+      functools.partial(dispatch_layout.dispatch_with_layout, **_layout_sizes(plan, top_k),
+                        axis_name=plan.axis_name, mesh=plan.mesh),
       all_to_all_path, tokens, meta, send_token, send_slot)
   handle = RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row)
   return (handle, flat.reshape(receive_slabs.output_shape(handle, tokens.shape[-1])), slab_weights,

@@ -73,18 +73,19 @@ def test_a_gpu_plane_without_kernels_falls_back_to_the_cpu_ops():
 
 @pytest.mark.parametrize("exchange", ["auto", "all_to_all"])
 def test_the_fp8_program_runs_on_the_exchange_dispatch_resolves(exchange):
-  # The FP8 program calls the transport with the case's spec directly; a
-  # spec left at "auto" took the all_to_all path even where dispatch takes
-  # the peer path (seen on 2 GPUs: NCCL kernels in the FP8 timeline).
+  # The FP8 program calls the transport with the case's plan directly; a
+  # spec left at "auto" once took the all_to_all path even where dispatch
+  # takes the peer path (seen on 2 GPUs: NCCL kernels in the FP8 timeline).
   import jax
   import numpy as np
-  from moe_ep.transport.exchange import resolve_exchange
+  from moe_ep.transport.plan import resolve_exchange
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("ep",))
   case = timeline._case(mesh, 16, 128, 8, 2, 1.25, "auto", exchange)
   ep_size = mesh.shape["ep"]  # 2 devices, or 1 on a one-GPU machine
-  assert case["spec"].exchange == resolve_exchange(exchange, "auto", "ep", ep_size,
-                                                   mesh)
-  assert case["spec"].exchange in ("all_to_all", "peer")
+  plan = case["fp8_slabs_plan"]
+  assert plan.exchange == resolve_exchange(exchange, "auto", "ep", ep_size, mesh)
+  assert plan.exchange in ("all_to_all", "peer")
+  assert plan.fp8_slabs and case["options"]["exchange"] == exchange
 
 
 def test_every_gpus_kernels_are_read_and_timed_from_device_0s_call():

@@ -391,18 +391,19 @@ def fp8_slabs_fn(mesh, backend: str, exchange: str, capacity: int, send_capacity
   routing, then ``_rows_to_fp8_slabs``) and which of its rows a member fills
   (the others are padding, whose bytes are undefined on the peer path)."""
   from moe_ep.transport import ops, row_paths
-  from moe_ep.transport.exchange import Spec
-  spec = Spec(num_experts=NUM_EXPERTS, ep_size=mesh.shape["ep"],
-              expert_capacity=capacity, send_capacity=send_capacity,
-              axis_name="ep", backend=backend, exchange=exchange, mesh=mesh,
-              wire_dtype=FP8)
+  from moe_ep.transport.plan import plan_dispatch
 
   def per_rank(x, idx, weights):
+    plan = plan_dispatch(num_experts=NUM_EXPERTS, ep_size=mesh.shape["ep"],
+                         expert_capacity=capacity, send_capacity=send_capacity,
+                         top_k=idx.shape[1], hidden=x.shape[-1], row_dtype=x.dtype,
+                         axis_name="ep", backend=backend, exchange=exchange, mesh=mesh,
+                         wire_dtype=FP8, checkpoint_name="moe.dispatch")
     idx, weights = ops.merge_duplicate_routes(
         ops.valid_ids(idx, NUM_EXPERTS), weights)
-    handle = row_paths.routing(spec, idx, weights)[0]
+    handle = row_paths.routing(plan, idx, weights)[0]
     filled = (handle.slab_row >= 0) & (handle.slab_row < handle.send_token.size)
-    return row_paths.rows_to_fp8_slabs(spec, x, handle), filled
+    return row_paths.rows_to_fp8_slabs(plan, x, handle), filled
   return per_rank
 
 

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from moe_ep.transport import combine, dispatch, ops, row_paths
 from moe_ep.transport import xla as xla_backend
 from moe_ep.transport.kernel_plan import slab_plan
-from moe_ep.transport.exchange import Spec
+from moe_ep.transport.plan import plan_dispatch
 from moe_ep.transport.peer import channel, dispatch_layout, fused_layout
 from moe_ep.bench import peer_loopback
 from moe_ep.transport.peer import rows as peer_rows
@@ -46,14 +46,16 @@ def _reference(ep_size: int, dtype, seed: int) -> list[dict]:
   send_capacity = int(0.9 * TOKENS * (1 - math.comb(EXPERTS - local, TOP_K)
                                       / math.comb(EXPERTS, TOP_K)))
   outputs = rng.standard_normal((EXPERTS * capacity, HIDDEN)).astype(dtype)
-  spec = Spec(num_experts=EXPERTS, ep_size=ep_size, expert_capacity=capacity,
-              send_capacity=send_capacity, axis_name="ep", backend="xla",
-              exchange="all_to_all", mesh=mesh, wire_dtype=FP8)
+  fp8_slabs_plan = plan_dispatch(num_experts=EXPERTS, ep_size=ep_size, expert_capacity=capacity,
+                                 send_capacity=send_capacity, top_k=TOP_K, hidden=HIDDEN,
+                                 row_dtype=dtype, axis_name="ep", backend="xla",
+                                 exchange="all_to_all", mesh=mesh, wire_dtype=FP8,
+                                 checkpoint_name="moe.dispatch")
 
   def program(x, idx, weights, outputs):
     d = dispatch(x, idx, weights, num_experts=EXPERTS, expert_capacity=capacity,
                  axis_name="ep", send_capacity=send_capacity, backend="xla", mesh=mesh)
-    fp8_slabs = row_paths.rows_to_fp8_slabs(spec, x, d.handle)
+    fp8_slabs = row_paths.rows_to_fp8_slabs(fp8_slabs_plan, x, d.handle)
     expert_out = outputs.reshape(d.tokens.shape)
     y = combine(expert_out, d.handle, num_tokens=TOKENS, axis_name="ep", backend="xla",
                 mesh=mesh)

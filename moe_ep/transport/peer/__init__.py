@@ -10,8 +10,9 @@ the ``all_to_all`` itself. The transport's row paths also run dispatch and
 combine as one launch each, and at decode sizes the metadata exchange with
 the slab layout (:mod:`~moe_ep.transport.peer.rows`,
 :mod:`~moe_ep.transport.peer.fused_layout`,
-:mod:`~moe_ep.transport.peer.dispatch_layout`); they choose those on CUDA
-themselves (:mod:`moe_ep.transport.row_paths`).
+:mod:`~moe_ep.transport.peer.dispatch_layout`), where the dispatch plan
+takes them (:mod:`moe_ep.transport.plan`), on CUDA
+(:mod:`moe_ep.transport.row_paths`).
 
 Every wait ends after :func:`timeout_s` (default 30 s,
 ``$MOE_EP_PEER_TIMEOUT_S``); :func:`raise_if_failed` (also run by every

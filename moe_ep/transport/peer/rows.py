@@ -9,8 +9,9 @@ its slabs, its own member sums) and take each arriving chunk as soon as its
 flag is up, so the NVLink transfer overlaps the local memory traffic. No
 ``[R, S, H]`` buffer in XLA on either side; results bitwise those of the
 local row passes around an ``all_to_all`` (:func:`fused_rows_problem` says
-which rows they take). These are CUDA operations: the caller chooses them on
-CUDA and the ``all_to_all`` path elsewhere (:mod:`moe_ep.transport.row_paths`).
+which rows they take). These are CUDA operations: where the dispatch plan
+takes them (:mod:`moe_ep.transport.plan`), the row paths run them on CUDA and
+the ``all_to_all`` path elsewhere (:mod:`moe_ep.transport.row_paths`).
 """
 
 from __future__ import annotations

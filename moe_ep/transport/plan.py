@@ -1,0 +1,312 @@
+"""The dispatch plan: every static decision of one dispatch or combine,
+resolved once where it is called, as a value.
+
+:func:`plan_dispatch` (and :func:`plan_combine`, for a combine's handle)
+resolves the exchange (XLA's ``all_to_all``, or direct stores into the
+other GPUs' memory, :mod:`~moe_ep.transport.peer`), how the routing
+metadata crosses and is laid out, and which launches move the rows each
+way, from the sizes, the rows' dtype and what the peer kernels take. The
+row paths (:mod:`~moe_ep.transport.row_paths`) only execute a
+:class:`DispatchPlan`; every path gives bitwise the same results.
+
+The paths, each a small closed set:
+
+* ``meta_path`` (:data:`META_PATHS`): ``"local"`` (one rank: nothing
+  crosses), ``"exchange"`` (the drop-in exchange, then the backend's
+  ``slab_layout``) or ``"fused_layout"`` (one peer launch does both, at
+  decode sizes: :func:`~moe_ep.transport.peer.fused_layout.fused_layout_fits`).
+* ``dispatch_row_path`` (:data:`DISPATCH_ROW_PATHS`), rows -> slabs:
+  ``"local"`` (one rank), ``"exchange"`` (the backend's row passes around
+  the drop-in exchange), ``"fused"`` (one peer launch moves them, quantizing
+  them on an FP8 wire: :func:`~moe_ep.transport.peer.rows.fused_rows_problem`),
+  ``"fused_wire"`` (FP8: each token quantized on its rank, its wire row
+  moved by the fused byte-row launch) or ``"one_launch"`` (the metadata, the
+  layout and the rows in one peer launch, at decode sizes, where enabled:
+  :func:`~moe_ep.transport.peer.dispatch_layout_enabled`; the rows alone
+  then take ``"fused"``'s launch).
+* ``combine_row_path`` (:data:`COMBINE_ROW_PATHS`), slabs -> summed rows:
+  ``"local"``, ``"exchange"`` or ``"fused"``.
+
+A fused launch runs where the program is lowered for CUDA; elsewhere its
+other branch runs the plan :meth:`DispatchPlan.on_all_to_all`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name as name_value
+
+from moe_ep.options import EXCHANGES, check_backend, check_wire_dtype
+from moe_ep.transport import backend as transport_backend
+from moe_ep.transport import fp8
+from moe_ep.transport.handle import RoutingHandle
+from moe_ep.transport.peer import dispatch_layout, fused_layout, reachability
+from moe_ep.transport.peer import rows as peer_rows
+from moe_ep.transport.peer import runtime as peer_runtime
+
+__all__ = ["COMBINE_ROW_PATHS", "DISPATCH_ROW_PATHS", "DispatchPlan", "META_PATHS",
+           "plan_combine", "plan_dispatch", "resolve_exchange"]
+
+META_PATHS = ("local", "exchange", "fused_layout")
+DISPATCH_ROW_PATHS = ("local", "exchange", "fused", "fused_wire", "one_launch")
+COMBINE_ROW_PATHS = ("local", "exchange", "fused")
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchPlan:
+  """The resolved static decisions of one dispatch or combine (hashable: the
+  ``custom_vjp`` rules take it as a static argument). Build it with
+  :func:`plan_dispatch` or :func:`plan_combine`.
+
+  Attributes:
+    num_experts, ep_size, expert_capacity, send_capacity, top_k: ``E``,
+      ``R``, ``C``, ``S``, ``K``.
+    hidden, row_dtype: ``H`` and the dtype name of the rows the plan moves
+      (the tokens and their slabs; a combine's expert outputs).
+    grouped_rows: None: ``[L, C]`` slabs; ``M``: the grouped layout's rows.
+    axis_name, mesh: the EP axis and the enclosing ``shard_map``'s mesh
+      (None on ``all_to_all`` branches).
+    backend: the local passes' backend name (:data:`~moe_ep.options.BACKENDS`).
+    exchange: ``"all_to_all"`` or ``"peer"`` (resolved, never ``"auto"``).
+    meta_path: :data:`META_PATHS`; None for a combine, which routes nothing.
+    dispatch_row_path: :data:`DISPATCH_ROW_PATHS`.
+    combine_row_path: :data:`COMBINE_ROW_PATHS`.
+    wire_dtype: None (rows cross as they are) or ``"float8_e4m3fn"``.
+    weight_dtype: the dtype name of dispatch's routing weights (the weight
+      gradient's).
+    checkpoint_name: the prefix of the names remat policies see, or None.
+  """
+
+  num_experts: int
+  ep_size: int
+  expert_capacity: int
+  send_capacity: int
+  top_k: int
+  hidden: int
+  row_dtype: str
+  axis_name: object
+  backend: str
+  exchange: str
+  meta_path: str | None
+  dispatch_row_path: str
+  combine_row_path: str
+  mesh: object = None
+  grouped_rows: int | None = None
+  wire_dtype: str | None = None
+  weight_dtype: str = "float32"
+  checkpoint_name: str | None = None
+
+  def __post_init__(self):
+    for field, value, allowed in (("exchange", self.exchange, ("all_to_all", "peer")),
+                                  ("meta_path", self.meta_path, META_PATHS + (None,)),
+                                  ("dispatch_row_path", self.dispatch_row_path,
+                                   DISPATCH_ROW_PATHS),
+                                  ("combine_row_path", self.combine_row_path,
+                                   COMBINE_ROW_PATHS)):
+      if value not in allowed:
+        raise ValueError(f"DispatchPlan.{field}={value!r} must be one of {allowed}")
+
+  @property
+  def ops(self):
+    """The backend running the local passes."""
+    return transport_backend.resolve(self.backend)
+
+  @property
+  def num_local_experts(self) -> int:
+    return self.num_experts // self.ep_size
+
+  @property
+  def fp8_slabs(self) -> bool:
+    """Whether dispatch lands FP8 slabs ``[L, C, W]`` (named
+    ``"{checkpoint_name}.tokens"``, so remat saves them) and dequantizes
+    them after, rather than dequantizing each received row into its slabs."""
+    return self.wire_dtype is not None and self.checkpoint_name is not None
+
+  def on_all_to_all(self) -> "DispatchPlan":
+    """This plan (``R > 1``) on XLA's ``all_to_all``: a fused peer launch's
+    other branch, which runs where the program is not lowered for CUDA."""
+    return dataclasses.replace(
+        self, exchange="all_to_all", mesh=None,
+        meta_path=None if self.meta_path is None else "exchange",
+        dispatch_row_path="exchange", combine_row_path="exchange")
+
+  def name(self, field: str, value):
+    """``value`` named ``f"{checkpoint_name}.{field}"`` for remat policies
+    (as is without a checkpoint name)."""
+    if self.checkpoint_name is None:
+      return value
+    return name_value(value, f"{self.checkpoint_name}.{field}")
+
+
+def resolve_exchange(exchange: str, backend: str, axis_name, ep_size: int, mesh) -> str:
+  """The exchange one dispatch/combine uses: ``"peer"`` or ``"all_to_all"``.
+
+  ``"auto"`` takes the peer path where it runs: more than one rank, the
+  kernels' backend (not ``"xla"``), a ``mesh`` given, and every pair of GPUs
+  of each EP group reaching the other by peer access on one host
+  (:func:`moe_ep.transport.peer.supported`); ``"peer"`` insists and says why
+  not."""
+  if exchange not in EXCHANGES:
+    raise ValueError(f"exchange={exchange!r} is not one of {EXCHANGES}")
+  if ep_size == 1 or exchange == "all_to_all":
+    return "all_to_all"
+  if exchange == "auto" and (backend == "xla" or mesh is None):
+    return "all_to_all"
+  if mesh is None:
+    raise ValueError(f"exchange='peer' needs mesh=, the mesh of the enclosing shard_map over "
+                     f"axis {axis_name!r}")
+  reason = reachability.unsupported_reason(mesh, axis_name)
+  if reason is None:
+    return "peer"
+  if exchange == "peer":
+    raise ValueError(f"exchange='peer' cannot run on this mesh: {reason}; use "
+                     "exchange='auto' or 'all_to_all'")
+  return "all_to_all"
+
+
+def _fused_rows(on_peer: bool, dtype, hidden: int, ep_size: int, top_k: int, sums: bool,
+                wire_dtype: str | None = None) -> bool:
+  """Whether the fused row launches move these rows (``wire_dtype``:
+  quantizing them on the way)."""
+  return on_peer and peer_rows.fused_rows_problem(dtype, hidden, ep_size, top_k, sums=sums,
+                                                  wire_dtype=wire_dtype) is None
+
+
+def _combine_row_path(on_peer: bool, dtype, hidden: int, ep_size: int, top_k: int) -> str:
+  if ep_size == 1:
+    return "local"
+  return "fused" if _fused_rows(on_peer, dtype, hidden, ep_size, top_k, sums=True) else "exchange"
+
+
+def _dispatch_row_path(on_peer: bool, dtype, hidden: int, ep_size: int, top_k: int,
+                       wire_dtype: str | None, fp8_slabs: bool) -> str:
+  """Rows -> slabs, apart from the one-launch dispatch. FP8 rows
+  dequantized as they land take the drop-in exchange; FP8 slabs, the
+  quantizing launch where it takes the rows, else the byte-row launch."""
+  if ep_size == 1:
+    return "local"
+  if wire_dtype is None:
+    fused = _fused_rows(on_peer, dtype, hidden, ep_size, top_k, sums=False)
+    return "fused" if fused else "exchange"
+  if not fp8_slabs:
+    return "exchange"
+  if _fused_rows(on_peer, dtype, hidden, ep_size, top_k, sums=False, wire_dtype=wire_dtype):
+    return "fused"
+  if _fused_rows(on_peer, jnp.uint8, fp8.wire_bytes(hidden), ep_size, top_k, sums=False):
+    return "fused_wire"
+  return "exchange"
+
+
+def _one_launch(on_peer: bool, dtype, hidden: int, ep_size: int, send_capacity: int,
+                top_k: int, local_experts: int, expert_capacity: int, wire_dtype: str | None,
+                grouped_rows: int | None) -> bool:
+  """Whether the whole dispatch runs as one peer launch (decode sizes, when
+  enabled: :func:`~moe_ep.transport.peer.dispatch_layout_enabled`)."""
+  return (on_peer and not wire_dtype and grouped_rows is None
+          and peer_runtime.dispatch_layout_enabled()
+          and dispatch_layout.dispatch_layout_fits(dtype, hidden, ep_size, send_capacity, top_k,
+                                                   local_experts, expert_capacity))
+
+
+def _meta_path(on_peer: bool, ep_size: int, send_capacity: int, top_k: int,
+               local_experts: int, expert_capacity: int) -> str:
+  if ep_size == 1:
+    return "local"
+  if on_peer and fused_layout.fused_layout_fits(ep_size, send_capacity, top_k, local_experts,
+                                                expert_capacity):
+    return "fused_layout"
+  return "exchange"
+
+
+def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_capacity: int,
+                  top_k: int, hidden: int, row_dtype, axis_name, backend: str = "auto",
+                  exchange: str = "auto", mesh=None, wire_dtype: str | None = None,
+                  grouped_rows: int | None = None, checkpoint_name: str | None = None,
+                  weight_dtype: str = "float32") -> DispatchPlan:
+  """The plan of one dispatch (and of its backward) at these sizes, as
+  :func:`~moe_ep.transport.dispatch` resolves it: every path chosen here,
+  the backend resolved now (a missing CuPy fails at trace time).
+
+  Args:
+    num_experts, ep_size, expert_capacity, send_capacity, top_k: ``E``,
+      ``R``, ``C``, ``S``, ``K`` (as dispatch clamps them: ``C`` at most the
+      dropless bound, ``S`` at most ``T``).
+    hidden, row_dtype: ``H`` and the tokens' dtype (a name or a dtype).
+    axis_name, backend, exchange, mesh, wire_dtype, grouped_rows,
+      checkpoint_name: as for :func:`~moe_ep.transport.dispatch`
+      (``exchange="auto"`` resolved by :func:`resolve_exchange`).
+    weight_dtype: the dtype of the routing weights dispatch differentiates
+      (float32 after :func:`~moe_ep.transport.ops.merge_duplicate_routes`).
+
+  Returns:
+    :class:`DispatchPlan`.
+  """
+  check_backend(backend)
+  wire_dtype = check_wire_dtype(wire_dtype)
+  resolved = resolve_exchange(exchange, backend, axis_name, ep_size, mesh)
+  on_peer = resolved == "peer"
+  dtype = jnp.dtype(row_dtype)
+  local_experts = num_experts // ep_size
+  fp8_slabs = wire_dtype is not None and checkpoint_name is not None
+  if _one_launch(on_peer, dtype, hidden, ep_size, send_capacity, top_k, local_experts,
+                 expert_capacity, wire_dtype, grouped_rows):
+    dispatch_row_path = "one_launch"
+  else:
+    dispatch_row_path = _dispatch_row_path(on_peer, dtype, hidden, ep_size, top_k, wire_dtype,
+                                           fp8_slabs)
+  plan = DispatchPlan(
+      num_experts=num_experts, ep_size=ep_size, expert_capacity=expert_capacity,
+      send_capacity=send_capacity, top_k=top_k, hidden=hidden, row_dtype=dtype.name,
+      axis_name=axis_name, backend=backend, exchange=resolved,
+      meta_path=_meta_path(on_peer, ep_size, send_capacity, top_k, local_experts,
+                           expert_capacity),
+      dispatch_row_path=dispatch_row_path,
+      combine_row_path=_combine_row_path(on_peer, dtype, hidden, ep_size, top_k),
+      mesh=mesh, grouped_rows=grouped_rows, wire_dtype=wire_dtype, weight_dtype=weight_dtype,
+      checkpoint_name=checkpoint_name)
+  plan.ops
+  return plan
+
+
+def plan_combine(handle: RoutingHandle, *, hidden: int, row_dtype, axis_name,
+                 backend: str = "auto", exchange: str = "auto", mesh=None) -> DispatchPlan:
+  """The plan of one combine (and of its backward) of expert outputs of
+  ``hidden`` channels of ``row_dtype`` along ``handle``, as
+  :func:`~moe_ep.transport.combine` resolves it. Combine reads only the
+  handle's flat maps: to it a grouped buffer is one group of ``M`` rows. It
+  routes nothing (``meta_path`` None) and its rows cross as they are."""
+  check_backend(backend)
+  local_experts, capacity = ((1, handle.slab_row.shape[0]) if handle.grouped
+                             else handle.slab_row.shape)
+  ep_size = handle.ep_size
+  resolved = resolve_exchange(exchange, backend, axis_name, ep_size, mesh)
+  on_peer = resolved == "peer"
+  dtype = jnp.dtype(row_dtype)
+  plan = DispatchPlan(
+      num_experts=local_experts * ep_size, ep_size=ep_size, expert_capacity=capacity,
+      send_capacity=handle.send_capacity, top_k=handle.top_k, hidden=hidden,
+      row_dtype=dtype.name, axis_name=axis_name, backend=backend, exchange=resolved,
+      meta_path=None,
+      dispatch_row_path=_dispatch_row_path(on_peer, dtype, hidden, ep_size, handle.top_k,
+                                           None, False),
+      combine_row_path=_combine_row_path(on_peer, dtype, hidden, ep_size, handle.top_k),
+      mesh=mesh)
+  plan.ops
+  return plan
+
+
+def ep_size_of(axis_name, caller: str) -> int:
+  """The size of the mapped axis ``axis_name`` (1 for None); ValueError
+  naming ``caller`` outside ``shard_map`` over it."""
+  if axis_name is None:
+    return 1
+  try:
+    return jax.lax.axis_size(axis_name)
+  except NameError:
+    raise ValueError(
+        f"{caller}(axis_name={axis_name!r}): no mapped axis of that name here; call {caller} "
+        f"inside jax.shard_map over the {axis_name!r} mesh axis (or pass axis_name=None for "
+        f"one rank)") from None
