@@ -75,7 +75,8 @@ def test_a_traced_commit_has_the_results_source_digest():
   import subprocess
   index = index_module()
   traced = [(path, json.loads(path.read_text())) for path in RESULTS.rglob("*.json")]
-  traced = [(path, record) for path, record in traced if record.get("traced_commit")]
+  traced = [(path, record) for path, record in traced
+            if isinstance(record, dict) and record.get("traced_commit")]
   assert traced  # the models results of 2026-12-03 are traced this way
   for path, record in traced:
     try:

@@ -50,7 +50,7 @@ def _loss_and_grads(bank, activation, weighted, fuse, cotangent):
 
 
 @pytest.mark.parametrize("activation, weighted",
-                         itertools.product(hopper_fused.ACTIVATIONS, [True, False]))
+                         list(itertools.product(hopper_fused.ACTIVATIONS, [True, False])))
 def test_the_fused_rules_compose_to_the_unfused_gradient(monkeypatch, activation, weighted):
   """On CPU, with the kernels pretended present, the fused structure runs
   the rules' pure-JAX branches: the same products as the unfused bank, so
@@ -59,6 +59,12 @@ def test_the_fused_rules_compose_to_the_unfused_gradient(monkeypatch, activation
   output's scale)."""
   monkeypatch.setattr(grouped, "hopper_available", lambda: True)
   monkeypatch.setattr(hopper, "num_sms_here", lambda: 132)
+  # On the CPU backend, also on a GPU machine: the rules' pure-JAX branches.
+  with jax.default_device(jax.devices("cpu")[0]):
+    _compare_fused_and_plain_branches(activation, weighted)
+
+
+def _compare_fused_and_plain_branches(activation, weighted):
   rng = np.random.default_rng(0)
   bank = _bank(rng, SIZES, 64, 48, activation, jnp.bfloat16)
   cotangent = jnp.asarray(rng.normal(size=(bank[0].shape[0], 64)) * bank[5].any(0)[:, None],
@@ -161,7 +167,7 @@ def _reference(bank, activation, weighted, cotangent):
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden, ffn", [(256, 512), (2880, 1408), (200, 72), (72, 200)])
 @pytest.mark.parametrize("activation, weighted",
-                         itertools.product(hopper_fused.ACTIVATIONS, [True, False]))
+                         list(itertools.product(hopper_fused.ACTIVATIONS, [True, False])))
 def test_fused_kernels_match_float64(hidden, ffn, activation, weighted):
   """The fused bank on the Hopper kernels against float64, every gradient.
   bfloat16 rounds the inputs (compared as rounded), then ``hidden``, ``act``
