@@ -88,3 +88,20 @@ def test_importing_a_module_leaves_the_core_unloaded(module, kept_out):
                           text=True, timeout=300)
   assert result.returncode == 0, result.stderr
   assert result.stdout.strip() == "[]", result.stdout
+
+
+@pytest.mark.parametrize("face", ["moe_ep", "moe_ep.transport"])
+def test_a_lazy_face_states_its_exports_as_imports(face):
+  """A face that loads its names on first use (moe_ep.lazy) lists the same
+  names, from the same modules, as imports under ``TYPE_CHECKING``: what a
+  reader or a static tool follows is what runs."""
+  import importlib
+  path = REPO / pathlib.Path(*face.split(".")) / "__init__.py"
+  block = next(node for node in ast.parse(path.read_text()).body
+               if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
+  stated = {alias.name: node.module for node in block.body if isinstance(node, ast.ImportFrom)
+            for alias in node.names}
+  package = importlib.import_module(face)
+  assert sorted(stated) == sorted(package.__all__)
+  for name, module in stated.items():
+    assert getattr(package, name) is getattr(importlib.import_module(module), name), name

@@ -21,7 +21,17 @@ configuration shares live below, in :mod:`moe_ep.options`):
   GPUs' memory.
 """
 
+from typing import TYPE_CHECKING
+
 from moe_ep.lazy import exports
+
+if TYPE_CHECKING:  # the exports below, stated as imports for readers and tools
+  from moe_ep.capacity import expert_capacity_for, send_capacity_for
+  from moe_ep.options import CHECKPOINT_FIELDS, EXCHANGES, WIRE_DTYPES, check_wire_dtype
+  from moe_ep.row_groups import ROW_TILE, grouped_rows_for
+  from moe_ep.transport.handle import Dispatched, RoutingHandle
+  from moe_ep.transport.ops import combine, dispatch
+  from moe_ep.transport.scopes import NAMED_SCOPES
 
 __all__, __getattr__, __dir__ = exports(__name__, {
     "ops": ("combine", "dispatch"),
