@@ -35,6 +35,7 @@ from jax.experimental import multihost_utils
 from moe_ep.bench import common
 from moe_ep.bench.ep_inputs import ep_inputs, per_rank, random_rows, routing_only
 from moe_ep.transport import combine, dispatch, fp8, peer, row_paths
+from moe_ep.transport.plan import auto_exchange_reason
 from moe_ep.transport.peer import rows as peer_rows
 
 PATHS = ("all_to_all", "peer")
@@ -87,14 +88,6 @@ def _same_bits(a, b) -> bool:
     return x.view(np.dtype(f"u{x.dtype.itemsize}"))
   return all(np.array_equal(bits(x.data), bits(y.data))
              for x, y in zip(a.addressable_shards, b.addressable_shards))
-
-
-def _peer_reason(mesh, backend: str) -> str | None:
-  if mesh.shape["ep"] == 1:
-    return "one rank"
-  if backend == "xla":
-    return "backend='xla'"
-  return peer.unsupported_reason(mesh, "ep")
 
 
 def _multiprocessors() -> int | None:
@@ -154,7 +147,7 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
   row_bytes = hidden * 2
   wire_row_bytes = fp8.wire_bytes(hidden)
   num_slab_rows = num_experts // ep_size * capacity
-  reason = _peer_reason(mesh, backend)
+  reason = auto_exchange_reason(backend, "ep", mesh.shape["ep"], mesh)
   result = {"tokens_per_rank": tokens, "num_experts": num_experts, "expert_capacity": capacity,
             "send_capacity": send_capacity, "peer_unsupported_reason": reason}
   reference = None
@@ -283,7 +276,7 @@ def raw_case(mesh, send_capacity: int, hidden: int, backend: str, iters: int,
 
   result["all_to_all"] = _with_gbs(_timed(mesh, all_to_all, (buffer,), repeat=repeat,
                                           iters=iters, same_shape=True), off_device, received)
-  reason = _peer_reason(mesh, backend)
+  reason = auto_exchange_reason(backend, "ep", mesh.shape["ep"], mesh)
   result["peer_unsupported_reason"] = reason
   if reason is None:
     def exchange(b):
@@ -310,7 +303,7 @@ def decode_case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, ca
   the row paths alone) per path, ``tokens`` per rank."""
   inputs = ep_inputs(mesh, tokens, hidden, num_experts, top_k, capacity_factor, tokens)
   x, idx, weights = inputs.dispatch_args
-  reason = _peer_reason(mesh, backend)
+  reason = auto_exchange_reason(backend, "ep", mesh.shape["ep"], mesh)
   result = {"tokens_per_rank": tokens, "num_experts": num_experts,
             "expert_capacity": inputs.expert_capacity, "send_capacity": inputs.send_capacity,
             "peer_unsupported_reason": reason}

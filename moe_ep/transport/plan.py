@@ -141,30 +141,40 @@ class DispatchPlan:
     return name_value(value, f"{self.checkpoint_name}.{field}")
 
 
+def auto_exchange_reason(backend: str, axis_name, ep_size: int, mesh) -> str | None:
+  """Why ``exchange="auto"`` keeps XLA's ``all_to_all`` here (None: it takes
+  the peer path): one rank, the ``"xla"`` backend, no ``mesh``, or GPUs of
+  the EP groups that do not reach each other by peer access on one host."""
+  if ep_size == 1:
+    return "one rank"
+  if backend == "xla":
+    return "backend='xla'"
+  if mesh is None:
+    return "no mesh given"
+  return reachability.unsupported_reason(mesh, axis_name)
+
+
 def resolve_exchange(exchange: str, backend: str, axis_name, ep_size: int, mesh) -> str:
   """The exchange one dispatch/combine uses: ``"peer"`` or ``"all_to_all"``.
 
-  ``"auto"`` takes the peer path where it runs: more than one rank, the
-  kernels' backend (not ``"xla"``), a ``mesh`` given, and every pair of GPUs
-  of each EP group reaching the other by peer access on one host
-  (:func:`moe_ep.transport.peer.supported`); ``"peer"`` insists and says why
+  ``"auto"`` takes the peer path where :func:`auto_exchange_reason` finds
+  nothing against it; ``"peer"`` insists (with any backend) and says why
   not."""
   if exchange not in EXCHANGES:
     raise ValueError(f"exchange={exchange!r} is not one of {EXCHANGES}")
   if ep_size == 1 or exchange == "all_to_all":
     return "all_to_all"
-  if exchange == "auto" and (backend == "xla" or mesh is None):
-    return "all_to_all"
+  if exchange == "auto":
+    return ("peer" if auto_exchange_reason(backend, axis_name, ep_size, mesh) is None
+            else "all_to_all")
   if mesh is None:
     raise ValueError(f"exchange='peer' needs mesh=, the mesh of the enclosing shard_map over "
                      f"axis {axis_name!r}")
   reason = reachability.unsupported_reason(mesh, axis_name)
-  if reason is None:
-    return "peer"
-  if exchange == "peer":
+  if reason is not None:
     raise ValueError(f"exchange='peer' cannot run on this mesh: {reason}; use "
                      "exchange='auto' or 'all_to_all'")
-  return "all_to_all"
+  return "peer"
 
 
 def _fused_rows(on_peer: bool, dtype, hidden: int, ep_size: int, top_k: int, sums: bool,
