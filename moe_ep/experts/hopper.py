@@ -134,6 +134,31 @@ def store_tile(acc, out_smem, out_ref, wg_idx, epi_tile: int):
       plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], out_ref.at[piece])
 
 
+@dataclasses.dataclass(frozen=True)
+class OutputTile:
+  """Where one step of a persistent kernel's loop over output tiles writes:
+  its row tile's group (-1: none), the CTA's rows and columns, this compute
+  warpgroup's share of the columns, and the column tile's index."""
+
+  group: jax.Array
+  rows: object  # pl.ds of ROW_TILE rows
+  columns: object  # pl.ds of 2 * wg_columns columns
+  wg_columns: object  # pl.ds within ``columns``
+  column_tile: jax.Array
+
+
+def output_tile(loop_info, tile_group_gmem, wg_idx, *, m_iters: int, n_iters: int,
+                wg_columns: int, config: TileConfig) -> OutputTile:
+  """The :class:`OutputTile` of step ``loop_info`` of an ``nd_loop`` over
+  ``m_iters * n_iters`` tiles, visited in the snake order of ``config``."""
+  (index,) = loop_info.index
+  m_idx, n_idx = plgpu.planar_snake(index, (m_iters, n_iters), config.grid_minor_dim,
+                                    config.grid_tile_width)
+  return OutputTile(tile_group_gmem[m_idx], pl.ds(m_idx * ROW_TILE, ROW_TILE),
+                    pl.ds(n_idx * (2 * wg_columns), 2 * wg_columns),
+                    pl.ds(wg_idx * wg_columns, wg_columns), n_idx)
+
+
 def kernel_call(body, out_type, num_sms):
   return plgpu.kernel(
       body, out_type=out_type, grid=(num_sms,), grid_names=("sm",), num_threads=3,
@@ -171,7 +196,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
   # are K, and N where the weights are not read transposed.
   transforms = smem_transforms(dtype, tile_k, k, *(() if transpose_rhs else (padded_n,)))
   epi = config.epi_tile
-  outsmem_transforms = smem_transforms(dtype, epi, padded_n)
+  out_transforms = smem_transforms(dtype, epi, padded_n)
 
   def pipeline(body, compute_context):
     rhs_spec = (plgpu.BlockSpec((cta_tile_n, tile_k), lambda ki: (0, ki), transforms=transforms,
@@ -193,20 +218,16 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
-        out_smem=plgpu.SMEM((2, 2, epi, epi), dtype, transforms=outsmem_transforms),
+        out_smem=plgpu.SMEM((2, 2, epi, epi), dtype, transforms=out_transforms),
         collective_axes="wg")
     def scope(allocs, out_smem):
       wg_idx = lax.axis_index("wg")
 
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
       def tile_loop(loop_info):
-        (index,) = loop_info.index
-        m_idx, n_idx = plgpu.planar_snake(index, (m_iters, n_iters), config.grid_minor_dim,
-                                          config.grid_tile_width)
-        group = tile_group_gmem[m_idx]
-        m_slice = pl.ds(m_idx * tile_m, tile_m)
-        n_slice = pl.ds(n_idx * cta_tile_n, cta_tile_n)
-        wg_n_slice = pl.ds(wg_idx * tile_n, tile_n)
+        tile = output_tile(loop_info, tile_group_gmem, wg_idx, m_iters=m_iters, n_iters=n_iters,
+                           wg_columns=tile_n, config=config)
+        group, m_slice, n_slice, wg_n_slice = tile.group, tile.rows, tile.columns, tile.wg_columns
 
         # A tile of no group is stored as zeros by the compute warpgroups (so
         # the input gradient there is zero, not what memory held).
@@ -268,19 +289,19 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
   k_iters, n_iters = pl.cdiv(k, tile_m), pl.cdiv(n, cta_tile_n)
   dtype = lhs.dtype
   # One swizzle for both wgmma operands, whose minor sizes are K and N.
-  lhssmem_transforms = rhssmem_transforms = smem_transforms(dtype, tile_m, k, cta_tile_n, n)
+  lhs_transforms = rhs_transforms = smem_transforms(dtype, tile_m, k, cta_tile_n, n)
   epi = config.epi_tile
-  outsmem_transforms = smem_transforms(dtype, epi, n)
+  out_transforms = smem_transforms(dtype, epi, n)
 
   def pipeline(body, compute_context, steps, first_block):
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(steps,), memory_registers=40,
         in_specs=[
             plgpu.BlockSpec((tile_c, tile_m), lambda ci: (first_block + ci, 0),
-                            transforms=lhssmem_transforms, memory_space=plgpu.SMEM,
+                            transforms=lhs_transforms, memory_space=plgpu.SMEM,
                             delay_release=config.delay_release),
             plgpu.BlockSpec((tile_c, cta_tile_n), lambda ci: (first_block + ci, 0),
-                            transforms=rhssmem_transforms, memory_space=plgpu.SMEM,
+                            transforms=rhs_transforms, memory_space=plgpu.SMEM,
                             delay_release=config.delay_release)],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context)
@@ -294,7 +315,7 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
         pl.run_scoped,
         allocs=pipeline(ignore, ignore, dynamic_one, dynamic_one).get_allocations(lhs_gmem,
                                                                                 rhs_gmem),
-        out_smem=plgpu.SMEM((2, 2, epi, epi), dtype, transforms=outsmem_transforms),
+        out_smem=plgpu.SMEM((2, 2, epi, epi), dtype, transforms=out_transforms),
         collective_axes="wg")
     def scope(allocs, out_smem):
       wg_idx = lax.axis_index("wg")

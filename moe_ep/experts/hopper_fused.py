@@ -140,13 +140,9 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
 
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
       def tile_loop(loop_info):
-        (index,) = loop_info.index
-        m_idx, n_idx = plgpu.planar_snake(index, (m_iters, n_iters), config.grid_minor_dim,
-                                          config.grid_tile_width)
-        group = tile_group_gmem[m_idx]
-        m_slice = pl.ds(m_idx * tile_m, tile_m)
-        n_slice = pl.ds(n_idx * cta_cols, cta_cols)
-        wg_slice = pl.ds(wg_idx * wg_cols, wg_cols)
+        tile = hopper.output_tile(loop_info, tile_group_gmem, wg_idx, m_iters=m_iters,
+                                  n_iters=n_iters, wg_columns=wg_cols, config=config)
+        group, m_slice, n_slice, wg_slice = tile.group, tile.rows, tile.columns, tile.wg_columns
         # [tile_m, wg_cols] views of this warpgroup's outputs: hidden's n parts, act.
         outputs = [hidden_gmem.at[m_slice, h, n_slice].at[:, wg_slice] for h in range(n)]
         outputs.append(act_gmem.at[m_slice, n_slice].at[:, wg_slice])
@@ -274,18 +270,14 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
 
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
       def tile_loop(loop_info):
-        (index,) = loop_info.index
-        m_idx, n_idx = plgpu.planar_snake(index, (m_iters, n_iters), config.grid_minor_dim,
-                                          config.grid_tile_width)
-        group = tile_group_gmem[m_idx]
-        m_slice = pl.ds(m_idx * tile_m, tile_m)
-        n_slice = pl.ds(n_idx * cta_cols, cta_cols)
-        wg_slice = pl.ds(wg_idx * wg_cols, wg_cols)
+        tile = hopper.output_tile(loop_info, tile_group_gmem, wg_idx, m_iters=m_iters,
+                                  n_iters=n_iters, wg_columns=wg_cols, config=config)
+        group, m_slice, n_slice, wg_slice = tile.group, tile.rows, tile.columns, tile.wg_columns
         hidden_views = [hidden_gmem.at[m_slice, h, n_slice].at[:, wg_slice] for h in range(n)]
         d_hidden_views = [d_hidden_gmem.at[m_slice, h, n_slice].at[:, wg_slice]
                           for h in range(n)]
         # This warpgroup's column tile's share of the weights' gradient.
-        d_w_view = d_w_gmem.at[n_idx * 2 + wg_idx, m_slice] if weighted else None
+        d_w_view = d_w_gmem.at[tile.column_tile * 2 + wg_idx, m_slice] if weighted else None
 
         def epilogue(d_act):  # d_act: float32 [tile_m, wg_cols], or None for zeros
           if weighted and d_act is not None:
