@@ -150,7 +150,10 @@ class RematConfig:
   Saving ``"dispatch"`` means backward never re-runs the dispatch exchange.
   Saving ``"combine"`` as well (the combined output, ``[T, H]`` per layer)
   also spares the combine exchange when something after the layer inside the
-  same checkpoint needs the layer's output in its backward pass.
+  same checkpoint needs the layer's output in its backward pass. Saving
+  ``"expert_hidden"`` means backward recomputes no expert GEMM: it holds the
+  activation's input (``2F`` values a routed row for gated activations),
+  and where the grouped kernels fuse the activation its output too (``3F``).
 
   >>> RematConfig(save=("dispatch",)).names
   ('moe.dispatch.tokens', 'moe.dispatch.weights', 'moe.dispatch.handle', 'moe.dispatch.counts')
