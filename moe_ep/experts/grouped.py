@@ -177,6 +177,18 @@ def _wgrad(implementation, lhs, rhs, tiles):
   return _wgrad_xla(lhs, rhs, tiles)
 
 
+def _no_gradient(tiles: GroupTiles) -> GroupTiles:
+  """The cotangent of int32 layout data: float0 zeros."""
+  return jax.tree.map(lambda t: jnp.zeros(t.shape, jax.dtypes.float0), tiles)
+
+
+def _weights_like(weights: jax.Array, rows: jax.Array) -> jax.Array:
+  """``weights`` in the rows' dtype, varying like them: the custom rules'
+  weight gradients vary like the rows (over the batch axes too), and the
+  transpose of this cast sums them over those axes."""
+  return sharding.vary_like(weights.astype(rows.dtype), rows)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _grouped_matmul(implementation, lhs, rhs, tiles):
   return _forward(implementation, lhs, rhs, tiles, False)
@@ -191,7 +203,7 @@ def _grouped_matmul_bwd(implementation, residuals, out_grad):
   out_grad = out_grad.astype(lhs.dtype)
   lhs_grad = _forward(implementation, out_grad, rhs, tiles, True)
   rhs_grad = _wgrad(implementation, lhs, out_grad, tiles)
-  tiles_grad = jax.tree.map(lambda t: jnp.zeros(t.shape, jax.dtypes.float0), tiles)
+  tiles_grad = _no_gradient(tiles)
   return lhs_grad, rhs_grad, tiles_grad
 
 
@@ -222,10 +234,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tiles: GroupTiles,
   if lhs.shape[0] % ROW_TILE or tiles.tile_group.shape[0] * ROW_TILE != lhs.shape[0]:
     raise ValueError(f"lhs has {lhs.shape[0]} rows: the grouped layout needs a multiple of "
                      f"{ROW_TILE} matching tiles.tile_group {tiles.tile_group.shape}")
-  # The custom rule's weight gradient varies like the rows (over the batch
-  # axes too): the weights must enter varying alike, and the transpose of
-  # that cast sums the gradient over those axes.
-  rhs = sharding.vary_like(rhs.astype(lhs.dtype), lhs)
+  rhs = _weights_like(rhs, lhs)
   return _grouped_matmul(implementation, lhs, rhs, tiles)
 
 
@@ -284,7 +293,7 @@ def _activation_matmul_bwd(implementation, activation, residuals, grads):
   rhs_grad = _wgrad(implementation, lhs, hidden_grad, tiles)
   weights_grad = (None if row_weights is None else
                   sharding.vary_like(jnp.zeros_like(row_weights), row_weights))
-  tiles_grad = jax.tree.map(lambda t: jnp.zeros(t.shape, jax.dtypes.float0), tiles)
+  tiles_grad = _no_gradient(tiles)
   return lhs_grad, rhs_grad, weights_grad, tiles_grad
 
 
@@ -293,9 +302,7 @@ _activation_matmul.defvjp(_activation_matmul_fwd, _activation_matmul_bwd)
 
 def _activation_grad_xla(out_grad, w_out, hidden, tiles, row_weights, activation):
   act_grad = _forward_xla(out_grad, w_out, tiles, True)
-  if row_weights is None:
-    _, vjp = jax.vjp(lambda h: activate(h, activation), hidden)
-    return vjp(act_grad)[0], None
+  # row_weights None is an empty argument: its gradient comes back None.
   _, vjp = jax.vjp(lambda h, w: activate(h, activation, w), hidden, row_weights)
   return vjp(act_grad)
 
@@ -320,7 +327,7 @@ def _activated_matmul_bwd(implementation, activation, residuals, out_grad):
           hopper_fused.activation_grad_matmul(g, b, h, t.tile_group, w, activation)),
       default=lambda g, b, h, w, t: _activation_grad_xla(g, b, h, t, w, activation))
   w_out_grad = _wgrad(implementation, act, out_grad, tiles)
-  tiles_grad = jax.tree.map(lambda t: jnp.zeros(t.shape, jax.dtypes.float0), tiles)
+  tiles_grad = _no_gradient(tiles)
   act_grad = sharding.vary_like(jnp.zeros_like(act), act)  # all of it went through hidden
   return act_grad, hidden_grad, w_out_grad, weights_grad, tiles_grad
 
@@ -362,8 +369,7 @@ def grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array, w_ou
     fuse_activation = fuses_activation_by_default(rows.shape[1], ffn)
   if fuse_activation and _fuses_activation(implementation, rows.dtype, rows.shape[0],
                                            rows.shape[1], ffn, activation):
-    w_in = sharding.vary_like(w_in.astype(rows.dtype), rows)
-    w_out = sharding.vary_like(w_out.astype(rows.dtype), rows)
+    w_in, w_out = _weights_like(w_in, rows), _weights_like(w_out, rows)
     hidden, act = _activation_matmul(implementation, activation, rows, w_in, row_weights,
                                      tiles)
     hidden, act = name("expert_hidden", hidden), name("expert_hidden", act)

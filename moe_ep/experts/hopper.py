@@ -117,6 +117,15 @@ def num_sms_here() -> int:
   return jax.devices()[0].core_count
 
 
+def store_piece(value, out_smem, wg_idx, slot: int, out_ref):
+  """Stores one ``[epi_tile, epi_tile]`` piece through shared-memory ``slot``
+  of warpgroup ``wg_idx`` by TMA, once the slot's previous store has read it."""
+  plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+  out_smem[wg_idx, slot] = value.astype(out_smem.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], out_ref)
+
+
 def store_tile(acc, out_smem, out_ref, wg_idx, epi_tile: int):
   """Stores one warpgroup's ``[128, tile_n]`` float32 accumulator into
   ``out_ref`` (a ``[128, tile_n]`` view of the output) by TMA, in
@@ -127,11 +136,8 @@ def store_tile(acc, out_smem, out_ref, wg_idx, epi_tile: int):
   for i in range(rows // epi_tile):
     for j in range(cols // epi_tile):
       piece = (slice(i * epi_tile, (i + 1) * epi_tile), slice(j * epi_tile, (j + 1) * epi_tile))
-      slot = (i * (cols // epi_tile) + j) % 2
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-      out_smem[wg_idx, slot] = acc[piece]
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], out_ref.at[piece])
+      store_piece(acc[piece], out_smem, wg_idx, (i * (cols // epi_tile) + j) % 2,
+                  out_ref.at[piece])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,14 +71,6 @@ def _row_weights(w_smem, wg_idx, rows: slice, columns: int):
   return lax.broadcast_in_dim(weights, (rows.stop - rows.start, columns), (0,))
 
 
-def _store_piece(value, out_smem, wg_idx, slot: int, out_ref):
-  """Stores one ``[_EPI, _EPI]`` piece through shared-memory ``slot`` by TMA."""
-  plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-  out_smem[wg_idx, slot] = value.astype(out_smem.dtype)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], out_ref)
-
-
 def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
                       row_weights: jax.Array | None, activation: str, *,
                       config: hopper.TileConfig = hopper.TileConfig(),
@@ -154,7 +146,7 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
             for j in range(wg_cols // _EPI):
               rows, cols = slice(i * _EPI, (i + 1) * _EPI), slice(j * _EPI, (j + 1) * _EPI)
               for value, out_ref in zip(values(rows, cols), outputs):
-                _store_piece(value, out_smem, wg_idx, piece % 2, out_ref.at[rows, cols])
+                hopper.store_piece(value, out_smem, wg_idx, piece % 2, out_ref.at[rows, cols])
                 piece += 1
 
         @pl.when((group < 0) & (wg_idx < 2))
