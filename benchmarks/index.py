@@ -14,7 +14,6 @@ sources have the result's ``source_digest``, recorded as ``traced_commit``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pathlib
 import re
@@ -96,18 +95,21 @@ def traceable(path: pathlib.Path) -> bool:
 
 def source_digest_at(commit: str) -> str:
   """``moe_ep.bench.common.source_digest`` of ``commit``'s tree: the same
-  files (``moe_ep/**.py``, ``kernels/**.cu``, ``kernels/**.cuh``) and bytes."""
-  names = subprocess.run(["git", "ls-tree", "-r", "--name-only", commit, "--", "moe_ep",
-                          "kernels"], cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout.split()
-  names = sorted(n for n in names if (n.startswith("moe_ep/") and n.endswith(".py")) or (
-      n.startswith("kernels/") and n.endswith((".cu", ".cuh"))))
-  digest = hashlib.sha256()
-  for name in names:
-    blob = subprocess.run(["git", "show", f"{commit}:{name}"], cwd=REPO, capture_output=True,
-                          check=True).stdout
-    digest.update(name.encode() + b"\0" + blob + b"\0")
-  return digest.hexdigest()[:16]
+  files and bytes, read from git in one batch."""
+  from moe_ep.bench.common import digest_sources, is_source_file  # noqa: PLC0415  (jax)
+  names = subprocess.run(["git", "ls-tree", "-r", "--name-only", commit], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+  names = [name for name in names if is_source_file(name)]
+  batch = subprocess.run(["git", "cat-file", "--batch"], cwd=REPO, capture_output=True,
+                         check=True, input="".join(f"{commit}:{n}\n" for n in names).encode()
+                         ).stdout
+  sources, at = {}, 0
+  for name in names:  # each: "<sha> blob <size>\n", the bytes, "\n"
+    header_end = batch.index(b"\n", at)
+    size = int(batch[at:header_end].split()[2])
+    sources[name] = batch[header_end + 1:header_end + 1 + size]
+    at = header_end + 1 + size + 1
+  return digest_sources(sources)
 
 
 def trace(path: pathlib.Path, depth: int = 300) -> str | None:

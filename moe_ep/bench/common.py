@@ -38,21 +38,34 @@ def git_commit(checkout: pathlib.Path = _CHECKOUT) -> str | None:
   return head + ("+dirty" if dirty else "")
 
 
+def is_source_file(relative: str) -> bool:
+  """Whether the checkout's file at ``relative`` (a posix path) is one that
+  :func:`source_digest` covers."""
+  path = pathlib.PurePosixPath(relative)
+  return any(path.parts[0] == folder and path.match(pattern) for folder, pattern in _SOURCE_FILES)
+
+
+def digest_sources(sources: dict[str, bytes]) -> str:
+  """The first 16 hex digits of the SHA-256 over ``{relative path: bytes}``:
+  each path, then its bytes, in path order (by path components)."""
+  digest = hashlib.sha256()
+  for relative in sorted(sources, key=lambda r: pathlib.PurePosixPath(r).parts):
+    digest.update(relative.encode() + b"\0")
+    digest.update(sources[relative] + b"\0")
+  return digest.hexdigest()[:16]
+
+
 def source_digest(checkout: pathlib.Path = _CHECKOUT) -> str | None:
-  """The first 16 hex digits of the SHA-256 over the package's and kernels'
-  source files of ``checkout`` (each one's relative path, then its bytes, in
-  path order): which code a result ran, which a commit can be checked
+  """:func:`digest_sources` of the package's and kernels' source files of
+  ``checkout``: which code a result ran, which a commit can be checked
   against also where the checkout's git history is not that code's (a copied
-  working tree, whose HEAD is older). None outside a source checkout."""
+  working tree, whose HEAD is older; ``benchmarks/index.py --trace``). None
+  outside a source checkout."""
   if not (checkout / "pyproject.toml").is_file():
     return None
-  digest = hashlib.sha256()
-  files = sorted({path for folder, pattern in _SOURCE_FILES
-                  for path in (checkout / folder).rglob(pattern)})
-  for path in files:
-    digest.update(path.relative_to(checkout).as_posix().encode() + b"\0")
-    digest.update(path.read_bytes() + b"\0")
-  return digest.hexdigest()[:16]
+  files = {path for folder, pattern in _SOURCE_FILES for path in (checkout / folder).rglob(pattern)}
+  return digest_sources({path.relative_to(checkout).as_posix(): path.read_bytes()
+                         for path in files})
 
 
 def environment() -> dict:
