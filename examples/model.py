@@ -108,6 +108,12 @@ class BlockGroup(nnx.Module):
     return self.moe_block(x)
 
 
+def fused_attention_forward(primitive, *_, **__) -> bool:
+  """A ``jax.checkpoint`` policy: saves cuDNN flash attention's forward
+  outputs (JAX's ``dot_product_attention_fwd_wrapper``)."""
+  return primitive.name == "dot_product_attention_fwd_wrapper"
+
+
 def block_remat_policy(config: Config):
   """The ``jax.checkpoint`` policy of each repeating unit as
   ``model.remat_policy`` names it (see :class:`ModelConfig`); None without
@@ -116,10 +122,13 @@ def block_remat_policy(config: Config):
     return None
   moe_names = config.moe.remat.policy()
   policies = jax.checkpoint_policies
+  save_dots = policies.save_from_both_policies(policies.dots_with_no_batch_dims_saveable,
+                                               moe_names)
   return {
       "moe": moe_names,
-      "save_dots": policies.save_from_both_policies(
-          policies.dots_with_no_batch_dims_saveable, moe_names),
+      "save_dots": save_dots,
+      "save_dots_attention": policies.save_from_both_policies(save_dots,
+                                                              fused_attention_forward),
       "full": policies.nothing_saveable,
   }[config.model.remat_policy]
 

@@ -33,7 +33,7 @@ MESH_AXES = ("dp", "ep")
 # ModelConfig.attention -> jax.nn.dot_product_attention(implementation=...).
 ATTENTION_IMPLEMENTATIONS = {"auto": None, "xla": "xla", "cudnn": "cudnn"}
 # ModelConfig.remat_policy values (examples/model.py maps them to policies).
-REMAT_POLICIES = ("moe", "save_dots", "full")
+REMAT_POLICIES = ("moe", "save_dots", "save_dots_attention", "full")
 # DataConfig.token_dtype values: the widths of token ids in shard files.
 TOKEN_DTYPES = ("uint16", "uint32")
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
@@ -68,8 +68,12 @@ class ModelConfig:
       dimensions (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``:
       the qkv, output and dense-MLP projections and the router; not the
       attention scores or the expert GEMMs, batched over experts; MaxText's
-      ``minimal``); ``"full"``: nothing, everything is recomputed
-      (``nothing_saveable``, the dispatch exchange included).
+      ``minimal``); ``"save_dots_attention"``: those and cuDNN flash
+      attention's outputs (the attended values and the softmax statistics,
+      what its backward reads: ``T * D`` bf16 and ``T * heads`` float32 a
+      layer), so the backward runs no attention forward again; with XLA
+      attention the same as ``"save_dots"``; ``"full"``: nothing, everything
+      is recomputed (``nothing_saveable``, the dispatch exchange included).
     rope_base: rotary position embedding base.
     dtype: compute dtype of attention and dense layers (``moe.dtype`` for the MoE).
     attention: ``jax.nn.dot_product_attention``'s implementation:

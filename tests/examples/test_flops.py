@@ -147,6 +147,11 @@ REMAT_CASES = {
                   lambda config, per: TOKENS * (
                       flops.attention_flops_per_token(config, causal=False)
                       + 2 * per["experts"])),
+    # XLA's attention has no fused forward to save: as save_dots.
+    "save_dots_attention": (["model.remat_blocks=true", "model.remat_policy=save_dots_attention"],
+                            lambda config, per: TOKENS * (
+                                flops.attention_flops_per_token(config, causal=False)
+                                + 2 * per["experts"])),
 }
 
 
