@@ -4,8 +4,9 @@
     python -m examples.profile_step configs/tiny.yaml model.remat_blocks=true --steps 3
     python -m examples.profile_step configs/h200.yaml train.batch_size=16 --out /tmp/p
 
-Builds the program ``examples/pretrain.py`` trains (:func:`pretrain.build_program`:
-same mesh, shardings and compiled step), runs ``--warmup`` steps, times
+Builds the program ``examples/pretrain.py`` trains
+(:func:`examples.train_program.build_program`: same mesh, shardings and
+compiled step), runs ``--warmup`` steps, times
 ``--steps`` steps without the profiler, then as many again under
 ``jax.profiler.trace``. Every device op of the trace is mapped to the
 instruction of the compiled step it ran (the events' ``hlo_op`` /
@@ -39,7 +40,9 @@ import time
 
 import jax
 
-from examples import flops, pretrain
+from examples import flops
+from examples.run_summary import device_peak_tflops
+from examples.train_program import build_program, global_batch, program_config
 from examples.data import make_corpus
 from examples.mesh import request_cpu_devices
 from examples.train_config import (DEFAULT_CONFIG, Config, config_to_yaml,
@@ -107,11 +110,11 @@ def run_steps(config: Config, *, steps: int, warmup: int, trace_dir: pathlib.Pat
   ``perfetto``). Each wall time runs from the first step's dispatch to the
   last step's outputs being ready; the next batch is made while a step runs,
   as in training."""
-  setup, train_step = pretrain.build_program(pretrain.program_config(config),
+  setup, train_step = build_program(program_config(config),
                                              tuple(jax.devices()))
   corpus = make_corpus(config)
   shape = (config.train.batch_size, config.train.seq_len + 1)
-  make_batch = lambda step: pretrain.global_batch(corpus, step, sharding=setup.batch_sharding,
+  make_batch = lambda step: global_batch(corpus, step, sharding=setup.batch_sharding,
                                                   shape=shape)
   state = setup.create()
   step_index = 0
@@ -163,7 +166,7 @@ def profile(config: Config, *, steps: int = 5, warmup: int = 3, name: str = "run
   untraced_step_s = measured.untraced_s / steps
   flops_per_token = flops.training_flops_per_token(config)
   tokens_per_s = tokens_per_step / untraced_step_s
-  peak = pretrain.device_peak_tflops(config, devices[0])
+  peak = device_peak_tflops(config, devices[0])
   return {
       "config": name,
       "overrides": list(overrides),

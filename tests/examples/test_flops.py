@@ -21,7 +21,7 @@ from jax.extend import core
 from tiny_run import REPO, TINY_YAML
 from examples import flops
 from examples.model import TransformerLM
-from examples.pretrain import make_mesh, make_setup, parameter_count
+from examples.train_program import make_mesh, make_setup, parameter_count
 from examples.train_config import load_config
 
 BATCH, SEQ = 2, 16

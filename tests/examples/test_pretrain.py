@@ -15,7 +15,7 @@ import pytest
 from tiny_run import REPO, TINY_YAML, fast_overrides, skip_unless_devices_fit
 from flax import nnx
 
-from examples import flops, pretrain, tokenize_text
+from examples import flops, pretrain, tokenize_text, train_program
 from examples.run_dir import held_steps
 from examples.data import ByteCorpus, SyntheticCorpus, make_corpus
 from examples.progress import progress_line
@@ -295,14 +295,14 @@ def test_eval_loss_is_the_held_out_cross_entropy_of_the_state_at_that_step(unint
   assert (result.summary["eval_loss"], result.summary["eval_step"]) == (evals[6], 6)
   run_config = config(run_dir)
   held_out, train_data = make_corpus(run_config, "eval"), make_corpus(run_config)
-  setup, _ = pretrain.build_program(pretrain.program_config(run_config), tuple(jax.devices()))
+  setup, _ = train_program.build_program(train_program.program_config(run_config), tuple(jax.devices()))
   forward = jax.jit(lambda state, tokens: nnx.merge(setup.model_def, state)(tokens))
   shape = (run_config.train.batch_size, run_config.train.seq_len + 1)
   losses = []
   for k in range(EVAL_BATCHES):
     tokens = np.asarray(held_out.rows(k, 0, shape[0]))
     assert not np.array_equal(tokens, train_data.rows(k, 0, shape[0]))  # held out
-    batch = pretrain.global_batch(held_out, k, sharding=setup.batch_sharding, shape=shape)
+    batch = train_program.global_batch(held_out, k, sharding=setup.batch_sharding, shape=shape)
     losses.append(_cross_entropy_f64(forward(result.state["model"], batch[:, :-1]), tokens))
   # float32 logits of a 64-token vocabulary: ~1e-6 relative error per term.
   assert evals[6] == pytest.approx(np.mean(losses), rel=1e-5)
@@ -326,7 +326,7 @@ def test_tensorboard_events_hold_every_logged_scalar(uninterrupted):
                                rtol=1e-6)
   assert [(e.step, pytest.approx(e.value, rel=1e-6)) for e in events.Scalars("eval/loss")] == [
       (r["step"], r["eval_loss"]) for r in result.records if "eval_loss" in r]
-  schedule = pretrain.make_schedule(config(run_dir).train)
+  schedule = train_program.make_schedule(config(run_dir).train)
   np.testing.assert_allclose([r["learning_rate"] for r in result.records],
                              [float(schedule(step)) for step in range(STEPS)], rtol=1e-6)
 
@@ -335,8 +335,8 @@ def test_a_resume_that_changes_the_steps_says_what_it_does_to_the_schedule(tmp_p
   pretrain.train(config(tmp_path), stop_at=3, progress=False)
   pretrain.train(config(tmp_path, "train.steps=12"), resume=True, stop_at=4, progress=True)
   out = capsys.readouterr().out
-  before = pretrain.make_schedule(config(tmp_path).train)(3)
-  after = pretrain.make_schedule(config(tmp_path, "train.steps=12").train)(3)
+  before = train_program.make_schedule(config(tmp_path).train)(3)
+  after = train_program.make_schedule(config(tmp_path, "train.steps=12").train)(3)
   assert (f"schedule: train.steps 6 -> 12: the warm-up and cosine decay are recomputed for "
           f"the whole run, so at step 3 the learning rate goes from {float(before):.3g} "
           f"(the saved schedule) to {float(after):.3g}") in out

@@ -20,6 +20,7 @@ import pytest
 from test_pretrain import STEPS, argv, config, interrupt_at, interrupted_line, losses
 from tiny_run import TINY_YAML
 from examples import pretrain
+from examples import train_program
 from examples.checkpoints import RunCheckpoints
 from examples.data import make_corpus
 from examples.run_control import NonFiniteStep
@@ -56,7 +57,7 @@ def checkpoint_steps(run_dir) -> list[str]:
 
 def assert_intact(run_dir, steps):
   """Every checkpoint in ``steps`` restores finite and matches its fingerprint."""
-  setup, _ = pretrain.build_program(pretrain.program_config(config(run_dir)),
+  setup, _ = train_program.build_program(train_program.program_config(config(run_dir)),
                                     tuple(jax.devices()))
   checkpoints = RunCheckpoints(run_dir / "checkpoints")
   for step in steps:

@@ -14,6 +14,7 @@ import pytest
 
 from tiny_run import TINY_YAML, fast_overrides
 from examples import pretrain
+from examples import train_program
 from examples.checkpoints import RunCheckpoints
 from examples.train_config import load_config
 
@@ -39,8 +40,8 @@ def config(run_dir, *extra):
 def restore_latest(config, run_dir, devices):
   """The latest checkpoint of ``run_dir`` restored onto a mesh of
   ``devices``: targets from the model traced on that mesh (the pattern
-  examples/pretrain.py's make_setup uses). Returns (setup, state, data_step)."""
-  setup, _ = pretrain.build_program(pretrain.program_config(config), tuple(devices))
+  examples/train_program.py's make_setup uses). Returns (setup, state, data_step)."""
+  setup, _ = train_program.build_program(train_program.program_config(config), tuple(devices))
   checkpoints = RunCheckpoints(run_dir / "checkpoints")
   try:
     state, data_step = checkpoints.restore(checkpoints.latest_step(), setup.abstract_state)

@@ -30,6 +30,7 @@ if str(REPO) not in sys.path:  # examples/ is a folder of the repository, not in
   sys.path.insert(0, str(REPO))
 
 from examples import pretrain  # noqa: E402
+from examples import train_program  # noqa: E402
 from examples.checkpoints import RunCheckpoints  # noqa: E402
 from examples.train_config import load_config  # noqa: E402
 from moe_ep.launch import launch  # noqa: E402
@@ -120,7 +121,7 @@ def test_two_node_checkpoint_restores_in_one_process(two_node_job, one_process):
   onto the same mesh as the one-process run's final state."""
   run_dir, _ = two_node_job
   config = load_config(None, [f"train.steps={STEPS}", "mesh.dp=2", "mesh.ep=4"])
-  setup, _ = pretrain.build_program(pretrain.program_config(config),
+  setup, _ = train_program.build_program(train_program.program_config(config),
                                     tuple(jax.devices("cpu")[:8]))
   checkpoints = RunCheckpoints(run_dir / "checkpoints")
   try:
