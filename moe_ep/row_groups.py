@@ -59,5 +59,8 @@ def group_of_rows(starts: jax.Array, rows: jax.Array, positions: jax.Array) -> j
   """``positions``' int32 group (the one whose ``[start, start + rows)`` holds
   each buffer row), -1 past the last group (:func:`group_starts` gives
   ``starts`` and ``rows``)."""
-  group = jnp.searchsorted(starts + rows, positions, side="right").astype(jnp.int32)
+  # Unrolled: the default scan is a while loop, whose predicate XLA's GPU
+  # runtime reads back on the host at every step.
+  group = jnp.searchsorted(starts + rows, positions, side="right",
+                           method="scan_unrolled").astype(jnp.int32)
   return jnp.where(group < starts.shape[0], group, -1)

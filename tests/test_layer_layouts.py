@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.extend import core
 
 from conftest import BACKENDS, layer_mesh_cases, make_mesh
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
@@ -113,6 +114,38 @@ def test_grouped_saved_dispatch_is_the_row_buffer():
   rows = expert_capacity_for(16, TOP_K, EXPERTS, 1)  # not a slab shape: the buffer is [M, H]
   assert "moe.dispatch.tokens" in text
   assert f"f32[{EXPERTS},{rows},{HIDDEN}]" not in text
+
+
+@pytest.mark.parametrize("layout, capacity_factor", [("grouped", None), ("slabs", 1.25)])
+def test_the_layer_step_runs_no_while_loop(layout, capacity_factor):
+  """Dispatch and the grouped bank find each row's group with unrolled
+  searches: XLA's GPU runtime reads a while loop's predicate back on the host
+  at every step (a default ``jnp.searchsorted`` is such a loop)."""
+  layer = ExpertParallelMoE(config(expert_layout=layout, capacity_factor=capacity_factor),
+                            rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+  def loss(params, x):
+    y, aux = nnx.merge(graphdef, params, rest)(x)
+    return jnp.mean(y ** 2) + aux.aux_loss
+
+  x = jnp.ones((2, 32, HIDDEN), jnp.float32)
+  jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(params, x).jaxpr
+  loops = [eqn for eqn in equations(jaxpr) if eqn.primitive.name in ("while", "scan")]
+  assert loops  # the searches are there, as scans
+  for eqn in loops:  # a scan unrolled whole lowers to no loop
+    assert eqn.primitive.name == "scan", eqn
+    assert eqn.params["unroll"] is True or eqn.params["unroll"] >= eqn.params["length"], eqn
+
+
+def equations(jaxpr) -> list:
+  """The equations of ``jaxpr`` and of every jaxpr inside it."""
+  found = []
+  for eqn in jaxpr.eqns:
+    found.append(eqn)
+    for sub in core.jaxprs_in_params(eqn.params):
+      found += equations(sub)
+  return found
 
 
 @pytest.mark.gpu
