@@ -8,7 +8,7 @@ from moe_ep.row_groups import ROW_TILE, group_of_rows, group_starts
 
 
 def reference_groups(counts, num_rows):
-  """float-free numpy: groups laid out one after another, each rounded up to
+  """A loop in numpy: groups laid out one after another, each rounded up to
   ``ROW_TILE`` and cut at ``num_rows``; -1 on rows of no group."""
   group = np.full(num_rows, -1)
   start = 0
