@@ -190,3 +190,15 @@ def custom_call_scopes(text: str) -> list[tuple[str, str]]:
   names = dict(re.findall(r'^(#loc\d+) = loc\("([^"]*)"', text, flags=re.M))
   calls = re.findall(r"custom_call @(\w+)\(.*loc\((#loc\d+)\)\s*$", text, flags=re.M)
   return [(target, names.get(loc, "")) for target, loc in calls]
+
+
+def nested_jaxprs(jaxpr):
+  """``jaxpr`` and every jaxpr inside its equations (shard_map, checkpoint,
+  custom_vjp, pjit bodies), depth first."""
+  yield jaxpr
+  for eqn in jaxpr.eqns:
+    for param in eqn.params.values():
+      for value in param if isinstance(param, (tuple, list)) else (param,):
+        inner = getattr(value, "jaxpr", value)  # ClosedJaxpr -> Jaxpr
+        if hasattr(inner, "eqns"):
+          yield from nested_jaxprs(inner)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import BACKENDS, device_count, layer_mesh_cases, make_mesh
+from conftest import BACKENDS, device_count, layer_mesh_cases, make_mesh, nested_jaxprs
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
 from moe_ep.bench import hlo
 from moe_ep.layer import NAMED_SCOPES as LAYER_SCOPES
@@ -118,18 +118,6 @@ def test_saved_dispatch_removes_redispatch(routing, backend, mesh_shape):
   assert hlo.count(text_partial, scope=META) == 2, "routing state recomputed"
   for variant in (saved, nothing, partial):
     assert_trees_close(variant, plain, GRAD_TOL)
-
-
-def nested_jaxprs(jaxpr):
-  """``jaxpr`` and every jaxpr inside its equations (shard_map, checkpoint,
-  custom_vjp, pjit bodies), depth first."""
-  yield jaxpr
-  for eqn in jaxpr.eqns:
-    for param in eqn.params.values():
-      for value in param if isinstance(param, (tuple, list)) else (param,):
-        inner = getattr(value, "jaxpr", value)  # ClosedJaxpr -> Jaxpr
-        if hasattr(inner, "eqns"):
-          yield from nested_jaxprs(inner)
 
 
 def is_integer_psum(eqn) -> bool:

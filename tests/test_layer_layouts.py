@@ -6,9 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.extend import core
 
-from conftest import BACKENDS, layer_mesh_cases, make_mesh
+from conftest import BACKENDS, layer_mesh_cases, make_mesh, nested_jaxprs
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
 from moe_ep.transport import expert_capacity_for
 
@@ -131,21 +130,13 @@ def test_the_layer_step_runs_no_while_loop(layout, capacity_factor):
 
   x = jnp.ones((2, 32, HIDDEN), jnp.float32)
   jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(params, x).jaxpr
-  loops = [eqn for eqn in equations(jaxpr) if eqn.primitive.name in ("while", "scan")]
+  loops = [eqn for inner in nested_jaxprs(jaxpr) for eqn in inner.eqns
+           if eqn.primitive.name in ("while", "scan")]
   assert loops  # the searches are there, as scans
   for eqn in loops:  # a scan unrolled whole lowers to no loop
     assert eqn.primitive.name == "scan", eqn
     assert eqn.params["unroll"] is True or eqn.params["unroll"] >= eqn.params["length"], eqn
 
-
-def equations(jaxpr) -> list:
-  """The equations of ``jaxpr`` and of every jaxpr inside it."""
-  found = []
-  for eqn in jaxpr.eqns:
-    found.append(eqn)
-    for sub in core.jaxprs_in_params(eqn.params):
-      found += equations(sub)
-  return found
 
 
 @pytest.mark.gpu

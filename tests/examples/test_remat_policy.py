@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo
-from jax.extend import core
 
+from conftest import nested_jaxprs
 from tiny_run import TINY_YAML
 from examples.model import block_remat_policy
 from examples.train_config import load_config
@@ -19,12 +19,7 @@ from examples.train_config import load_config
 
 def count_equations(jaxpr, name: str) -> int:
   """Equations of primitive ``name`` in ``jaxpr`` and every jaxpr inside it."""
-  count = 0
-  for eqn in jaxpr.eqns:
-    count += eqn.primitive.name == name
-    for sub in core.jaxprs_in_params(eqn.params):
-      count += count_equations(sub, name)
-  return count
+  return sum(eqn.primitive.name == name for inner in nested_jaxprs(jaxpr) for eqn in inner.eqns)
 
 
 @pytest.mark.parametrize("policy, forwards", [("save_dots", 2), ("save_dots_attention", 1)])
