@@ -198,8 +198,8 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
   return hidden[:, :, :ffn].reshape(m, n * ffn), act[:, :ffn]
 
 
-# The input gradient's epilogue holds the hidden pieces besides the pipeline:
-# three stages keep it within shared memory.
+# The input gradient's epilogue holds two slots of hidden pieces besides the
+# pipeline: three stages keep it within shared memory (212 of 227 KiB).
 GRAD_CONFIG = hopper.TileConfig(max_concurrent_steps=3)
 
 
@@ -252,13 +252,19 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(grad_gmem, w_out_gmem.at[0]),
-        io_smem=plgpu.SMEM((2, 2, _EPI, _EPI), dtype, transforms=io_transforms),
+        io_smem=plgpu.SMEM((2, 2, 2, _EPI, _EPI), dtype, transforms=io_transforms),
         w_smem=plgpu.SMEM((2, tile_m), jnp.float32) if weighted else None,
         d_w_smem=plgpu.SMEM((2, tile_m), jnp.float32) if weighted else None,
-        barriers=plgpu.Barrier(num_barriers=6),
+        barriers=plgpu.Barrier(num_barriers=10),
         collective_axes="wg")
     def scope(allocs, io_smem, w_smem, d_w_smem, barriers):
+      # io_smem[warpgroup, slot, gate]: piece p's hidden parts arrive in slot
+      # p % 2 and leave it as d_hidden; barriers 0-7 are the slots' loads,
+      # 8 and 9 the warpgroups' row weights.
       wg_idx = lax.axis_index("wg")
+      pieces = [(slice(i * _EPI, (i + 1) * _EPI), slice(j * _EPI, (j + 1) * _EPI))
+                for i in range(tile_m // _EPI) for j in range(wg_cols // _EPI)]
+      loaded = lambda slot, h: barriers.at[(2 * wg_idx + slot) * 2 + h]
 
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
       def tile_loop(loop_info):
@@ -271,57 +277,69 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
         # This warpgroup's column tile's share of the weights' gradient.
         d_w_view = d_w_gmem.at[tile.column_tile * 2 + wg_idx, m_slice] if weighted else None
 
-        def epilogue(d_act):  # d_act: float32 [tile_m, wg_cols], or None for zeros
-          if weighted and d_act is not None:
-            plgpu.copy_gmem_to_smem(w_gmem.at[m_slice], w_smem.at[wg_idx],
-                                    barriers.at[4 + wg_idx])
-            plgpu.barrier_wait(barriers.at[4 + wg_idx])
+        def fetch(p):  # piece p's hidden parts into slot p % 2, once its last store read it
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          for i in range(tile_m // _EPI):
-            rows = slice(i * _EPI, (i + 1) * _EPI)
-            d_w_rows = jnp.zeros((_EPI,), jnp.float32)
-            for j in range(wg_cols // _EPI):
-              cols = slice(j * _EPI, (j + 1) * _EPI)
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-              if d_act is None:
-                d_parts = [jnp.zeros((_EPI, _EPI), jnp.float32)] * n
-              else:
-                for h in range(n):
-                  plgpu.copy_gmem_to_smem(hidden_views[h].at[rows, cols], io_smem.at[wg_idx, h],
-                                          barriers.at[2 * wg_idx + h])
-                for h in range(n):
-                  plgpu.barrier_wait(barriers.at[2 * wg_idx + h])
-                parts = [io_smem[wg_idx, h].astype(jnp.float32) for h in range(n)]
-                value, derivative = _function_and_derivative(activation, parts[0])
-                d_piece = d_act[rows, cols]
-                if weighted:
-                  product = value * parts[1] if n == 2 else value
-                  d_w_rows = d_w_rows + jnp.sum(d_piece * product, axis=1)
-                  d_piece = d_piece * _row_weights(w_smem, wg_idx, rows, _EPI)
-                d_parts = ([d_piece * parts[1] * derivative, d_piece * value] if n == 2
-                           else [d_piece * derivative])
-              for h in range(n):
-                io_smem[wg_idx, h] = d_parts[h].astype(dtype)
-              plgpu.commit_smem()
-              for h in range(n):
-                plgpu.copy_smem_to_gmem(io_smem.at[wg_idx, h], d_hidden_views[h].at[rows, cols])
-            if weighted and d_act is not None:
-              d_w_smem[wg_idx, pl.ds(i * _EPI, _EPI)] = d_w_rows
+          rows, cols = pieces[p]
+          for h in range(n):
+            plgpu.copy_gmem_to_smem(hidden_views[h].at[rows, cols], io_smem.at[wg_idx, p % 2, h],
+                                    loaded(p % 2, h))
+
+        def store(p, d_parts):
+          rows, cols = pieces[p]
+          for h in range(n):
+            io_smem[wg_idx, p % 2, h] = d_parts[h].astype(dtype)
+          plgpu.commit_smem()
+          for h in range(n):
+            plgpu.copy_smem_to_gmem(io_smem.at[wg_idx, p % 2, h],
+                                    d_hidden_views[h].at[rows, cols])
+
+        def epilogue(d_act):  # d_act: float32 [tile_m, wg_cols]; its first pieces are in flight
           if weighted:
-            if d_act is None:  # stored whole: a splat of zeros takes 128 elements at once
-              d_w_smem[wg_idx] = jnp.zeros((tile_m,), jnp.float32)
+            plgpu.barrier_wait(barriers.at[8 + wg_idx])
+          d_w_rows = jnp.zeros((_EPI,), jnp.float32)
+          for p, (rows, cols) in enumerate(pieces):
+            for h in range(n):
+              plgpu.barrier_wait(loaded(p % 2, h))
+            parts = [io_smem[wg_idx, p % 2, h].astype(jnp.float32) for h in range(n)]
+            value, derivative = _function_and_derivative(activation, parts[0])
+            d_piece = d_act[rows, cols]
+            if weighted:
+              product = value * parts[1] if n == 2 else value
+              d_w_rows = d_w_rows + jnp.sum(d_piece * product, axis=1)
+              d_piece = d_piece * _row_weights(w_smem, wg_idx, rows, _EPI)
+            store(p, [d_piece * parts[1] * derivative, d_piece * value] if n == 2
+                  else [d_piece * derivative])
+            if p + 2 < len(pieces):  # under the next piece's arithmetic
+              fetch(p + 2)
+            if weighted and (p + 1 == len(pieces) or pieces[p + 1][0] != rows):
+              d_w_smem[wg_idx, pl.ds(rows.start, _EPI)] = d_w_rows
+              d_w_rows = jnp.zeros((_EPI,), jnp.float32)
+          if weighted:
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(d_w_smem.at[wg_idx], d_w_view)
 
         @pl.when((group < 0) & (wg_idx < 2))
         def _():
-          epilogue(None)
+          for p in range(len(pieces)):
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            store(p, [jnp.zeros((_EPI, _EPI), jnp.float32)] * n)
+          if weighted:  # stored whole: a splat of zeros takes 128 elements at once
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            d_w_smem[wg_idx] = jnp.zeros((tile_m,), jnp.float32)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(d_w_smem.at[wg_idx], d_w_view)
 
         @pl.when(group >= 0)
         def _():
           def compute_context(eval_pipeline):
             @functools.partial(pl.run_scoped, acc=plgpu.ACC((tile_m, wg_cols), jnp.float32))
             def _(acc):
+              # The epilogue's reads start before the main loop and run under it.
+              for p in range(min(2, len(pieces))):
+                fetch(p)
+              if weighted:
+                plgpu.copy_gmem_to_smem(w_gmem.at[m_slice], w_smem.at[wg_idx],
+                                        barriers.at[8 + wg_idx])
               eval_pipeline(acc)
               epilogue(acc[...])
 
