@@ -319,7 +319,15 @@ class LoopResult:
 def train_loop(run: Run, *, progress: bool, log: MetricsLog | None) -> LoopResult:
   """Runs steps ``run.start..run.end``: each one's record is logged (with the
   held-out loss every ``train.eval_every`` steps) and checkpointed every
-  ``train.checkpoint_every``; a signal or a non-finite step ends it early."""
+  ``train.checkpoint_every``; a signal or a non-finite step ends it early.
+
+  The host reads a step's metrics while the device runs the next one: step
+  ``k + 1`` is dispatched before step ``k``'s record is made, so the record,
+  the log and the dispatch never leave the device idle. Where the host needs
+  the state after step ``k`` (a checkpoint, an evaluation, the last step, an
+  interrupt) step ``k + 1`` waits. A stop found in step ``k``'s record ends
+  the run after step ``k + 1``, the step then in progress, which is recorded
+  and saved; a non-finite step ends it with the in-flight step unrecorded."""
   train_config, setup = run.config.train, run.setup
   every = train_config.checkpoint_every
   batch_shape = (train_config.batch_size, train_config.seq_len + 1)
@@ -332,53 +340,81 @@ def train_loop(run: Run, *, progress: bool, log: MetricsLog | None) -> LoopResul
   nonfinite_in_row = 0
   reporter = ProgressReporter(total=run.end, start=run.start, enabled=progress and run.is_main,
                               log_every=train_config.log_every)
+  batch = make_batch(run.start)
+  tick = time.perf_counter()
+
+  def needs_state(done: int) -> bool:
+    """Whether the host uses the state after ``done`` steps."""
+    return (done == run.end or bool(run.checkpoints and done % every == 0)
+            or bool(run.eval_corpus is not None and done % train_config.eval_every == 0))
+
+  def dispatch(step: int):
+    """Queues step ``step`` on the device and makes the next batch meanwhile;
+    a Ctrl-C while making it is returned, to be raised once the step is recorded."""
+    nonlocal batch
+    out.state, metrics = run.train_step(out.state, batch)
+    out.state_step = step + 1
+    interrupt = None
+    if step + 1 < run.end:
+      try:
+        batch = make_batch(step + 1)
+      except KeyboardInterrupt as error:
+        interrupt = error
+    return step, metrics, interrupt
+
+  def finish(step: int, metrics: dict) -> bool:
+    """Records step ``step`` (waiting for it), evaluates and checkpoints where
+    due; True where the run must stop because the step was not finite."""
+    nonlocal nonfinite_in_row, tick
+    record = {"step": step + 1, **_host(metrics)}
+    now = time.perf_counter()
+    record["step_time_s"] = now - tick
+    tick = now
+    record["tokens_per_s"] = tokens_per_step / record["step_time_s"]
+    record["mfu"] = flops.mfu(record["tokens_per_s"] / len(run.devices),
+                              run.flops_per_token, run.peak)
+    record["learning_rate"] = float(schedule(step))  # the rate of this step's update
+    nonfinite_in_row = 0 if is_finite(record) else nonfinite_in_row + 1
+    if nonfinite_in_row:
+      record["skipped"] = nonfinite_in_row <= train_config.skip_nonfinite
+    if run.eval_corpus is not None and (step + 1) % train_config.eval_every == 0:
+      record["eval_loss"] = evaluate(run, out.state)
+      reporter.note(f"step {step + 1}: held-out loss {record['eval_loss']:.4f}")
+    out.records.append(record)
+    if log is not None:
+      log.write(record)
+    if nonfinite_in_row > train_config.skip_nonfinite:
+      out.nonfinite = record
+      return True
+    if run.created and run.is_main and len(out.records) == 1:
+      link_latest(run.run_dir, run.name)  # the run has started
+    if run.checkpoints and ((step + 1) % every == 0 or step + 1 == run.end):
+      if run.checkpoints.save(step + 1, out.state, data_step=step + 1):
+        out.checkpoint_step = step + 1
+    reporter.update(record)
+    return False
+
   with reporter, StopRequests() as stop_requests:
     try:
-      batch = make_batch(run.start)
-      tick = time.perf_counter()
-      for step in range(run.start, run.end):
-        out.state, metrics = run.train_step(out.state, batch)
-        out.state_step = step + 1
-        # The next batch is made while the device runs this step (dispatch is
-        # asynchronous); a Ctrl-C meanwhile stops the run once this step is
-        # recorded.
-        interrupt = None
-        if step + 1 < run.end:
-          try:
-            batch = make_batch(step + 1)
-          except KeyboardInterrupt as error:
-            interrupt = error
-        record = {"step": step + 1, **_host(metrics)}
-        now = time.perf_counter()
-        record["step_time_s"] = now - tick
-        record["tokens_per_s"] = tokens_per_step / record["step_time_s"]
-        record["mfu"] = flops.mfu(record["tokens_per_s"] / len(run.devices),
-                                  run.flops_per_token, run.peak)
-        record["learning_rate"] = float(schedule(step))  # the rate of this step's update
-        nonfinite_in_row = 0 if is_finite(record) else nonfinite_in_row + 1
-        if nonfinite_in_row:
-          record["skipped"] = nonfinite_in_row <= train_config.skip_nonfinite
-        if run.eval_corpus is not None and (step + 1) % train_config.eval_every == 0:
-          record["eval_loss"] = evaluate(run, out.state)
-          reporter.note(f"step {step + 1}: held-out loss {record['eval_loss']:.4f}")
-        tick = time.perf_counter()  # an eval's time is not the next step's
-        out.records.append(record)
-        if log is not None:
-          log.write(record)
-        if nonfinite_in_row > train_config.skip_nonfinite:
-          out.nonfinite = record
+      in_flight = dispatch(run.start) if run.start < run.end else None
+      while in_flight is not None:
+        step, metrics, interrupt = in_flight
+        in_flight = None
+        if step + 1 < run.end and interrupt is None and not needs_state(step + 1):
+          in_flight = dispatch(step + 1)
+        if finish(step, metrics):
           break
-        if run.created and run.is_main and len(out.records) == 1:
-          link_latest(run.run_dir, run.name)  # the run has started
-        if run.checkpoints and ((step + 1) % every == 0 or step + 1 == run.end):
-          if run.checkpoints.save(step + 1, out.state, data_step=step + 1):
-            out.checkpoint_step = step + 1
-        reporter.update(record)
         if interrupt is not None:
           raise interrupt
         out.stopped_by = stop_requests.stop_after(step + 1)
         if out.stopped_by:
+          if in_flight is not None:  # the step in progress: recorded and saved
+            step, metrics, interrupt = in_flight
+            finish(step, metrics)
           break
+        if in_flight is None and step + 1 < run.end:
+          tick = time.perf_counter()  # an eval's or a checkpoint's time is not the next step's
+          in_flight = dispatch(step + 1)
     except KeyboardInterrupt:
       if jax.process_count() > 1:
         raise  # the processes may be at different steps: no collective save

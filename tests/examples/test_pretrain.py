@@ -238,6 +238,46 @@ def test_sigint_lets_the_step_in_progress_finish_then_saves_it(tmp_path, monkeyp
   assert signal.getsignal(signal.SIGINT) is handler  # restored after the run
 
 
+def test_the_next_step_is_queued_before_a_step_is_read_except_where_its_state_is_used(
+    tmp_path, monkeypatch):
+  """The loop's host work runs under the device's: step k + 1 is dispatched
+  before step k's metrics are read, except after a checkpointed step (3 and
+  the last, 6), whose state the host saves first. The records and the saved
+  steps are those of the uninterrupted run (checked by its own tests)."""
+  events = []
+  build = pretrain.build_program
+
+  class LoggedStep:
+    def __init__(self, compiled):
+      self.compiled = compiled
+
+    def __call__(self, state, batch):
+      events.append(("dispatch", len([e for e in events if e[0] == "dispatch"]) + 1))
+      return self.compiled(state, batch)
+
+    def __getattr__(self, name):  # memory_analysis() for the summary
+      return getattr(self.compiled, name)
+
+  def logged_build(*args):
+    setup, train_step = build(*args)
+    return setup, LoggedStep(train_step)
+
+  host = pretrain._host
+  monkeypatch.setattr(pretrain, "build_program", logged_build)
+  monkeypatch.setattr(pretrain, "_host", lambda metrics: (
+      events.append(("read", len([e for e in events if e[0] == "read"]) + 1)), host(metrics))[1])
+  result = pretrain.train(config(tmp_path), progress=False)
+  assert [r["step"] for r in result.records] == list(range(1, STEPS + 1))
+  assert sorted((p.name for p in (tmp_path / "checkpoints").iterdir()), key=int) == ["3", "6"]
+  # A loop over the steps: what the order must be, one step at a time.
+  expected = [("dispatch", 1)]
+  for step in range(1, STEPS + 1):
+    queued_early = step % 3 != 0 and step < STEPS
+    expected += [("dispatch", step + 1)] * queued_early + [("read", step)]
+    expected += [("dispatch", step + 1)] * (not queued_early and step < STEPS)
+  assert events == expected
+
+
 @pytest.mark.parametrize("corpus", ["synthetic", "bytes"])
 def test_rows_are_a_pure_function_of_seed_step_and_row(corpus, tmp_path):
   if corpus == "synthetic":
