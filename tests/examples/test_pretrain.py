@@ -15,7 +15,7 @@ import pytest
 from tiny_run import REPO, TINY_YAML, fast_overrides, skip_unless_devices_fit
 from flax import nnx
 
-from examples import flops, pretrain, tokenize_text, train_program
+from examples import flops, pretrain, tokenize_text, train_loop, train_program
 from examples.run_dir import held_steps
 from examples.data import ByteCorpus, SyntheticCorpus, make_corpus
 from examples.progress import progress_line
@@ -262,9 +262,9 @@ def test_the_next_step_is_queued_before_a_step_is_read_except_where_its_state_is
     setup, train_step = build(*args)
     return setup, LoggedStep(train_step)
 
-  host = pretrain._host
+  host = train_loop._host
   monkeypatch.setattr(pretrain, "build_program", logged_build)
-  monkeypatch.setattr(pretrain, "_host", lambda metrics: (
+  monkeypatch.setattr(train_loop, "_host", lambda metrics: (
       events.append(("read", len([e for e in events if e[0] == "read"]) + 1)), host(metrics))[1])
   result = pretrain.train(config(tmp_path), progress=False)
   assert [r["step"] for r in result.records] == list(range(1, STEPS + 1))
