@@ -25,8 +25,8 @@ from examples.train_program import Setup, compile_eval_step, global_batch, make_
 
 @dataclasses.dataclass
 class Run:
-  """A run once set up, between :func:`start_run`, :func:`train_loop` and
-  :func:`finish_run`."""
+  """A run once set up, between ``examples.pretrain.start_run``,
+  :func:`train_loop` and ``examples.pretrain.finish_run``."""
 
   config: Config
   run_dir: pathlib.Path
@@ -55,7 +55,6 @@ class Run:
 def _host(metrics: dict) -> dict:
   """Replicated device metrics -> plain Python numbers and lists."""
   return {key: np.asarray(value.addressable_data(0)).tolist() for key, value in metrics.items()}
-
 
 
 def evaluate(run: Run, state) -> float:
@@ -93,8 +92,8 @@ def train_loop(run: Run, *, progress: bool, log: MetricsLog | None) -> LoopResul
   The host reads a step's metrics while the device runs the next one: step
   ``k + 1`` is dispatched before step ``k``'s record is made, so the record,
   the log and the dispatch never leave the device idle. Where the host needs
-  the state after step ``k`` (a checkpoint, an evaluation, the last step, an
-  interrupt) step ``k + 1`` waits. A stop found in step ``k``'s record ends
+  the state after step ``k`` (a checkpoint, an evaluation, the last step) or
+  a Ctrl-C came while making the next batch, step ``k + 1`` waits. A stop found in step ``k``'s record ends
   the run after step ``k + 1``, the step then in progress, which is recorded
   and saved; a non-finite step ends it with the in-flight step unrecorded."""
   train_config, setup = run.config.train, run.setup
