@@ -32,7 +32,7 @@ SMOKE = {
                     grouped_shapes=(((256, 2, 64, 32, 4), {}),)),
     "layer": dict(hidden=64, ffn=32, num_experts=4, top_k=2, tokens=256, seq=64,
                   backend="xla", iters=2, matmul_size=128),
-    "models": dict(shapes={"tiny": (256, 2, 64, 40, 4)}, iters=2, backend="xla"),
+    "models": dict(shapes={"tiny": (256, 2, 64, 40, 4)}, iters=2, rounds=2, backend="xla"),
     "ep": dict(token_counts=(64,), expert_counts=(8,), hidden=32, backend="xla", iters=2),
     "remat": dict(hidden=64, ffn=64, num_experts=8, batch=8, seq=16, num_layers=2, backend="xla",
                   iters=2),

@@ -109,6 +109,45 @@ def time_ms(fn, *args, iters: int = 10, repeats: int = 5, warmup: int = 2) -> di
           "samples_ms": [round(s, 4) for s in samples]}
 
 
+def time_interleaved(calls: dict, *, iters: int, rounds: int, warmup: int = 1) -> dict:
+  """Device time per call of each of ``calls`` (``{name: (fn, args)}``),
+  measured as :func:`time_ms` does but in ``rounds`` rounds that each time
+  every call in turn, so that a drift of the device's clocks or temperature
+  reaches all of them alike and ratios between them can be taken round by
+  round. A call that raises (out of memory is a result here) gives
+  ``{"error": ...}`` and leaves the rounds; the others go on.
+
+  Returns:
+    ``{name: {"median_ms", "min_ms", "samples_ms": [one per round]}}``.
+  """
+  samples, results = {}, {}
+  for name, (fn, args) in calls.items():
+    try:
+      for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+      samples[name] = []
+    except Exception as error:  # noqa: BLE001
+      results[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+  for _ in range(rounds):
+    for name in list(samples):
+      fn, args = calls[name]
+      try:
+        start = time.perf_counter()
+        out = None
+        for _ in range(iters):
+          out = fn(*args)
+        jax.block_until_ready(out)
+      except Exception as error:  # noqa: BLE001
+        results[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        del samples[name]
+        continue
+      samples[name].append((time.perf_counter() - start) / iters * 1e3)
+  for name, times in samples.items():
+    results[name] = {"median_ms": statistics.median(times), "min_ms": min(times),
+                     "samples_ms": [round(t, 4) for t in times]}
+  return {name: results[name] for name in calls}
+
+
 def copy_bandwidth_gbs(num_bytes: int = 2 << 30) -> dict:
   """Device-to-device copy ceiling, bytes read + written per second: the
   better of an XLA elementwise pass (``x + 1`` over bf16) and, on CUDA with

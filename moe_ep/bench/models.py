@@ -15,15 +15,21 @@ For each model shape ``(T, K, H, F, E)``, timed side by side in one run:
   gradient.
 
 Every figure is TFLOP/s of the routed rows' useful FLOPs, and each method
-also as a fraction of ``dense`` from the same run.
+also as a fraction of ``dense`` from the same run. The chain and the banks
+are timed in interleaved rounds, so a bank's fraction is the median of its
+round-by-round ratios (``of_dense_rounds``), which a drift of the device's
+clocks reaches on both sides; the layers are timed after them, their
+fraction the ratio of medians.
 """
 
 from __future__ import annotations
 
+import statistics
+
 import jax
 import jax.numpy as jnp
 
-from moe_ep.bench import experts, layer
+from moe_ep.bench import common, experts, layer
 from moe_ep.experts import bank_layout, grouped_expert_mlp
 from moe_ep.experts.grouped import fuses_activation_by_default
 from moe_ep.row_groups import grouped_rows_for
@@ -42,8 +48,9 @@ SHAPES = {
 LOADS = ("zipf", "skewed")
 
 
-def dense_chain(rows: int, hidden: int, ffn: int, iters: int) -> dict:
-  """The two-GEMM SwiGLU chain over ``rows`` rows, forward+backward: ms."""
+def dense_call(rows: int, hidden: int, ffn: int) -> tuple:
+  """The two-GEMM SwiGLU chain over ``rows`` rows, forward+backward:
+  ``(fn, args)``."""
   keys = jax.random.split(jax.random.key(7), 3)
   x = jax.random.normal(keys[0], (rows, hidden), jnp.bfloat16)
   w_in = jax.random.normal(keys[1], (hidden, 2 * ffn), jnp.bfloat16) * hidden ** -0.5
@@ -53,36 +60,52 @@ def dense_chain(rows: int, hidden: int, ffn: int, iters: int) -> dict:
     gate, up = jnp.split(x @ w_in, 2, axis=-1)
     return (jax.nn.silu(gate) * up) @ w_out
 
-  return experts.measure(experts.fwd_bwd(chain), x, w_in, w_out, iters=iters)
+  return experts.fwd_bwd(chain), (x, w_in, w_out)
 
 
-def bank(tokens: int, top_k: int, hidden: int, ffn: int, num_experts: int, load: str,
-         iters: int, fuse_activation: bool | None = None) -> dict:
+def bank_call(tokens: int, top_k: int, num_experts: int, load: str, w_in: jax.Array,
+              w_out: jax.Array, fuse_activation: bool | None = None) -> tuple[tuple, dict]:
   """The grouped bank over groups of ``load`` sizes, its activation fused
-  into the GEMMs or not: ms and facts."""
-  routed = tokens * top_k
+  into the GEMMs or not: ``(fn, args)`` and its facts."""
+  routed, hidden = tokens * top_k, w_in.shape[1]
   sizes = experts.group_sizes(routed, num_experts, load)
   counts = jnp.asarray(sizes)
-  num_rows = grouped_rows_for(tokens, top_k, num_experts, 1)
-  rows = experts.grouped_rows(sizes, num_rows, hidden, seed=3)
-  w_in, w_out = experts.weights(hidden, ffn, num_experts, seed=1)
+  rows = experts.grouped_rows(sizes, grouped_rows_for(tokens, top_k, num_experts, 1), hidden,
+                              seed=3)
   mlp = experts.fwd_bwd(lambda x, a, b: grouped_expert_mlp(
       x, counts, a, b, "swiglu", fuse_activation=fuse_activation))
-  timing = experts.measure(mlp, rows, w_in, w_out, iters=iters)
-  return {"largest_over_mean": float(sizes.max() * num_experts / routed), **timing}
+  return (mlp, (rows, w_in, w_out)), {"largest_over_mean": float(sizes.max() * num_experts
+                                                                  / routed)}
 
 
-def run(shapes: dict = SHAPES, loads=LOADS, iters: int = 5, layers: bool = True,
-        backend: str = "auto") -> dict:
+def banks(tokens: int, top_k: int, hidden: int, ffn: int, num_experts: int, loads,
+          iters: int, rounds: int) -> dict:
+  """The dense chain and the grouped bank on each of ``loads`` (and unfused
+  where the activation is fused by default), timed in interleaved rounds
+  (:func:`common.time_interleaved`); each method's ``of_dense_rounds`` is its
+  speed over the chain's, round by round."""
+  w_in, w_out = experts.weights(hidden, ffn, num_experts, seed=1)
+  calls, facts = {"dense": dense_call(tokens * top_k, hidden, ffn)}, {}
+  variants = [("", None)] + [("_unfused", False)] * fuses_activation_by_default(hidden, ffn)
+  for load in loads:
+    for suffix, fuse in variants:
+      calls[f"grouped_{load}{suffix}"], facts[f"grouped_{load}{suffix}"] = bank_call(
+          tokens, top_k, num_experts, load, w_in, w_out, fuse)
+  methods = {name: {**facts.get(name, {}), **timing} for name, timing
+             in common.time_interleaved(calls, iters=iters, rounds=rounds).items()}
+  dense = methods["dense"].get("samples_ms")
+  for method in methods.values():
+    if dense and "samples_ms" in method:
+      method["of_dense_rounds"] = [round(d / m, 4) for d, m in zip(dense, method["samples_ms"])]
+  return methods
+
+
+def run(shapes: dict = SHAPES, loads=LOADS, iters: int = 5, rounds: int = 4,
+        layers: bool = True, backend: str = "auto") -> dict:
   results = {}
   for name, (tokens, top_k, hidden, ffn, num_experts) in shapes.items():
     flops = experts.bank_flops(tokens * top_k, hidden, ffn)
-    methods = {"dense": dense_chain(tokens * top_k, hidden, ffn, iters)}
-    for load in loads:
-      methods[f"grouped_{load}"] = bank(tokens, top_k, hidden, ffn, num_experts, load, iters)
-      if fuses_activation_by_default(hidden, ffn):
-        methods[f"grouped_{load}_unfused"] = bank(tokens, top_k, hidden, ffn, num_experts,
-                                                  load, iters, fuse_activation=False)
+    methods = banks(tokens, top_k, hidden, ffn, num_experts, loads, iters, rounds)
     for method in methods.values():
       if "median_ms" in method:
         method["tflops"] = flops / method["median_ms"] / 1e9
@@ -102,7 +125,9 @@ def run(shapes: dict = SHAPES, loads=LOADS, iters: int = 5, layers: bool = True,
         methods[variant] = timing
     dense = methods["dense"].get("tflops")
     for method in methods.values():
-      if dense and "tflops" in method:
+      if "of_dense_rounds" in method:  # timed beside the chain: the median of its rounds
+        method["of_dense"] = statistics.median(method["of_dense_rounds"])
+      elif dense and "tflops" in method:
         method["of_dense"] = method["tflops"] / dense
     results[name] = {"tokens": tokens, "top_k": top_k, "hidden": hidden, "ffn": ffn,
                      "num_experts": num_experts, "flops": flops,
@@ -121,6 +146,9 @@ def summary(result: dict) -> str:
         lines.append(f"    {method_name}: {method.get('error', '?')[:80]}")
         continue
       share = f" ({method['of_dense']:.2f})" if "of_dense" in method else ""
+      rounds = method.get("of_dense_rounds")
+      if rounds and method_name != "dense":
+        share = f" ({method['of_dense']:.2f}; rounds {min(rounds):.2f}-{max(rounds):.2f})"
       lines.append(f"    {method_name}: {method['median_ms']:.2f} ms, "
                    f"{method['tflops']:.0f}{share}")
   return "\n".join(lines)

@@ -1,10 +1,12 @@
-"""Which code a benchmark result ran: ``common.source_digest`` over a copy of
-the checkout's sources, and the mark on a result no clean commit names."""
+"""Which code a benchmark result ran (``common.source_digest`` over a copy of
+the checkout's sources, and the mark on a result no clean commit names), and
+how ``common.time_interleaved`` takes its rounds."""
 
 import json
 import pathlib
 import shutil
 
+import jax.numpy as jnp
 import pytest
 
 from moe_ep.bench import common
@@ -48,3 +50,36 @@ def test_write_result_marks_a_result_without_a_clean_commit(tmp_path, monkeypatc
   record = json.loads(path.read_text())
   assert record["traceable"] is traceable and record["environment"]["commit"] == commit
   assert record["median_ms"] == 1.5 and record["environment"]["source_digest"]
+
+
+def test_time_interleaved_times_every_call_in_each_round_and_keeps_going_past_a_failure():
+  """Rounds visit the calls in turn (the order a drift must reach alike), each
+  round gives each call one sample, and a call that raises is reported
+  without stopping the others (the reference: the order of a loop over
+  rounds and calls, written out)."""
+  order = []
+
+  def call(name):
+    def fn(x):
+      order.append(name)
+      return x + 1
+    return fn
+
+  def fails_in_round_two(x):
+    order.append("flaky")
+    if order.count("flaky") > 2:  # the warm-up and round one's first call pass
+      raise RuntimeError("out of memory")
+    return x
+
+  x = jnp.zeros(())
+  calls = {"a": (call("a"), (x,)), "flaky": (fails_in_round_two, (x,)), "b": (call("b"), (x,))}
+  timings = common.time_interleaved(calls, iters=2, rounds=3, warmup=1)
+  assert list(timings) == ["a", "flaky", "b"]
+  warmup = ["a", "flaky", "b"]
+  round_one = ["a", "a", "flaky", "flaky", "b", "b"]  # flaky's second call raises
+  later_rounds = ["a", "a", "b", "b"] * 2
+  assert order == warmup + round_one + later_rounds
+  assert timings["flaky"] == {"error": "RuntimeError: out of memory"}
+  for name in "ab":
+    assert len(timings[name]["samples_ms"]) == 3
+    assert timings[name]["min_ms"] <= timings[name]["median_ms"]

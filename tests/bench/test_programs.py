@@ -18,7 +18,7 @@ import background
 pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-PROGRAMS = ("transport", "experts", "layer", "ep", "remat", "timeline")
+PROGRAMS = ("transport", "experts", "layer", "models", "ep", "remat", "timeline")
 
 
 def run_smoke() -> tuple[subprocess.CompletedProcess, dict]:
@@ -122,3 +122,25 @@ def test_the_timeline_splits_each_program_into_its_calls_and_shows_the_exchange(
       assert all(e["us"] >= 0 for e in call["events"]) and call["span_us"] > 0, name
       names = [e["name"] for e in call["events"]]
       assert any(n.startswith("all-to-all") for n in names), (name, names)
+
+
+def test_model_shapes_take_each_bank_ratio_round_by_round_beside_the_chain(smoke):
+  """The banks' fractions of the dense chain are medians of per-round ratios
+  (recomputed here from the rounds' own times), every bank variant ran in
+  each round, and the layers, timed apart, are ratios of medians."""
+  import statistics
+  (shape,) = smoke["models"]["models"].values()
+  methods = shape["methods"]
+  dense = methods["dense"]["samples_ms"]
+  banks = [name for name in methods if name.startswith("grouped_")]
+  assert sorted(banks) == sorted(f"grouped_{load}{suffix}" for load in ("zipf", "skewed")
+                                 for suffix in ("", "_unfused"))  # F < 2H: fused by default
+  for name in ["dense", *banks]:
+    method = methods[name]
+    assert len(method["samples_ms"]) == len(dense) == 2
+    ratios = [d / m for d, m in zip(dense, method["samples_ms"])]
+    assert method["of_dense_rounds"] == pytest.approx(ratios, abs=6e-5)  # stored to 4 places
+    assert method["of_dense"] == statistics.median(method["of_dense_rounds"])
+  for name in ("layer_dropless", "layer_cf1.0_slabs"):
+    assert methods[name]["of_dense"] == pytest.approx(methods[name]["tflops"]
+                                                      / methods["dense"]["tflops"])
