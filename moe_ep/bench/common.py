@@ -92,19 +92,29 @@ def environment() -> dict:
   return facts
 
 
+def failure(error: Exception) -> dict:
+  """A method's result where it raised (out of memory is a result in a
+  benchmark): its type and the start of its message."""
+  return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+
+
+def _back_to_back_ms(fn, args, iters: int) -> float:
+  """Milliseconds per call of ``iters`` calls dispatched back to back (JAX
+  runs them asynchronously), with one wait at the end."""
+  start = time.perf_counter()
+  out = None
+  for _ in range(iters):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / iters * 1e3
+
+
 def time_ms(fn, *args, iters: int = 10, repeats: int = 5, warmup: int = 2) -> dict:
   """Device time per call: ``iters`` calls dispatched back to back (JAX runs
   them asynchronously), one wait at the end; median over ``repeats``."""
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    out = None
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - start) / iters * 1e3)
+  samples = [_back_to_back_ms(fn, args, iters) for _ in range(repeats)]
   return {"median_ms": statistics.median(samples), "min_ms": min(samples),
           "samples_ms": [round(s, 4) for s in samples]}
 
@@ -127,21 +137,15 @@ def time_interleaved(calls: dict, *, iters: int, rounds: int, warmup: int = 1) -
         jax.block_until_ready(fn(*args))
       samples[name] = []
     except Exception as error:  # noqa: BLE001
-      results[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+      results[name] = failure(error)
   for _ in range(rounds):
     for name in list(samples):
       fn, args = calls[name]
       try:
-        start = time.perf_counter()
-        out = None
-        for _ in range(iters):
-          out = fn(*args)
-        jax.block_until_ready(out)
+        samples[name].append(_back_to_back_ms(fn, args, iters))
       except Exception as error:  # noqa: BLE001
-        results[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        results[name] = failure(error)
         del samples[name]
-        continue
-      samples[name].append((time.perf_counter() - start) / iters * 1e3)
   for name, times in samples.items():
     results[name] = {"median_ms": statistics.median(times), "min_ms": min(times),
                      "samples_ms": [round(t, 4) for t in times]}

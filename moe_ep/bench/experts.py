@@ -90,7 +90,7 @@ def measure(fn, *args, iters: int) -> dict:
   try:
     return common.time_ms(fn, *args, iters=iters, repeats=3, warmup=1)
   except Exception as error:  # noqa: BLE001 - out of memory is a result here
-    return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    return common.failure(error)
 
 
 def grouped_bank(tokens: int, top_k: int, hidden: int, ffn: int, experts: int,

@@ -118,7 +118,7 @@ def run(shapes: dict = SHAPES, loads=LOADS, iters: int = 5, rounds: int = 4,
         try:
           timing = layer.variant(None, **shared, **options)
         except Exception as error:  # noqa: BLE001 - out of memory is a result here
-          timing = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+          timing = common.failure(error)
         timing.pop("mfu", None)
         if "median_ms" in timing:  # the same useful FLOPs as the chain: the routed rows
           timing["tflops"] = flops / timing["median_ms"] / 1e9
