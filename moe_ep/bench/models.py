@@ -86,7 +86,8 @@ def banks(tokens: int, top_k: int, hidden: int, ffn: int, num_experts: int, load
   speed over the chain's, round by round."""
   w_in, w_out = experts.weights(hidden, ffn, num_experts, seed=1)
   calls, facts = {"dense": dense_call(tokens * top_k, hidden, ffn)}, {}
-  variants = [("", None)] + [("_unfused", False)] * fuses_activation_by_default(hidden, ffn)
+  variants = ([("", None), ("_unfused", False)] if fuses_activation_by_default(hidden, ffn)
+              else [("", None)])
   for load in loads:
     for suffix, fuse in variants:
       calls[f"grouped_{load}{suffix}"], facts[f"grouped_{load}{suffix}"] = bank_call(
