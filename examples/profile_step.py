@@ -110,12 +110,11 @@ def run_steps(config: Config, *, steps: int, warmup: int, trace_dir: pathlib.Pat
   ``perfetto``). Each wall time runs from the first step's dispatch to the
   last step's outputs being ready; the next batch is made while a step runs,
   as in training."""
-  setup, train_step = build_program(program_config(config),
-                                             tuple(jax.devices()))
+  setup, train_step = build_program(program_config(config), tuple(jax.devices()))
   corpus = make_corpus(config)
   shape = (config.train.batch_size, config.train.seq_len + 1)
   make_batch = lambda step: global_batch(corpus, step, sharding=setup.batch_sharding,
-                                                  shape=shape)
+                                         shape=shape)
   state = setup.create()
   step_index = 0
 

@@ -109,14 +109,18 @@ def _back_to_back_ms(fn, args, iters: int) -> float:
   return (time.perf_counter() - start) / iters * 1e3
 
 
+def _timing(samples: list[float]) -> dict:
+  """Milliseconds per call over repeated measurements: median, min, each."""
+  return {"median_ms": statistics.median(samples), "min_ms": min(samples),
+          "samples_ms": [round(s, 4) for s in samples]}
+
+
 def time_ms(fn, *args, iters: int = 10, repeats: int = 5, warmup: int = 2) -> dict:
   """Device time per call: ``iters`` calls dispatched back to back (JAX runs
   them asynchronously), one wait at the end; median over ``repeats``."""
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
-  samples = [_back_to_back_ms(fn, args, iters) for _ in range(repeats)]
-  return {"median_ms": statistics.median(samples), "min_ms": min(samples),
-          "samples_ms": [round(s, 4) for s in samples]}
+  return _timing([_back_to_back_ms(fn, args, iters) for _ in range(repeats)])
 
 
 def time_interleaved(calls: dict, *, iters: int, rounds: int, warmup: int = 1) -> dict:
@@ -147,8 +151,7 @@ def time_interleaved(calls: dict, *, iters: int, rounds: int, warmup: int = 1) -
         results[name] = failure(error)
         del samples[name]
   for name, times in samples.items():
-    results[name] = {"median_ms": statistics.median(times), "min_ms": min(times),
-                     "samples_ms": [round(t, 4) for t in times]}
+    results[name] = _timing(times)
   return {name: results[name] for name in calls}
 
 
