@@ -160,10 +160,11 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
             @functools.partial(pl.run_scoped,
                                accs=[plgpu.ACC((tile_m, wg_cols), jnp.float32)] * n)
             def _(accs):
-              eval_pipeline(accs)
-              if weighted:
+              if weighted:  # fetched under the main loop (the last tile's epilogue has read it)
                 plgpu.copy_gmem_to_smem(w_gmem.at[m_slice], w_smem.at[wg_idx],
                                         w_barrier.at[wg_idx])
+              eval_pipeline(accs)
+              if weighted:
                 plgpu.barrier_wait(w_barrier.at[wg_idx])
               parts = [acc[...] for acc in accs]
 
