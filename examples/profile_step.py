@@ -193,6 +193,8 @@ def profile(config: Config, *, steps: int = 5, warmup: int = 3, name: str = "run
           # which kernels the compiled step launches: moe_cupy_* (CuPy), moe_peer_* (peer exchange)
           "transport_kernel_scopes": classifier.kernel_scopes,
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          # names the code where git_commit cannot (benchmarks/index.py --trace)
+          "source_digest": common.source_digest(_REPO),
       },
       "git_commit": common.git_commit(_REPO),
       "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -12,7 +12,7 @@ import pytest
 
 from tiny_run import FAST_OVERRIDES, TINY_YAML, skip_unless_devices_fit
 from examples import profile_step as ps
-from moe_ep.bench import hlo, timeline
+from moe_ep.bench import common, hlo, timeline
 from moe_ep.bench import step_profile as sp
 from examples.train_config import load_config
 
@@ -204,6 +204,8 @@ def test_report_files_hold_the_table_and_the_environment(profiled):
       f"{jax.device_count()}dev"
   assert report["environment"]["device_count"] == jax.device_count()
   assert report["environment"]["jax"] == jax.__version__
+  # the digest benchmarks/index.py --trace matches against commits' sources
+  assert report["environment"]["source_digest"] == common.source_digest()
   assert report["overrides"][-1] == "model.remat_blocks=true"
   assert report["steps"] == STEPS and report["untraced_step_ms"] > 0
   top = [op["ms"] for op in report["top_ops"]]
