@@ -93,9 +93,10 @@ def train_loop(run: Run, *, progress: bool, log: MetricsLog | None) -> LoopResul
   ``k + 1`` is dispatched before step ``k``'s record is made, so the record,
   the log and the dispatch never leave the device idle. Where the host needs
   the state after step ``k`` (a checkpoint, an evaluation, the last step) or
-  a Ctrl-C came while making the next batch, step ``k + 1`` waits. A stop found in step ``k``'s record ends
-  the run after step ``k + 1``, the step then in progress, which is recorded
-  and saved; a non-finite step ends it with the in-flight step unrecorded."""
+  a Ctrl-C came while making the next batch, step ``k + 1`` waits. A stop
+  found in step ``k``'s record ends the run after step ``k + 1``, the step
+  then in progress, which is recorded and saved; a non-finite step ends it
+  with the in-flight step unrecorded."""
   train_config, setup = run.config.train, run.setup
   every = train_config.checkpoint_every
   batch_shape = (train_config.batch_size, train_config.seq_len + 1)
@@ -111,10 +112,15 @@ def train_loop(run: Run, *, progress: bool, log: MetricsLog | None) -> LoopResul
   batch = make_batch(run.start)
   tick = time.perf_counter()
 
+  def eval_due(done: int) -> bool:
+    return run.eval_corpus is not None and done % train_config.eval_every == 0
+
+  def checkpoint_due(done: int) -> bool:
+    return bool(run.checkpoints) and (done % every == 0 or done == run.end)
+
   def needs_state(done: int) -> bool:
     """Whether the host uses the state after ``done`` steps."""
-    return (done == run.end or bool(run.checkpoints and done % every == 0)
-            or bool(run.eval_corpus is not None and done % train_config.eval_every == 0))
+    return done == run.end or checkpoint_due(done) or eval_due(done)
 
   def dispatch(step: int):
     """Queues step ``step`` on the device and makes the next batch meanwhile;
@@ -145,7 +151,7 @@ def train_loop(run: Run, *, progress: bool, log: MetricsLog | None) -> LoopResul
     nonfinite_in_row = 0 if is_finite(record) else nonfinite_in_row + 1
     if nonfinite_in_row:
       record["skipped"] = nonfinite_in_row <= train_config.skip_nonfinite
-    if run.eval_corpus is not None and (step + 1) % train_config.eval_every == 0:
+    if eval_due(step + 1):
       record["eval_loss"] = evaluate(run, out.state)
       reporter.note(f"step {step + 1}: held-out loss {record['eval_loss']:.4f}")
     out.records.append(record)
@@ -156,7 +162,7 @@ def train_loop(run: Run, *, progress: bool, log: MetricsLog | None) -> LoopResul
       return True
     if run.created and run.is_main and len(out.records) == 1:
       link_latest(run.run_dir, run.name)  # the run has started
-    if run.checkpoints and ((step + 1) % every == 0 or step + 1 == run.end):
+    if checkpoint_due(step + 1):
       if run.checkpoints.save(step + 1, out.state, data_step=step + 1):
         out.checkpoint_step = step + 1
     reporter.update(record)
