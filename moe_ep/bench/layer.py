@@ -22,9 +22,11 @@ from moe_ep.experts import bank_layout
 FP8 = "float8_e4m3fn"
 
 
-def variant(mesh, *, hidden, ffn, num_experts, top_k, tokens, seq, factor, backend, exchange,
-             dispatch_dtype, iters, peak_tflops, expert_layout="auto") -> dict:
-  """One layer config timed on ``mesh`` (None: one device), ``tokens`` per device."""
+def step_call(mesh, *, hidden, ffn, num_experts, top_k, tokens, seq, factor, backend, exchange,
+              dispatch_dtype, expert_layout="auto") -> tuple:
+  """One layer config's fwd+bwd step on ``mesh`` (None: one device),
+  ``tokens`` per device: ``(step, (params, x), config)``; ``step`` returns
+  ``((loss, aux), grads)``."""
   devices = 1 if mesh is None else mesh.size
   config = MoEConfig(hidden_size=hidden, ffn_size=ffn, num_experts=num_experts, top_k=top_k,
                      capacity_factor=factor, aux_loss_coeff=1e-2, dtype="bfloat16",
@@ -43,6 +45,17 @@ def variant(mesh, *, hidden, ffn, num_experts, top_k, tokens, seq, factor, backe
   # Gradients for the input too: inside a network the layer always owes
   # dx, and without it XLA drops the bank's largest backward GEMM.
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+  return step, (params, x), config
+
+
+def variant(mesh, *, hidden, ffn, num_experts, top_k, tokens, seq, factor, backend, exchange,
+             dispatch_dtype, iters, peak_tflops, expert_layout="auto") -> dict:
+  """One layer config timed on ``mesh`` (None: one device), ``tokens`` per device."""
+  devices = 1 if mesh is None else mesh.size
+  step, (params, x), config = step_call(
+      mesh, hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k, tokens=tokens,
+      seq=seq, factor=factor, backend=backend, exchange=exchange,
+      dispatch_dtype=dispatch_dtype, expert_layout=expert_layout)
   timing = common.time_ms(step, params, x, iters=iters)
   (_, aux), _ = step(params, x)
   fp8_fusions = (hlo.fp8_consumers(step.lower(params, x).compile().as_text())

@@ -18,8 +18,7 @@ Every figure is TFLOP/s of the routed rows' useful FLOPs, and each method
 also as a fraction of ``dense`` from the same run. The chain and the banks
 are timed in interleaved rounds, so a bank's fraction is the median of its
 round-by-round ratios (``of_dense_rounds``), which a drift of the device's
-clocks reaches on both sides; the layers are timed after them, their
-fraction the ratio of medians.
+clocks reaches on both sides. The layers are timed in the same rounds.
 """
 
 from __future__ import annotations
@@ -78,12 +77,30 @@ def bank_call(tokens: int, top_k: int, num_experts: int, load: str, w_in: jax.Ar
                                                                   / routed)}
 
 
+LAYER_VARIANTS = {"layer_dropless": dict(factor=None),
+                  "layer_cf1.0_slabs": dict(factor=1.0, expert_layout="slabs")}
+
+
+def layer_calls(tokens: int, top_k: int, hidden: int, ffn: int, num_experts: int,
+                backend: str) -> dict:
+  """The layer's fwd+bwd step (:func:`layer.step_call`) of each of
+  :data:`LAYER_VARIANTS`: ``{name: (fn, args)}``."""
+  calls = {}
+  for name, options in LAYER_VARIANTS.items():
+    step, args, _ = layer.step_call(
+        None, hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k, tokens=tokens,
+        seq=min(tokens, 2048), backend=backend, exchange="auto", dispatch_dtype=None,
+        **options)
+    calls[name] = (step, args)
+  return calls
+
+
 def banks(tokens: int, top_k: int, hidden: int, ffn: int, num_experts: int, loads,
-          iters: int, rounds: int) -> dict:
-  """The dense chain and the grouped bank on each of ``loads`` (and unfused
-  where the activation is fused by default), timed in interleaved rounds
-  (:func:`common.time_interleaved`); each method's ``of_dense_rounds`` is its
-  speed over the chain's, round by round."""
+          iters: int, rounds: int, more_calls: dict | None = None) -> dict:
+  """The dense chain, the grouped bank on each of ``loads`` (and unfused
+  where the activation is fused by default) and ``more_calls``, timed in
+  interleaved rounds (:func:`common.time_interleaved`); each method's
+  ``of_dense_rounds`` is its speed over the chain's, round by round."""
   w_in, w_out = experts.weights(hidden, ffn, num_experts, seed=1)
   calls, facts = {"dense": dense_call(tokens * top_k, hidden, ffn)}, {}
   variants = ([("", None), ("_unfused", False)] if fuses_activation_by_default(hidden, ffn)
@@ -92,6 +109,7 @@ def banks(tokens: int, top_k: int, hidden: int, ffn: int, num_experts: int, load
     for suffix, fuse in variants:
       calls[f"grouped_{load}{suffix}"], facts[f"grouped_{load}{suffix}"] = bank_call(
           tokens, top_k, num_experts, load, w_in, w_out, fuse)
+  calls.update(more_calls or {})
   methods = {name: {**facts.get(name, {}), **timing} for name, timing
              in common.time_interleaved(calls, iters=iters, rounds=rounds).items()}
   dense = methods["dense"].get("samples_ms")
@@ -106,30 +124,19 @@ def run(shapes: dict = SHAPES, loads=LOADS, iters: int = 5, rounds: int = 4,
   results = {}
   for name, (tokens, top_k, hidden, ffn, num_experts) in shapes.items():
     flops = experts.bank_flops(tokens * top_k, hidden, ffn)
-    methods = banks(tokens, top_k, hidden, ffn, num_experts, loads, iters, rounds)
+    more = layer_calls(tokens, top_k, hidden, ffn, num_experts, backend) if layers else {}
+    methods = banks(tokens, top_k, hidden, ffn, num_experts, loads, iters, rounds, more)
+    for variant, (step, args) in more.items():
+      if "median_ms" in methods[variant]:
+        (_, aux), _ = step(*args)
+        methods[variant]["dropped_fraction"] = float(aux.dropped_fraction)
+    del more
     for method in methods.values():
-      if "median_ms" in method:
+      if "median_ms" in method:  # the same useful FLOPs as the chain: the routed rows
         method["tflops"] = flops / method["median_ms"] / 1e9
-    if layers:
-      shared = dict(hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k,
-                    tokens=tokens, seq=min(tokens, 2048), backend=backend, exchange="auto",
-                    dispatch_dtype=None, iters=iters, peak_tflops=float("nan"))
-      for variant, options in (("layer_dropless", dict(factor=None)),
-                               ("layer_cf1.0_slabs", dict(factor=1.0, expert_layout="slabs"))):
-        try:
-          timing = layer.variant(None, **shared, **options)
-        except Exception as error:  # noqa: BLE001 - out of memory is a result here
-          timing = common.failure(error)
-        timing.pop("mfu", None)
-        if "median_ms" in timing:  # the same useful FLOPs as the chain: the routed rows
-          timing["tflops"] = flops / timing["median_ms"] / 1e9
-        methods[variant] = timing
-    dense = methods["dense"].get("tflops")
     for method in methods.values():
       if "of_dense_rounds" in method:  # timed beside the chain: the median of its rounds
         method["of_dense"] = statistics.median(method["of_dense_rounds"])
-      elif dense and "tflops" in method:
-        method["of_dense"] = method["tflops"] / dense
     results[name] = {"tokens": tokens, "top_k": top_k, "hidden": hidden, "ffn": ffn,
                      "num_experts": num_experts, "flops": flops,
                      "bank_layout": bank_layout("auto", jnp.bfloat16, hidden, ffn),
