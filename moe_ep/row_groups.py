@@ -3,9 +3,12 @@
 
 Each local expert's rows sit contiguously in one ``[M, H]`` buffer: group
 ``l`` starts at row ``start[l]``, the exclusive running sum of the kept counts
-rounded up to ``ROW_TILE``, so every ``ROW_TILE``-row tile of the buffer
-belongs to one group or to none (:mod:`moe_ep.transport.receive_grouped` describes
-how dispatch fills it).
+rounded up to ``GROUP_ALIGN`` (:mod:`moe_ep.transport.receive_grouped`
+describes how dispatch fills it). With ``GROUP_ALIGN == ROW_TILE`` every
+``ROW_TILE``-row tile of the buffer belongs to one group or to none; with
+half of it a group's last tile may be half a tile, which the GEMMs run as
+such (:func:`moe_ep.experts.grouped.group_tiles`), so a group pays at most
+``GROUP_ALIGN - 1`` rows of padding.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import jax.numpy as jnp
 
 from moe_ep.capacity import check_capacity_factor, check_experts, check_num_tokens, round_up
 
-# Rows per tile of the grouped GEMM: groups start at multiples of it.
+# Rows per tile of the grouped GEMM.
 ROW_TILE = 128
+# Groups start at multiples of it: ROW_TILE, or ROW_TILE // 2 (half tiles).
+GROUP_ALIGN = 128
 
 
 def grouped_rows_for(num_tokens: int, top_k: int, num_experts: int, ep_size: int,
@@ -33,8 +38,8 @@ def grouped_rows_for(num_tokens: int, top_k: int, num_experts: int, ep_size: int
       rank: the worst case is ``T * K``, so every factor keeps every row).
 
   Returns:
-    ``M``: the routed rows plus ``L * (ROW_TILE - 1)`` rows of group padding,
-    a multiple of ``ROW_TILE``.
+    ``M``: the routed rows plus ``L * (GROUP_ALIGN - 1)`` rows of group
+    padding, a multiple of ``ROW_TILE``.
   """
   num_tokens = check_num_tokens(num_tokens, "grouped_rows_for")
   num_experts, top_k, ep_size = check_experts(num_experts, top_k, ep_size)
@@ -43,13 +48,15 @@ def grouped_rows_for(num_tokens: int, top_k: int, num_experts: int, ep_size: int
   rows = ep_size * num_tokens * min(top_k, local_experts)
   if receive_factor is not None:
     rows = min(rows, math.ceil(receive_factor * num_tokens * top_k))
-  return round_up(rows + local_experts * (ROW_TILE - 1), ROW_TILE)
+  return round_up(rows + local_experts * (GROUP_ALIGN - 1), ROW_TILE)
 
 
-def group_starts(counts: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+def group_starts(counts: jax.Array, num_rows: int,
+                 align: int | None = None) -> tuple[jax.Array, jax.Array]:
   """``(start [L], rows [L])``: each group's first row and its rows rounded
-  up to ``ROW_TILE``, cut where the buffer of ``num_rows`` rows ends."""
-  padded = round_up(counts.astype(jnp.int32), ROW_TILE)
+  up to ``align`` (default ``GROUP_ALIGN``), cut where the buffer of
+  ``num_rows`` rows ends."""
+  padded = round_up(counts.astype(jnp.int32), align or GROUP_ALIGN)
   ends = jnp.minimum(jnp.cumsum(padded), num_rows)
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
   return starts, ends - starts

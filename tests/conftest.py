@@ -202,3 +202,12 @@ def nested_jaxprs(jaxpr):
         inner = getattr(value, "jaxpr", value)  # ClosedJaxpr -> Jaxpr
         if hasattr(inner, "eqns"):
           yield from nested_jaxprs(inner)
+
+
+@pytest.fixture(params=[128, 64], ids=lambda align: f"align{align}")
+def group_align(request, monkeypatch):
+  """Groups of the grouped layout on whole row tiles and on half tiles: the
+  layout's alignment set for the test (the transport's and the bank's alike)."""
+  from moe_ep import row_groups
+  monkeypatch.setattr(row_groups, "GROUP_ALIGN", request.param)
+  return request.param

@@ -73,6 +73,22 @@ def test_dropless_grouped_equals_slabs_at_the_dropless_capacity(backend, mesh_sh
   assert_close(grads_g, grads_s, GRAD_TOL)
 
 
+@pytest.mark.parametrize("mesh_shape", [(1, 1), (2, 4)])
+def test_grouped_on_half_tiles_equals_slabs(mesh_shape, monkeypatch):
+  """Groups starting at multiples of half a row tile (the transport fills
+  them, the bank's tile list reads them): the same layer as the slabs."""
+  from moe_ep import row_groups
+  monkeypatch.setattr(row_groups, "GROUP_ALIGN", row_groups.ROW_TILE // 2)
+  mesh = make_mesh(mesh_shape, ("dp", "ep"))
+  x = np.random.default_rng(5).normal(size=(8, 6, HIDDEN)).astype(np.float32)
+  results = both_layouts(mesh, x)
+  (loss_s, (y_s, aux_s)), grads_s = results["slabs"]
+  (loss_g, (y_g, aux_g)), grads_g = results["grouped"]
+  assert float(aux_g.dropped_fraction) == 0.0 == float(aux_s.dropped_fraction)
+  assert_close(y_g, y_s, TOL)
+  assert_close(grads_g, grads_s, GRAD_TOL)
+
+
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0])
 def test_grouped_keeps_and_drops_what_slabs_keep_and_drop(capacity_factor):
   """With a capacity the grouped layout keeps exactly the slab layout's rows."""
@@ -140,7 +156,7 @@ def test_the_layer_step_runs_no_while_loop(layout, capacity_factor):
 
 
 @pytest.mark.gpu
-def test_hopper_grouped_layer_matches_slabs_in_bfloat16():
+def test_hopper_grouped_layer_matches_slabs_in_bfloat16(group_align):
   """The Hopper kernels inside the layer (bf16, tile-sized H and F) against
   the slab bank's batched GEMMs."""
   from moe_ep.experts import kernels_apply

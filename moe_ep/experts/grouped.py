@@ -3,9 +3,10 @@ which each local expert's rows are contiguous.
 
 Group ``l`` holds ``counts[l]`` rows from row ``start[l]`` on, where the
 starts are the exclusive running sum of the counts rounded up to
-``ROW_TILE`` (its padding rows are zero); rows past the last group belong to
-none. So every GEMM costs the routed rows plus at most ``ROW_TILE - 1`` rows
-per expert, whatever the worst case the static ``M`` must hold.
+``GROUP_ALIGN`` (:mod:`moe_ep.row_groups`; its padding rows are zero); rows
+past the last group belong to none. So every GEMM costs the routed rows plus
+at most ``GROUP_ALIGN - 1`` rows per expert, whatever the worst case the
+static ``M`` must hold.
 
 :func:`grouped_matmul` is a ``custom_vjp`` product with two implementations
 of the same three passes (forward, input gradient, weight gradient over the
@@ -24,7 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_ep import sharding
+from moe_ep import row_groups, sharding
 from moe_ep.experts import hopper, hopper_fused
 from moe_ep.experts.slabs import Namer, _no_name, activate
 from moe_ep.row_groups import ROW_TILE, group_of_rows, group_starts
@@ -35,25 +36,71 @@ IMPLEMENTATIONS = ("auto", "hopper", "xla")
 class GroupTiles(NamedTuple):
   """Where each group sits in the row buffer: int32 data derived from the counts.
 
+  The GEMMs walk row tiles. With groups on whole tiles (``GROUP_ALIGN ==
+  ROW_TILE``) tile ``i`` is rows ``[i * ROW_TILE, (i + 1) * ROW_TILE)``;
+  with groups on half tiles each group's rows are whole tiles and at most
+  one half tile, listed in row order with the rows of no group after them
+  (``tile_start`` and ``tile_rows``).
+
   Attributes:
-    group_start: ``[G]`` first row of each group (a multiple of ``ROW_TILE``).
-    group_rows: ``[G]`` the group's rows rounded up to ``ROW_TILE`` (its
+    group_start: ``[G]`` first row of each group (a multiple of ``GROUP_ALIGN``).
+    group_rows: ``[G]`` the group's rows rounded up to ``GROUP_ALIGN`` (its
       padding rows are zero); a group that would run past the buffer is cut
       at its end.
-    tile_group: ``[M // ROW_TILE]`` the group of each row tile, -1 for none.
+    tile_group: ``[W]`` the group of each row tile, -1 for none.
+    tile_start: None (whole tiles: ``W = M // ROW_TILE``), or ``[W]`` each
+      tile's first row.
+    tile_rows: None, or ``[W]`` each tile's rows: ``ROW_TILE``, half of it,
+      or 0 for the spare entries at the end of the list.
   """
 
   group_start: jax.Array
   group_rows: jax.Array
   tile_group: jax.Array
+  tile_start: jax.Array | None = None
+  tile_rows: jax.Array | None = None
 
 
-def group_tiles(counts: jax.Array, num_rows: int) -> GroupTiles:
+def group_tiles(counts: jax.Array, num_rows: int, align: int | None = None) -> GroupTiles:
   """The :class:`GroupTiles` of groups of ``counts [G]`` rows in ``num_rows``
-  (a multiple of ``ROW_TILE``) rows."""
-  starts, rows = group_starts(counts, num_rows)
-  tile_rows = jnp.arange(num_rows // ROW_TILE, dtype=jnp.int32) * ROW_TILE
-  return GroupTiles(starts, rows, group_of_rows(starts, rows, tile_rows))
+  (a multiple of ``ROW_TILE``) rows, starting at multiples of ``align``
+  (``ROW_TILE`` or half of it; default the layout's,
+  :data:`moe_ep.row_groups.GROUP_ALIGN`)."""
+  align = align or row_groups.GROUP_ALIGN
+  starts, rows = group_starts(counts, num_rows, align)
+  if align == ROW_TILE:
+    tile_firsts = jnp.arange(num_rows // ROW_TILE, dtype=jnp.int32) * ROW_TILE
+    return GroupTiles(starts, rows, group_of_rows(starts, rows, tile_firsts))
+  if align != ROW_TILE // 2:
+    raise ValueError(f"align={align}: groups start on whole tiles ({ROW_TILE}) or half tiles "
+                     f"({ROW_TILE // 2})")
+  return GroupTiles(starts, rows, *_half_tile_list(starts, rows, num_rows))
+
+
+def _half_tile_list(starts, rows, num_rows: int):
+  """``(tile_group, tile_start, tile_rows)``, each ``[M // ROW_TILE + (G + 1) // 2]``:
+  every group's rows as whole tiles then at most one half tile, then the rows
+  of no group the same way, then spare entries of 0 rows. Every run of rows
+  is a multiple of half a tile long, so each half tile adds half an entry to
+  ``M // ROW_TILE``: at most ``G + 1`` of them."""
+  num_groups = starts.shape[0]
+  entries = num_rows // ROW_TILE + (num_groups + 1) // 2
+  group_entries = -(-rows // ROW_TILE)
+  ends = jnp.cumsum(group_entries)
+  firsts = ends - group_entries
+  grouped_entries, grouped_rows = ends[-1], starts[-1] + rows[-1]
+  entry = jnp.arange(entries, dtype=jnp.int32)
+  # Unrolled: the default scan is a while loop, read back on the host each step.
+  group = jnp.searchsorted(ends, entry, side="right", method="scan_unrolled").astype(jnp.int32)
+  in_group = group < num_groups
+  g = jnp.minimum(group, num_groups - 1)
+  offset = (entry - firsts[g]) * ROW_TILE
+  start = jnp.where(in_group, starts[g] + offset,
+                    grouped_rows + (entry - grouped_entries) * ROW_TILE)
+  height = jnp.where(in_group, jnp.minimum(rows[g] - offset, ROW_TILE),
+                     jnp.clip(num_rows - start, 0, ROW_TILE))
+  return (jnp.where(in_group, group, -1), jnp.where(height > 0, start, 0),
+          height.astype(jnp.int32))
 
 
 def check_implementation(implementation: str) -> None:
@@ -160,19 +207,19 @@ def _forward(implementation, lhs, rhs, tiles, transpose_rhs):
     return jax.lax.platform_dependent(
         lhs, rhs, tiles,
         cuda=lambda a, b, t: sharding.vary_like(
-            hopper.grouped_matmul(a, b, t.tile_group, transpose_rhs=transpose_rhs), a, b),
+            hopper.grouped_matmul(a, b, t.tile_group, transpose_rhs=transpose_rhs,
+                                  tile_start=t.tile_start, tile_rows=t.tile_rows), a, b),
         default=lambda a, b, t: _forward_xla(a, b, t, transpose_rhs))
   return _forward_xla(lhs, rhs, tiles, transpose_rhs)
 
 
 def _wgrad(implementation, lhs, rhs, tiles):
   if _uses_hopper(implementation, lhs.dtype, lhs.shape[0], lhs.shape[1], rhs.shape[1]):
-    steps_per_tile = ROW_TILE // hopper.TileConfig().tile_k
+    rows_per_step = hopper.TileConfig().tile_k  # divides GROUP_ALIGN
     return jax.lax.platform_dependent(
         lhs, rhs, tiles,
         cuda=lambda a, b, t: sharding.vary_like(hopper.grouped_matmul_wgrad(
-            a, b, t.group_start, t.group_rows // ROW_TILE * steps_per_tile,
-            t.group_start.shape[0]), a, b),
+            a, b, t.group_start, t.group_rows // rows_per_step, t.group_start.shape[0]), a, b),
         default=_wgrad_xla)
   return _wgrad_xla(lhs, rhs, tiles)
 
@@ -231,7 +278,9 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tiles: GroupTiles,
   if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
     raise ValueError(f"grouped_matmul needs lhs [M, K] and rhs [G, K, N]; got {lhs.shape} "
                      f"and {rhs.shape}")
-  if lhs.shape[0] % ROW_TILE or tiles.tile_group.shape[0] * ROW_TILE != lhs.shape[0]:
+  whole_tiles = tiles.tile_rows is None
+  if lhs.shape[0] % ROW_TILE or (whole_tiles and
+                                 tiles.tile_group.shape[0] * ROW_TILE != lhs.shape[0]):
     raise ValueError(f"lhs has {lhs.shape[0]} rows: the grouped layout needs a multiple of "
                      f"{ROW_TILE} matching tiles.tile_group {tiles.tile_group.shape}")
   rhs = _weights_like(rhs, lhs)
@@ -277,7 +326,8 @@ def _activation_matmul(implementation, activation, lhs, rhs, row_weights, tiles)
       lhs, rhs, row_weights, tiles,
       cuda=lambda a, b, w, t: tuple(
           sharding.vary_like(v, a, b) for v in hopper_fused.activation_matmul(
-              a, b, t.tile_group, w, activation)),
+              a, b, t.tile_group, w, activation, tile_start=t.tile_start,
+              tile_rows=t.tile_rows)),
       default=lambda a, b, w, t: _activation_xla(a, b, t, w, activation))
 
 
@@ -324,7 +374,8 @@ def _activated_matmul_bwd(implementation, activation, residuals, out_grad):
       out_grad, w_out, hidden, row_weights, tiles,
       cuda=lambda g, b, h, w, t: jax.tree.map(
           lambda v: sharding.vary_like(v, g, b, h),
-          hopper_fused.activation_grad_matmul(g, b, h, t.tile_group, w, activation)),
+          hopper_fused.activation_grad_matmul(g, b, h, t.tile_group, w, activation,
+                                              tile_start=t.tile_start, tile_rows=t.tile_rows)),
       default=lambda g, b, h, w, t: _activation_grad_xla(g, b, h, t, w, activation))
   w_out_grad = _wgrad(implementation, act, out_grad, tiles)
   tiles_grad = _no_gradient(tiles)

@@ -1,15 +1,17 @@
 """Grouped GEMMs on Hopper tensor cores (Pallas Mosaic GPU: TMA + wgmma).
 
-Rows come in groups of whole ``ROW_TILE``-row tiles: group ``g`` owns rows
-``[start_g, start_g + size_g)`` with ``start_g`` a multiple of ``ROW_TILE`` and
-its padding rows (up to the next multiple) zero, so every tile of rows
-belongs to one group or to none. Two kernels cover the three products of a
-linear layer's forward and backward:
+Rows come in groups: group ``g`` owns rows ``[start_g, start_g + size_g)``
+with ``start_g`` a multiple of ``ROW_TILE`` and its padding rows (up to the
+next multiple) zero, so every tile of rows belongs to one group or to none;
+or, with a tile list, ``start_g`` a multiple of half a tile and each group's
+rows whole tiles and at most one half tile, whose product runs on half the
+rows (:class:`moe_ep.experts.grouped.GroupTiles`). Two kernels cover the
+three products of a linear layer's forward and backward:
 
 * :func:`grouped_matmul`: ``out[rows_g] = lhs[rows_g] @ rhs[g]`` (or
   ``@ rhs[g].T``), the forward and the input gradient; ``tile_group [M /
-  ROW_TILE]`` names each tile's group, -1 for a tile of no group, which is
-  skipped (its output rows are left unwritten).
+  ROW_TILE]`` names each tile's group, -1 for a tile of no group, whose
+  output rows are stored as zeros.
 * :func:`grouped_matmul_wgrad`: ``out[g] = lhs[rows_g].T @ rhs[rows_g]``, the
   weight gradient, contracting over the group's rows only (zero for an empty
   group).
@@ -22,7 +24,8 @@ each accumulate a ``[128, tile_n]`` float32 tile with wgmma, and the
 epilogue stores ``[64, 64]`` pieces by TMA. They run inside XLA's program as
 custom calls, on its stream, and need 16-bit inputs (bfloat16, float16) and
 sizes that are multiples of ``SIZE_MULTIPLE`` (:func:`supports`); tiles past
-a size are TMA's to fill with zeros and clip.
+a size are TMA's to fill with zeros and clip (a half tile's block of
+``ROW_TILE`` rows too, where it ends the buffer).
 """
 
 from __future__ import annotations
@@ -143,26 +146,51 @@ def store_tile(acc, out_smem, out_ref, wg_idx, epi_tile: int):
 @dataclasses.dataclass(frozen=True)
 class OutputTile:
   """Where one step of a persistent kernel's loop over output tiles writes:
-  its row tile's group (-1: none), the CTA's rows and columns, this compute
-  warpgroup's share of the columns, and the column tile's index."""
+  its row tile's group (-1: none) and rows (``ROW_TILE`` of them from its
+  start; ``height`` of them are the tile's), the CTA's columns, this compute
+  warpgroup's share of them, and the column tile's index."""
 
   group: jax.Array
   rows: object  # pl.ds of ROW_TILE rows
+  height: object  # ROW_TILE, or with a tile list int32 ROW_TILE, half of it or 0
   columns: object  # pl.ds of 2 * wg_columns columns
   wg_columns: object  # pl.ds within ``columns``
   column_tile: jax.Array
 
+  def row_view(self, ref, height: int):
+    """``ref``'s first ``height`` rows of this tile."""
+    return ref.at[pl.ds(self.rows.start, height)]
+
 
 def output_tile(loop_info, tile_group_gmem, wg_idx, *, m_iters: int, n_iters: int,
-                wg_columns: int, config: TileConfig) -> OutputTile:
+                wg_columns: int, config: TileConfig, tables=()) -> OutputTile:
   """The :class:`OutputTile` of step ``loop_info`` of an ``nd_loop`` over
-  ``m_iters * n_iters`` tiles, visited in the snake order of ``config``."""
+  ``m_iters * n_iters`` tiles, visited in the snake order of ``config``; row
+  tile ``i`` is rows ``i * ROW_TILE`` on, or with a tile list (``tables``:
+  the ``tile_start`` and ``tile_rows`` of
+  :class:`moe_ep.experts.grouped.GroupTiles`) the list's entry ``i``."""
   (index,) = loop_info.index
   m_idx, n_idx = plgpu.planar_snake(index, (m_iters, n_iters), config.grid_minor_dim,
                                     config.grid_tile_width)
-  return OutputTile(tile_group_gmem[m_idx], pl.ds(m_idx * ROW_TILE, ROW_TILE),
+  if tables:  # TMA needs the rows' alignment proven: half tiles start at multiples of 64
+    start = pl.multiple_of(tables[0][m_idx], ROW_TILE // 2)
+    height = tables[1][m_idx]
+  else:
+    start, height = m_idx * ROW_TILE, ROW_TILE
+  return OutputTile(tile_group_gmem[m_idx], pl.ds(start, ROW_TILE), height,
                     pl.ds(n_idx * (2 * wg_columns), 2 * wg_columns),
                     pl.ds(wg_idx * wg_columns, wg_columns), n_idx)
+
+
+def tile_heights(tile_rows) -> tuple[int, ...]:
+  """The row tile heights a kernel over ``tile_rows`` (None: whole tiles)
+  traces a body for."""
+  return (ROW_TILE,) if tile_rows is None else (ROW_TILE, ROW_TILE // 2)
+
+
+def of_height(tile: OutputTile, height: int):
+  """Whether ``tile`` has ``height`` rows (a traced bool, or True)."""
+  return True if isinstance(tile.height, int) else tile.height == height
 
 
 def kernel_call(body, out_type, num_sms):
@@ -175,16 +203,21 @@ def kernel_call(body, out_type, num_sms):
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
                    transpose_rhs: bool = False, config: TileConfig = TileConfig(),
-                   num_sms: int | None = None) -> jax.Array:
+                   num_sms: int | None = None, tile_start: jax.Array | None = None,
+                   tile_rows: jax.Array | None = None) -> jax.Array:
   """``out[rows_g] = lhs[rows_g] @ rhs[g]`` over the row tiles of each group.
 
   Args:
     lhs: ``[M, K]``, ``M % ROW_TILE == 0``.
     rhs: ``[G, K, N]`` (``[G, N, K]`` with ``transpose_rhs``).
-    tile_group: ``[M // ROW_TILE]`` int32 group of each row tile, -1 for none.
+    tile_group: ``[M // ROW_TILE]`` int32 group of each row tile, -1 for none
+      (with a tile list: ``[W]``, each entry's).
     transpose_rhs: multiply by ``rhs[g].T`` (the input gradient).
     config: tiles and schedule.
     num_sms: persistent CTAs (default: the device's multiprocessor count).
+    tile_start, tile_rows: None, or the ``[W]`` tile list of groups on half
+      tiles (:class:`moe_ep.experts.grouped.GroupTiles`): a half tile's
+      product runs on half the rows.
 
   Returns:
     ``[M, N]`` in ``lhs.dtype``, zero on rows of tiles of no group.
@@ -196,13 +229,14 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
   padded_n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   tile_m, tile_n, tile_k = ROW_TILE, config.tile_n, config.tile_k
   cta_tile_n = 2 * tile_n
-  m_iters, n_iters, k_iters = m // tile_m, pl.cdiv(padded_n, cta_tile_n), pl.cdiv(k, tile_k)
+  m_iters, n_iters, k_iters = tile_group.shape[0], pl.cdiv(padded_n, cta_tile_n), pl.cdiv(k, tile_k)
   dtype = lhs.dtype
   # Both operands share one swizzle (wgmma's rule); the arrays' minor sizes
   # are K, and N where the weights are not read transposed.
   transforms = smem_transforms(dtype, tile_k, k, *(() if transpose_rhs else (padded_n,)))
   epi = config.epi_tile
   out_transforms = smem_transforms(dtype, epi, padded_n)
+  tables = () if tile_rows is None else (tile_start, tile_rows)
 
   def pipeline(body, compute_context):
     rhs_spec = (plgpu.BlockSpec((cta_tile_n, tile_k), lambda ki: (0, ki), transforms=transforms,
@@ -218,7 +252,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context)
 
-  def body(tile_group_gmem, lhs_gmem, rhs_gmem, out_gmem):
+  def body(tile_group_gmem, *refs):
+    *table_gmems, lhs_gmem, rhs_gmem, out_gmem = refs
     ignore = lambda *_, **__: None
 
     @functools.partial(
@@ -232,42 +267,47 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
       def tile_loop(loop_info):
         tile = output_tile(loop_info, tile_group_gmem, wg_idx, m_iters=m_iters, n_iters=n_iters,
-                           wg_columns=tile_n, config=config)
-        group, m_slice, n_slice, wg_n_slice = tile.group, tile.rows, tile.columns, tile.wg_columns
+                           wg_columns=tile_n, config=config, tables=table_gmems)
+        group, n_slice, wg_n_slice = tile.group, tile.columns, tile.wg_columns
 
-        # A tile of no group is stored as zeros by the compute warpgroups (so
-        # the input gradient there is zero, not what memory held).
-        @pl.when((group < 0) & (wg_idx < 2))
-        def _():
-          store_tile(jnp.zeros((tile_m, tile_n), jnp.float32), out_smem,
-                      out_gmem.at[m_slice, n_slice].at[:, wg_n_slice], wg_idx, epi)
+        for height in tile_heights(tile_rows):
+          out_view = tile.row_view(out_gmem, height).at[:, n_slice].at[:, wg_n_slice]
 
-        @pl.when(group >= 0)
-        def _():
-          def compute_context(eval_pipeline):
-            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-            def _(acc_ref):
-              eval_pipeline(acc_ref)
-              store_tile(acc_ref[...], out_smem,
-                          out_gmem.at[m_slice, n_slice].at[:, wg_n_slice], wg_idx, epi)
+          # A tile of no group is stored as zeros by the compute warpgroups (so
+          # the input gradient there is zero, not what memory held).
+          @pl.when((group < 0) & (wg_idx < 2) & of_height(tile, height))
+          def _():
+            store_tile(jnp.zeros((height, tile_n), jnp.float32), out_smem, out_view, wg_idx, epi)
 
-          def mma(_, lhs_smem, rhs_smem, acc_ref):
-            if transpose_rhs:
-              rhs_block = transposed(rhs_smem.at[wg_n_slice, :])
-            else:
-              rhs_block = rhs_smem.at[:, wg_n_slice]
-            plgpu.wgmma(acc_ref, lhs_smem, rhs_block)
-            plgpu.wgmma_wait(config.delay_release)
-            return acc_ref
+          @pl.when((group >= 0) & of_height(tile, height))
+          def _():
+            def compute_context(eval_pipeline):
+              @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((height, tile_n), jnp.float32))
+              def _(acc_ref):
+                eval_pipeline(acc_ref)
+                store_tile(acc_ref[...], out_smem, out_view, wg_idx, epi)
 
-          rhs_view = (rhs_gmem.at[group].at[n_slice, :] if transpose_rhs
-                      else rhs_gmem.at[group].at[:, n_slice])
-          pipeline(mma, compute_context)(lhs_gmem.at[m_slice, :], rhs_view, allocations=allocs)
+            def mma(_, lhs_smem, rhs_smem, acc_ref):
+              if transpose_rhs:
+                rhs_block = transposed(rhs_smem.at[wg_n_slice, :])
+              else:
+                rhs_block = rhs_smem.at[:, wg_n_slice]
+              # A half tile's block holds the next tile's rows too (or TMA's
+              # zeros past the end): only its own enter the product.
+              plgpu.wgmma(acc_ref, lhs_smem if height == tile_m else lhs_smem.at[:height],
+                          rhs_block)
+              plgpu.wgmma_wait(config.delay_release)
+              return acc_ref
+
+            rhs_view = (rhs_gmem.at[group].at[n_slice, :] if transpose_rhs
+                        else rhs_gmem.at[group].at[:, n_slice])
+            pipeline(mma, compute_context)(lhs_gmem.at[tile.rows, :], rhs_view,
+                                           allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   call = kernel_call(body, jax.ShapeDtypeStruct((m, padded_n), dtype), num_sms or num_sms_here())
-  return call(tile_group, lhs, rhs)[:, :n]
+  return call(tile_group, *tables, lhs, rhs)[:, :n]
 
 
 def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,

@@ -74,7 +74,8 @@ def _row_weights(w_smem, wg_idx, rows: slice, columns: int):
 def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
                       row_weights: jax.Array | None, activation: str, *,
                       config: hopper.TileConfig = hopper.TileConfig(),
-                      num_sms: int | None = None) -> tuple[jax.Array, jax.Array]:
+                      num_sms: int | None = None, tile_start: jax.Array | None = None,
+                      tile_rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """``hidden = lhs[rows_g] @ rhs[g]`` and its activation, in one pass.
 
   Args:
@@ -83,6 +84,8 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
     tile_group: ``[M // ROW_TILE]`` int32 group of each row tile, -1 for none.
     row_weights: ``[M]`` float32 weight of each row, or None (1).
     activation: ``"swiglu"``, ``"geglu"`` or ``"gelu"``.
+    tile_start, tile_rows: None, or a tile list with half tiles, as
+      :func:`moe_ep.experts.hopper.grouped_matmul`.
 
   Returns:
     ``(hidden [M, n*F], act [M, F])`` in ``lhs.dtype``; ``act`` is computed
@@ -98,11 +101,12 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
   tile_m, tile_k = ROW_TILE, config.tile_k
   wg_cols = config.tile_n // n  # each of its n accumulators
   cta_cols = 2 * wg_cols
-  m_iters, n_iters, k_iters = m // tile_m, pl.cdiv(padded_f, cta_cols), pl.cdiv(k, tile_k)
+  m_iters, n_iters, k_iters = tile_group.shape[0], pl.cdiv(padded_f, cta_cols), pl.cdiv(k, tile_k)
   dtype = lhs.dtype
   transforms = hopper.smem_transforms(dtype, tile_k, k, padded_f, cta_cols)
   out_transforms = hopper.smem_transforms(dtype, _EPI, padded_f)
   weighted = row_weights is not None
+  tables = () if tile_rows is None else (tile_start, tile_rows)
 
   def pipeline(body, compute_context):
     spec = lambda shape, index: plgpu.BlockSpec(
@@ -115,7 +119,8 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context)
 
-  def body(tile_group_gmem, lhs_gmem, rhs_gmem, *refs):
+  def body(tile_group_gmem, *refs):
+    table_gmems, (lhs_gmem, rhs_gmem, *refs) = refs[:len(tables)], refs[len(tables):]
     w_gmem, hidden_gmem, act_gmem = refs if weighted else (None, *refs)
     ignore = lambda *_, **__: None
 
@@ -130,38 +135,35 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
     def scope(allocs, out_smem, w_smem, w_barrier):
       wg_idx = lax.axis_index("wg")
 
-      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-      def tile_loop(loop_info):
-        tile = hopper.output_tile(loop_info, tile_group_gmem, wg_idx, m_iters=m_iters,
-                                  n_iters=n_iters, wg_columns=wg_cols, config=config)
-        group, m_slice, n_slice, wg_slice = tile.group, tile.rows, tile.columns, tile.wg_columns
-        # [tile_m, wg_cols] views of this warpgroup's outputs: hidden's n parts, act.
-        outputs = [hidden_gmem.at[m_slice, h, n_slice].at[:, wg_slice] for h in range(n)]
-        outputs.append(act_gmem.at[m_slice, n_slice].at[:, wg_slice])
+      def tile_body(tile, group, n_slice, wg_slice, height):
+        # [height, wg_cols] views of this warpgroup's outputs: hidden's n parts, act.
+        outputs = [tile.row_view(hidden_gmem, height).at[:, h, n_slice].at[:, wg_slice]
+                   for h in range(n)]
+        outputs.append(tile.row_view(act_gmem, height).at[:, n_slice].at[:, wg_slice])
 
-        def store(values):  # values: n + 1 float32 [tile_m, wg_cols] arrays
+        def store(values):  # values: n + 1 float32 [height, wg_cols] arrays
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           piece = 0
-          for i in range(tile_m // _EPI):
+          for i in range(height // _EPI):
             for j in range(wg_cols // _EPI):
               rows, cols = slice(i * _EPI, (i + 1) * _EPI), slice(j * _EPI, (j + 1) * _EPI)
               for value, out_ref in zip(values(rows, cols), outputs):
                 hopper.store_piece(value, out_smem, wg_idx, piece % 2, out_ref.at[rows, cols])
                 piece += 1
 
-        @pl.when((group < 0) & (wg_idx < 2))
+        @pl.when((group < 0) & (wg_idx < 2) & hopper.of_height(tile, height))
         def _():
           zeros = jnp.zeros((_EPI, _EPI), jnp.float32)
           store(lambda rows, cols: [zeros] * (n + 1))
 
-        @pl.when(group >= 0)
+        @pl.when((group >= 0) & hopper.of_height(tile, height))
         def _():
           def compute_context(eval_pipeline):
             @functools.partial(pl.run_scoped,
-                               accs=[plgpu.ACC((tile_m, wg_cols), jnp.float32)] * n)
+                               accs=[plgpu.ACC((height, wg_cols), jnp.float32)] * n)
             def _(accs):
               if weighted:  # fetched under the main loop (the last tile's epilogue has read it)
-                plgpu.copy_gmem_to_smem(w_gmem.at[m_slice], w_smem.at[wg_idx],
+                plgpu.copy_gmem_to_smem(w_gmem.at[tile.rows], w_smem.at[wg_idx],
                                         w_barrier.at[wg_idx])
               eval_pipeline(accs)
               if weighted:
@@ -181,21 +183,32 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
 
           def mma(_, lhs_smem, *rest):
             *rhs_smems, accs = rest
+            # A half tile's block holds the next rows too: only its own enter.
+            lhs_block = lhs_smem if height == tile_m else lhs_smem.at[:height]
             for rhs_smem, acc in zip(rhs_smems, accs):
-              plgpu.wgmma(acc, lhs_smem, rhs_smem.at[:, wg_slice])
+              plgpu.wgmma(acc, lhs_block, rhs_smem.at[:, wg_slice])
             plgpu.wgmma_wait(config.delay_release)
             return accs
 
           pipeline(mma, compute_context)(
-              lhs_gmem.at[m_slice, :], *[rhs_gmem.at[group].at[:, h, n_slice] for h in range(n)],
-              allocations=allocs)
+              lhs_gmem.at[tile.rows, :],
+              *[rhs_gmem.at[group].at[:, h, n_slice] for h in range(n)], allocations=allocs)
+
+      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+      def tile_loop(loop_info):
+        tile = hopper.output_tile(loop_info, tile_group_gmem, wg_idx, m_iters=m_iters,
+                                  n_iters=n_iters, wg_columns=wg_cols, config=config,
+                                  tables=table_gmems)
+        group, n_slice, wg_slice = tile.group, tile.columns, tile.wg_columns
+        for height in hopper.tile_heights(tile_rows):
+          tile_body(tile, group, n_slice, wg_slice, height)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   out_type = (jax.ShapeDtypeStruct((m, n, padded_f), dtype),
               jax.ShapeDtypeStruct((m, padded_f), dtype))
   call = hopper.kernel_call(body, out_type, num_sms or hopper.num_sms_here())
-  hidden, act = call(tile_group, lhs, rhs, *([row_weights] if weighted else []))
+  hidden, act = call(tile_group, *tables, lhs, rhs, *([row_weights] if weighted else []))
   return hidden[:, :, :ffn].reshape(m, n * ffn), act[:, :ffn]
 
 
@@ -207,7 +220,8 @@ GRAD_CONFIG = hopper.TileConfig(max_concurrent_steps=3)
 def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Array,
                            tile_group: jax.Array, row_weights: jax.Array | None,
                            activation: str, *, config: hopper.TileConfig = GRAD_CONFIG,
-                           num_sms: int | None = None
+                           num_sms: int | None = None, tile_start: jax.Array | None = None,
+                           tile_rows: jax.Array | None = None
                            ) -> tuple[jax.Array, jax.Array | None]:
   """``d_hidden`` of ``out = act(hidden) @ w_out[g]``, ``d_act`` kept in registers.
 
@@ -215,7 +229,8 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
     out_grad: ``[M, H]`` the output's gradient, ``M % ROW_TILE == 0``.
     w_out: ``[G, F, H]``.
     hidden: ``[M, n*F]`` as :func:`activation_matmul` wrote it.
-    tile_group, row_weights, activation: as :func:`activation_matmul`.
+    tile_group, row_weights, activation, tile_start, tile_rows: as
+      :func:`activation_matmul`.
 
   Returns:
     ``(d_hidden [M, n*F] in out_grad.dtype, d_weights [M] float32 or None)``,
@@ -230,11 +245,12 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
   padded_f = hidden.shape[2]
   tile_m, tile_k, wg_cols = ROW_TILE, config.tile_k, config.tile_n
   cta_cols = 2 * wg_cols
-  m_iters, n_iters, k_iters = m // tile_m, pl.cdiv(padded_f, cta_cols), pl.cdiv(k, tile_k)
+  m_iters, n_iters, k_iters = tile_group.shape[0], pl.cdiv(padded_f, cta_cols), pl.cdiv(k, tile_k)
   dtype = out_grad.dtype
   transforms = hopper.smem_transforms(dtype, tile_k, k)  # both read along H
   io_transforms = hopper.smem_transforms(dtype, _EPI, padded_f)
   weighted = row_weights is not None
+  tables = () if tile_rows is None else (tile_start, tile_rows)
 
   def pipeline(body, compute_context):
     spec = lambda shape: plgpu.BlockSpec(
@@ -246,7 +262,9 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context)
 
-  def body(tile_group_gmem, grad_gmem, w_out_gmem, hidden_gmem, *refs):
+  def body(tile_group_gmem, *refs):
+    table_gmems, (grad_gmem, w_out_gmem, hidden_gmem, *refs) = (refs[:len(tables)],
+                                                                refs[len(tables):])
     w_gmem, d_hidden_gmem, d_w_gmem = refs if weighted else (None, *refs, None)
     ignore = lambda *_, **__: None
 
@@ -263,20 +281,19 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
       # p % 2 and leave it as d_hidden; barriers 0-7 are the slots' loads,
       # 8 and 9 the warpgroups' row weights.
       wg_idx = lax.axis_index("wg")
-      pieces = [(slice(i * _EPI, (i + 1) * _EPI), slice(j * _EPI, (j + 1) * _EPI))
-                for i in range(tile_m // _EPI) for j in range(wg_cols // _EPI)]
       loaded = lambda slot, h: barriers.at[(2 * wg_idx + slot) * 2 + h]
 
-      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-      def tile_loop(loop_info):
-        tile = hopper.output_tile(loop_info, tile_group_gmem, wg_idx, m_iters=m_iters,
-                                  n_iters=n_iters, wg_columns=wg_cols, config=config)
-        group, m_slice, n_slice, wg_slice = tile.group, tile.rows, tile.columns, tile.wg_columns
-        hidden_views = [hidden_gmem.at[m_slice, h, n_slice].at[:, wg_slice] for h in range(n)]
-        d_hidden_views = [d_hidden_gmem.at[m_slice, h, n_slice].at[:, wg_slice]
+      def tile_body(tile, height):
+        group, n_slice, wg_slice = tile.group, tile.columns, tile.wg_columns
+        pieces = [(slice(i * _EPI, (i + 1) * _EPI), slice(j * _EPI, (j + 1) * _EPI))
+                  for i in range(height // _EPI) for j in range(wg_cols // _EPI)]
+        hidden_views = [tile.row_view(hidden_gmem, height).at[:, h, n_slice].at[:, wg_slice]
+                        for h in range(n)]
+        d_hidden_views = [tile.row_view(d_hidden_gmem, height).at[:, h, n_slice].at[:, wg_slice]
                           for h in range(n)]
         # This warpgroup's column tile's share of the weights' gradient.
-        d_w_view = d_w_gmem.at[tile.column_tile * 2 + wg_idx, m_slice] if weighted else None
+        d_w_view = (tile.row_view(d_w_gmem.at[tile.column_tile * 2 + wg_idx], height)
+                    if weighted else None)
 
         def fetch(p):  # piece p's hidden parts into slot p % 2, once its last store read it
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -294,7 +311,11 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
             plgpu.copy_smem_to_gmem(io_smem.at[wg_idx, p % 2, h],
                                     d_hidden_views[h].at[rows, cols])
 
-        def epilogue(d_act):  # d_act: float32 [tile_m, wg_cols]; its first pieces are in flight
+        def store_d_w():
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(d_w_smem.at[wg_idx, pl.ds(0, height)], d_w_view)
+
+        def epilogue(d_act):  # d_act: float32 [height, wg_cols]; its first pieces are in flight
           if weighted:
             plgpu.barrier_wait(barriers.at[8 + wg_idx])
           d_w_rows = jnp.zeros((_EPI,), jnp.float32)
@@ -316,41 +337,49 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
               d_w_smem[wg_idx, pl.ds(rows.start, _EPI)] = d_w_rows
               d_w_rows = jnp.zeros((_EPI,), jnp.float32)
           if weighted:
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(d_w_smem.at[wg_idx], d_w_view)
+            store_d_w()
 
-        @pl.when((group < 0) & (wg_idx < 2))
+        @pl.when((group < 0) & (wg_idx < 2) & hopper.of_height(tile, height))
         def _():
           for p in range(len(pieces)):
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
             store(p, [jnp.zeros((_EPI, _EPI), jnp.float32)] * n)
-          if weighted:  # stored whole: a splat of zeros takes 128 elements at once
+          if weighted:  # a splat of zeros takes the whole row of 128 elements at once
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             d_w_smem[wg_idx] = jnp.zeros((tile_m,), jnp.float32)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(d_w_smem.at[wg_idx], d_w_view)
+            store_d_w()
 
-        @pl.when(group >= 0)
+        @pl.when((group >= 0) & hopper.of_height(tile, height))
         def _():
           def compute_context(eval_pipeline):
-            @functools.partial(pl.run_scoped, acc=plgpu.ACC((tile_m, wg_cols), jnp.float32))
+            @functools.partial(pl.run_scoped, acc=plgpu.ACC((height, wg_cols), jnp.float32))
             def _(acc):
               # The epilogue's reads start before the main loop and run under it.
               for p in range(min(2, len(pieces))):
                 fetch(p)
               if weighted:
-                plgpu.copy_gmem_to_smem(w_gmem.at[m_slice], w_smem.at[wg_idx],
+                plgpu.copy_gmem_to_smem(w_gmem.at[tile.rows], w_smem.at[wg_idx],
                                         barriers.at[8 + wg_idx])
               eval_pipeline(acc)
               epilogue(acc[...])
 
           def mma(_, grad_smem, w_out_smem, acc):
-            plgpu.wgmma(acc, grad_smem, hopper.transposed(w_out_smem.at[wg_slice, :]))
+            # A half tile's block holds the next rows too: only its own enter.
+            plgpu.wgmma(acc, grad_smem if height == tile_m else grad_smem.at[:height],
+                        hopper.transposed(w_out_smem.at[wg_slice, :]))
             plgpu.wgmma_wait(config.delay_release)
             return acc
 
-          pipeline(mma, compute_context)(grad_gmem.at[m_slice, :],
+          pipeline(mma, compute_context)(grad_gmem.at[tile.rows, :],
                                          w_out_gmem.at[group].at[n_slice, :], allocations=allocs)
+
+      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+      def tile_loop(loop_info):
+        tile = hopper.output_tile(loop_info, tile_group_gmem, wg_idx, m_iters=m_iters,
+                                  n_iters=n_iters, wg_columns=wg_cols, config=config,
+                                  tables=table_gmems)
+        for height in hopper.tile_heights(tile_rows):
+          tile_body(tile, height)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -358,6 +387,7 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
   if weighted:
     out_type.append(jax.ShapeDtypeStruct((2 * n_iters, m), jnp.float32))
   call = hopper.kernel_call(body, tuple(out_type), num_sms or hopper.num_sms_here())
-  outs = call(tile_group, out_grad, w_out, hidden, *([row_weights] if weighted else []))
+  outs = call(tile_group, *tables, out_grad, w_out, hidden,
+              *([row_weights] if weighted else []))
   d_hidden = outs[0][:, :, :ffn].reshape(m, n * ffn)
   return d_hidden, (outs[1].sum(axis=0) if weighted else None)

@@ -4,9 +4,9 @@
 Instead of ``[L, C, H]`` slabs of a fixed capacity, each local expert's rows
 sit contiguously in one ``[M, H]`` buffer: group ``l`` starts at row
 ``start[l]``, the exclusive running sum of the kept counts rounded up to
-``ROW_TILE`` (:mod:`moe_ep.row_groups`; the row tile of the grouped GEMM, so
-every tile of rows belongs to one expert), and its padding rows up to the next
-multiple are zero. The buffer is static: ``M``
+``GROUP_ALIGN`` (:mod:`moe_ep.row_groups`; the grouped GEMM's row tile or
+half of it, so every tile of rows belongs to one expert), and its padding
+rows up to the next multiple are zero. The buffer is static: ``M``
 (:func:`moe_ep.row_groups.grouped_rows_for`) holds every routed row at one
 rank (``T * K`` plus the alignment) and, across ranks, a rank-level bound;
 rows past it are dropped and counted like capacity drops.

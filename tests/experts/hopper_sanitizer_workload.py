@@ -9,7 +9,8 @@ for memcheck, not inside XLA's pool):
         python tests/experts/hopper_sanitizer_workload.py
     (the same with --tool racecheck and --no-reference: the reference's
     cuBLAS kernels report shared-memory hazards of their own under racecheck,
-    and make the run many times longer)
+    and make the run many times longer; ``--align 64``: groups on half
+    tiles, ``moe_ep.row_groups.GROUP_ALIGN`` set to 64)
 
 It runs the forward, the input gradient and the weight gradient of
 ``grouped_matmul`` on the edge cases of the layout: empty groups, a group of
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_ep import row_groups
 from moe_ep.experts import grouped
 from moe_ep.experts.grouped import ROW_TILE
 from moe_ep.capacity import round_up
@@ -39,6 +41,8 @@ CASES = [  # group sizes, spare row tiles of no group, K, N
     ([37] * 64, 0, 256, 256),  # many groups of one tile each
     ([300, 0, 129], 1, 1408, 2880),  # edge tiles past K and N (TMA fill and clip)
     ([200, 1], 1, 200, 72),  # sizes of only 8 | size, below one tile
+    ([64, 65, 1, 192, 0, 63], 1, 256, 512),  # half tiles (with --align 64)
+    ([448, 64], 0, 256, 256),  # a half tile ends the buffer (TMA fill past it)
 ]
 
 
@@ -46,7 +50,8 @@ def grouped_problem(rng, sizes, spare_tiles, contraction, columns):
   """``(lhs [M, K], rhs [G, K, N], cotangent [M, N], tiles, in_group [M])``:
   bf16 operands with zero rows outside the groups, the layout's
   :class:`GroupTiles` and which rows hold a group's row."""
-  num_rows = sum(round_up(s, ROW_TILE) for s in sizes) + spare_tiles * ROW_TILE
+  align = row_groups.GROUP_ALIGN
+  num_rows = round_up(sum(round_up(s, align) for s in sizes), ROW_TILE) + spare_tiles * ROW_TILE
   counts = jnp.asarray(sizes, jnp.int32)
   tiles = grouped.group_tiles(counts, num_rows)
   in_group = np.zeros(num_rows, bool)
@@ -86,7 +91,8 @@ def main(check_reference: bool = True):
       if not np.allclose(g, w, rtol=2 ** -7, atol=2 ** -7 * np.abs(w).max()):
         failures.append(f"{name} of {sizes}: max error {np.abs(g - w).max()}")
   hidden, ffn, counts = 256, 512, jnp.asarray([300, 0, 129, 1], jnp.int32)
-  rows = sum(round_up(int(c), ROW_TILE) for c in counts) + ROW_TILE
+  rows = round_up(sum(round_up(int(c), row_groups.GROUP_ALIGN) for c in counts),
+                  ROW_TILE) + ROW_TILE
   x = jnp.asarray(rng.normal(size=(rows, hidden)), jnp.bfloat16)
   w_in = jnp.asarray(rng.normal(size=(4, hidden, 2 * ffn)) / hidden ** 0.5, jnp.bfloat16)
   w_out = jnp.asarray(rng.normal(size=(4, ffn, hidden)) / ffn ** 0.5, jnp.bfloat16)
@@ -108,6 +114,8 @@ FUSED_CASES = [  # group sizes, spare row tiles, H, F, activation
     ([700, 700], -3, 256, 256, "gelu"),  # the buffer ends inside the second group
     ([300, 0, 129], 1, 2880, 1408, "swiglu"),  # edge tiles (TMA fill and clip)
     ([200, 1], 1, 200, 72, "geglu"),  # sizes of only 8 | size
+    ([64, 65, 1, 63], 1, 256, 512, "swiglu"),  # half tiles (with --align 64)
+    ([448, 64], 0, 256, 256, "swiglu"),  # a half tile ends the buffer
 ]
 
 
@@ -146,4 +154,6 @@ def fused_activation_cases(rng, check_reference: bool) -> list[str]:
 
 
 if __name__ == "__main__":
+  if "--align" in sys.argv[1:]:
+    row_groups.GROUP_ALIGN = int(sys.argv[sys.argv.index("--align") + 1])
   main(check_reference="--no-reference" not in sys.argv[1:])

@@ -18,11 +18,12 @@ from moe_ep.experts.grouped import ROW_TILE
 SIZES = [300, 0, 1, 129, 128]  # an empty group, one row, one tile exactly, more
 
 
-def _bank(rng, sizes, hidden, ffn, activation, dtype):
+def _bank(rng, sizes, hidden, ffn, activation, dtype, align=ROW_TILE):
   """``(rows, counts, w_in, w_out, weights, member)``: rows in the grouped
-  layout (zero padding, two spare tiles of no group), ``member [G, M]``."""
+  layout of groups starting at multiples of ``align`` (zero padding, two
+  spare tiles of no group), ``member [G, M]``."""
   n = hopper_fused.gate_count(activation)
-  starts = np.concatenate([[0], np.cumsum(-(-np.asarray(sizes) // ROW_TILE) * ROW_TILE)])
+  starts = np.concatenate([[0], np.cumsum(-(-np.asarray(sizes) // align) * align)])
   num_rows = int(starts[-1]) + 2 * ROW_TILE
   rows = np.zeros((num_rows, hidden))
   member = np.zeros((len(sizes), num_rows), bool)
@@ -168,7 +169,7 @@ def _reference(bank, activation, weighted, cotangent):
 @pytest.mark.parametrize("hidden, ffn", [(256, 512), (2880, 1408), (200, 72), (72, 200)])
 @pytest.mark.parametrize("activation, weighted",
                          list(itertools.product(hopper_fused.ACTIVATIONS, [True, False])))
-def test_fused_kernels_match_float64(hidden, ffn, activation, weighted):
+def test_fused_kernels_match_float64(hidden, ffn, activation, weighted, group_align):
   """The fused bank on the Hopper kernels against float64, every gradient.
   bfloat16 rounds the inputs (compared as rounded), then ``hidden``, ``act``
   and ``d_hidden`` once each (2^-8 relative apiece) before float32 sums:
@@ -178,7 +179,7 @@ def test_fused_kernels_match_float64(hidden, ffn, activation, weighted):
   if not grouped.hopper_available():
     pytest.skip("needs a GPU of compute capability 9.0")
   rng = np.random.default_rng(hidden + ffn)
-  bank = _bank(rng, SIZES, hidden, ffn, activation, jnp.bfloat16)
+  bank = _bank(rng, SIZES + [64, 65], hidden, ffn, activation, jnp.bfloat16, group_align)
   member = bank[5]
   no_group = ~member.any(0) & (np.arange(member.shape[1]) >= member.shape[1] - 2 * ROW_TILE)
   cotangent = jnp.asarray(rng.normal(size=(member.shape[1], hidden))

@@ -18,12 +18,13 @@ SIZE_CASES = {
     "mixed": [300, 0, 1, 129, 128, 64],
     "one_group_holds_all": [0, 0, 517, 0],
     "all_empty_but_first": [5, 0, 0],
+    "half_tiles": [64, 65, 1, 192, 0, 63],
 }
 
 
-def _grouped_rows(sizes, num_rows, hidden, rng):
+def _grouped_rows(sizes, num_rows, hidden, rng, align=ROW_TILE):
   """``(rows [M, H] float64 with zero padding, group id per row or -1)``."""
-  starts = np.concatenate([[0], np.cumsum(-(-np.asarray(sizes) // ROW_TILE) * ROW_TILE)])[:-1]
+  starts = np.concatenate([[0], np.cumsum(-(-np.asarray(sizes) // align) * align)])[:-1]
   rows = np.zeros((num_rows, hidden))
   group_of_row = np.full(num_rows, -1)
   for g, size in enumerate(sizes):
@@ -32,9 +33,9 @@ def _grouped_rows(sizes, num_rows, hidden, rng):
   return rows, group_of_row
 
 
-def _layout_rows(sizes):
-  padded = sum(-(-s // ROW_TILE) * ROW_TILE for s in sizes)
-  return padded + 2 * ROW_TILE  # spare tiles of no group
+def _layout_rows(sizes, align=ROW_TILE):
+  padded = sum(-(-s // align) * align for s in sizes)
+  return -(-padded // ROW_TILE) * ROW_TILE + 2 * ROW_TILE  # spare tiles of no group
 
 
 # The Hopper kernels take 16-bit operands with K and N any multiple of 8:
@@ -53,20 +54,22 @@ IMPLEMENTATION_CASES = [
 @pytest.mark.parametrize("case", list(SIZE_CASES))
 @pytest.mark.parametrize("implementation, dtype, hidden, columns", IMPLEMENTATION_CASES)
 def test_grouped_matmul_and_its_gradients_match_float64(case, implementation, dtype, hidden,
-                                                        columns):
+                                                        columns, group_align):
   if implementation == "hopper" and not grouped.hopper_available():
     pytest.skip("needs a GPU of compute capability 9.0")
   sizes = SIZE_CASES[case]
   rng = np.random.default_rng(len(sizes))
   groups = len(sizes)
-  num_rows = _layout_rows(sizes)
-  lhs, group_of_row = _grouped_rows(sizes, num_rows, hidden, rng)
+  num_rows = _layout_rows(sizes, group_align)
+  lhs, group_of_row = _grouped_rows(sizes, num_rows, hidden, rng, group_align)
   rhs = rng.normal(size=(groups, hidden, columns)) / hidden ** 0.5
   tiles = grouped.group_tiles(jnp.asarray(sizes, jnp.int32), num_rows)
   # The cotangent is zero on a group's padding rows (as combine leaves it)
   # and nonzero on rows of no group, where the input gradient must still be
   # exactly zero.
-  no_group = np.asarray(tiles.tile_group).repeat(ROW_TILE) < 0
+  starts, rows = np.asarray(tiles.group_start), np.asarray(tiles.group_rows)
+  no_group = ~((np.arange(num_rows)[:, None] >= starts) & (np.arange(num_rows)[:, None]
+                                                          < starts + rows)).any(1)
   cotangent = rng.normal(size=(num_rows, columns)) * ((group_of_row >= 0) | no_group)[:, None]
   # References from the inputs as rounded to the dtype, in float64.
   cast = lambda v: np.asarray(jnp.asarray(v, dtype).astype(jnp.float32), np.float64)

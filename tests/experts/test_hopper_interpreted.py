@@ -1,0 +1,96 @@
+"""The Hopper kernels' forward passes under Pallas's GPU interpreter (on any
+machine) against float64: whole tiles and half tiles, the plain product and
+the activation in its epilogue. The interpreter runs the kernels' threads,
+barriers and TMA copies on the CPU; it reads no block past an array's end
+and knows neither transposed shared-memory operands nor layout-cast loads,
+so the sizes here are multiples of the tiles, the product is untransposed
+and unweighted (the GPU tests cover the rest)."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from moe_ep.experts import grouped, hopper, hopper_fused
+
+try:
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+except ImportError:  # a JAX without the GPU interpreter
+  InterpretGPUParams = None
+
+pytestmark = pytest.mark.skipif(InterpretGPUParams is None,
+                                reason="this JAX has no Pallas GPU interpreter")
+# An empty group, one row, a half tile, one more than a half tile, a whole
+# tile and a half, and rows of no group after them.
+SIZES = [130, 0, 1, 64, 65, 192]
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+  kernel = hopper.plgpu.kernel
+  monkeypatch.setattr(hopper.plgpu, "kernel", lambda *args, **kwargs: kernel(
+      *args, **kwargs, interpret=InterpretGPUParams(detect_races=True)))
+
+
+def _problem(align, hidden, columns, seed=0):
+  """bf16 rows in the layout (zero padding), weights, the tiles, and float64
+  copies of the rows and weights and each row's group (-1: none)."""
+  rng = np.random.default_rng(seed)
+  num_rows = 1024
+  tiles = grouped.group_tiles(jnp.asarray(SIZES, jnp.int32), num_rows, align)
+  group_of_row = np.full(num_rows, -1)
+  for g, (start, size) in enumerate(zip(np.asarray(tiles.group_start), SIZES)):
+    group_of_row[start:start + size] = g
+  rows = jnp.asarray(rng.normal(size=(num_rows, hidden)) * (group_of_row >= 0)[:, None],
+                     jnp.bfloat16)
+  weights = jnp.asarray(rng.normal(size=(len(SIZES), hidden, columns)) / hidden ** 0.5,
+                        jnp.bfloat16)
+  as64 = lambda v: np.asarray(v.astype(jnp.float32), np.float64)
+  return rows, weights, tiles, as64(rows), as64(weights), group_of_row
+
+
+def _grouped_product(rows, weights, group_of_row):
+  out = np.zeros((rows.shape[0], weights.shape[2]))
+  for g in range(weights.shape[0]):
+    out[group_of_row == g] = rows[group_of_row == g] @ weights[g]
+  return out
+
+
+def _tables(tiles):
+  return dict(tile_start=tiles.tile_start, tile_rows=tiles.tile_rows)
+
+
+@pytest.mark.parametrize("align", [128, 64])
+def test_grouped_matmul_interpreted_matches_float64(interpreted, align):
+  rows, weights, tiles, rows64, weights64, group_of_row = _problem(align, 128, 512)
+  got = hopper.grouped_matmul(rows, weights, tiles.tile_group, num_sms=3, **_tables(tiles))
+  want = _grouped_product(rows64, weights64, group_of_row)
+  got = np.asarray(got.astype(jnp.float32), np.float64)
+  # float32 sums rounded once to bf16: 2^-8 of each value, plus the sums' own
+  # error (128 terms of 2^-24) against the magnitudes.
+  np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=1e-5)
+  assert not got[group_of_row < 0].any()  # padding and rows of no group: exactly zero
+
+
+@pytest.mark.parametrize("align", [128, 64])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_activation_matmul_interpreted_matches_float64(interpreted, align, activation):
+  n = hopper_fused.gate_count(activation)
+  ffn = 256
+  rows, weights, tiles, rows64, weights64, group_of_row = _problem(align, 128, n * ffn, seed=1)
+  hidden, act = hopper_fused.activation_matmul(rows, weights, tiles.tile_group, None,
+                                               activation, num_sms=3, **_tables(tiles))
+  want_hidden = _grouped_product(rows64, weights64, group_of_row)
+  gate = want_hidden[:, :ffn]
+  if activation == "swiglu":
+    f = gate / (1 + np.exp(-gate))
+  else:
+    f = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3)))
+  want_act = f * want_hidden[:, ffn:] if n == 2 else f
+  hidden, act = (np.asarray(v.astype(jnp.float32), np.float64) for v in (hidden, act))
+  np.testing.assert_allclose(hidden, want_hidden, rtol=2 ** -8, atol=1e-5)
+  # act from the float32 accumulators, its function in float32: 2^-8 of the
+  # value once rounded, and the gate's float32 rounding through f (|f'| < 1.2).
+  np.testing.assert_allclose(act, want_act, rtol=2 ** -7, atol=1e-4)
+  assert not hidden[group_of_row < 0].any() and not act[group_of_row < 0].any()
