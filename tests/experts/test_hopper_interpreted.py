@@ -28,9 +28,12 @@ SIZES = [130, 0, 1, 64, 65, 192]
 
 @pytest.fixture
 def interpreted(monkeypatch):
+  """The kernels interpreted, on the CPU also where a GPU is the default."""
   kernel = hopper.plgpu.kernel
   monkeypatch.setattr(hopper.plgpu, "kernel", lambda *args, **kwargs: kernel(
       *args, **kwargs, interpret=InterpretGPUParams(detect_races=True)))
+  with jax.default_device(jax.devices("cpu")[0]):
+    yield
 
 
 def _problem(align, hidden, columns, seed=0):
