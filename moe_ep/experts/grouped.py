@@ -390,7 +390,8 @@ def grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array, w_ou
                        activation: str, name: Namer = _no_name,
                        implementation: str = "auto",
                        row_weights: jax.Array | None = None,
-                       fuse_activation: bool | None = None) -> jax.Array:
+                       fuse_activation: bool | None = None,
+                       group_align: int | None = None) -> jax.Array:
   """Applies expert ``l``'s MLP to the rows of group ``l``.
 
   Args:
@@ -409,12 +410,15 @@ def grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array, w_ou
       second's input gradient (:mod:`moe_ep.experts.hopper_fused`); False
       runs them as XLA passes between the GEMMs; None: where
       :func:`fuses_activation_by_default`.
+    group_align: where the groups of ``rows`` start (:func:`group_tiles`):
+      multiples of ``ROW_TILE`` or half of it; None: the layout's,
+      :data:`moe_ep.row_groups.GROUP_ALIGN`.
 
   Returns:
     ``[M, H]`` in ``rows.dtype``, zero on rows of no group, where the
     gradient of ``rows`` is zero too.
   """
-  tiles = group_tiles(counts, rows.shape[0])
+  tiles = group_tiles(counts, rows.shape[0], group_align)
   ffn = w_out.shape[1]
   if fuse_activation is None:
     fuse_activation = fuses_activation_by_default(rows.shape[1], ffn)
