@@ -79,6 +79,11 @@ def main(argv=None) -> None:
   parser.add_argument("--out", type=pathlib.Path, default=common.RESULTS_DIR, metavar="DIR",
                       help=f"folder the JSON results are written to (default: {common.RESULTS_DIR}/"
                            f", which git ignores)")
+  parser.add_argument("--model", action="append", default=[], metavar="SHAPE",
+                      help="models: time only this model's shape (repeatable; default all: "
+                           "qwen3_30b_a3b, olmoe_1b_7b, mixtral_8x7b, mixtral_8x22b, "
+                           "deepseek_v2_lite, gpt_oss_20b, deepseek_v3), so that a run fits "
+                           "a time limit")
   args = parser.parse_args(argv)
   distributed.initialize_from_env()  # a no-op unless started by moe_ep.launch
   unknown = sorted(set(args.names) - set(BENCHMARKS) - {"all"})
@@ -92,7 +97,14 @@ def main(argv=None) -> None:
         print(f"{name}: skipped: needs {missing}", flush=True)
       continue
     module = importlib.import_module(f"moe_ep.bench.{name}")
-    result = module.run(**(SMOKE[name] if args.smoke else {}))
+    options = dict(SMOKE[name]) if args.smoke else {}
+    if name == "models" and args.model:
+      shapes = options.get("shapes", module.SHAPES)
+      unknown_shapes = sorted(set(args.model) - set(shapes))
+      if unknown_shapes:
+        parser.error(f"unknown --model {unknown_shapes[0]!r}; choose from {list(shapes)}")
+      options["shapes"] = {shape: shapes[shape] for shape in args.model}
+    result = module.run(**options)
     if jax.process_index() == 0:
       path = common.write_result(name + ("-smoke" if args.smoke else ""), result, args.out)
       print(module.summary(result))

@@ -75,10 +75,12 @@ def fwd_bwd(mlp):
   return jax.jit(jax.grad(lambda *a: jnp.sum(mlp(*a).astype(jnp.float32)), argnums=(0, 1, 2)))
 
 
-def grouped_rows(sizes: np.ndarray, num_rows: int, hidden: int, seed: int) -> jax.Array:
-  """``[M, H]`` bf16 rows in the grouped layout of ``sizes`` (zero padding)."""
+def grouped_rows(sizes: np.ndarray, num_rows: int, hidden: int, seed: int,
+                 align: int | None = None) -> jax.Array:
+  """``[M, H]`` bf16 rows in the grouped layout of ``sizes`` (zero padding),
+  groups starting at multiples of ``align`` (default the layout's)."""
   counts = jnp.asarray(sizes)
-  starts, padded = group_starts(counts, num_rows)
+  starts, padded = group_starts(counts, num_rows, align)
   row = jnp.arange(num_rows, dtype=jnp.int32)
   group = group_of_rows(starts, padded, row)
   in_group = (group >= 0) & (row - starts[jnp.maximum(group, 0)] < counts[jnp.maximum(group, 0)])

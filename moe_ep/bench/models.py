@@ -9,7 +9,8 @@ For each model shape ``(T, K, H, F, E)``, timed side by side in one run:
   proportional to ``1 / i``, shuffled: a few experts hold many times the
   mean, as early in training) and on Dirichlet loads (alpha 4); where the
   activation is fused into the GEMMs by default, also with it as XLA passes
-  (``_unfused``);
+  (``_unfused``); and with its groups on half tiles (``_align64``,
+  :data:`moe_ep.row_groups.GROUP_ALIGN`);
 * the whole layer (P4) dropless with ``expert_layout="auto"`` (an untrained
   router, near balanced) and at capacity 1.0 on slabs, each with the input's
   gradient.
@@ -49,6 +50,9 @@ LOADS = ("zipf", "skewed")
 # expert parameters and their gradients, for both variants (DeepSeek-V3's
 # 256 experts: 45 GB each).
 NO_LAYER = ("deepseek_v3",)
+# The bank also with its groups at these alignments (the layout's, 128, is the
+# default's): half tiles against whole ones in the same rounds.
+GROUP_ALIGNS = (64,)
 
 
 def dense_call(rows: int, hidden: int, ffn: int) -> tuple:
@@ -67,16 +71,18 @@ def dense_call(rows: int, hidden: int, ffn: int) -> tuple:
 
 
 def bank_call(tokens: int, top_k: int, num_experts: int, load: str, w_in: jax.Array,
-              w_out: jax.Array, fuse_activation: bool | None = None) -> tuple[tuple, dict]:
+              w_out: jax.Array, fuse_activation: bool | None = None,
+              group_align: int | None = None) -> tuple[tuple, dict]:
   """The grouped bank over groups of ``load`` sizes, its activation fused
-  into the GEMMs or not: ``(fn, args)`` and its facts."""
+  into the GEMMs or not, its groups on whole or half tiles (``group_align``,
+  default the layout's): ``(fn, args)`` and its facts."""
   routed, hidden = tokens * top_k, w_in.shape[1]
   sizes = experts.group_sizes(routed, num_experts, load)
   counts = jnp.asarray(sizes)
   rows = experts.grouped_rows(sizes, grouped_rows_for(tokens, top_k, num_experts, 1), hidden,
-                              seed=3)
+                              seed=3, align=group_align)
   mlp = experts.fwd_bwd(lambda x, a, b: grouped_expert_mlp(
-      x, counts, a, b, "swiglu", fuse_activation=fuse_activation))
+      x, counts, a, b, "swiglu", fuse_activation=fuse_activation, group_align=group_align))
   return (mlp, (rows, w_in, w_out)), {"largest_over_mean": float(sizes.max() * num_experts
                                                                   / routed)}
 
@@ -100,19 +106,22 @@ def layer_calls(tokens: int, top_k: int, hidden: int, ffn: int, num_experts: int
 
 
 def banks(tokens: int, top_k: int, hidden: int, ffn: int, num_experts: int, loads,
-          iters: int, rounds: int, more_calls: dict | None = None) -> dict:
+          iters: int, rounds: int, more_calls: dict | None = None,
+          group_aligns=GROUP_ALIGNS) -> dict:
   """The dense chain, the grouped bank on each of ``loads`` (and unfused
-  where the activation is fused by default) and ``more_calls``, timed in
+  where the activation is fused by default, and with its groups at each of
+  ``group_aligns``) and ``more_calls``, timed in
   interleaved rounds (:func:`common.time_interleaved`); each method's
   ``of_dense_rounds`` is its speed over the chain's, round by round."""
   w_in, w_out = experts.weights(hidden, ffn, num_experts, seed=1)
   calls, facts = {"dense": dense_call(tokens * top_k, hidden, ffn)}, {}
-  variants = ([("", None), ("_unfused", False)] if fuses_activation_by_default(hidden, ffn)
-              else [("", None)])
+  variants = [("", {})] + ([("_unfused", dict(fuse_activation=False))]
+                           if fuses_activation_by_default(hidden, ffn) else [])
+  variants += [(f"_align{align}", dict(group_align=align)) for align in group_aligns]
   for load in loads:
-    for suffix, fuse in variants:
+    for suffix, options in variants:
       calls[f"grouped_{load}{suffix}"], facts[f"grouped_{load}{suffix}"] = bank_call(
-          tokens, top_k, num_experts, load, w_in, w_out, fuse)
+          tokens, top_k, num_experts, load, w_in, w_out, **options)
   calls.update(more_calls or {})
   methods = {name: {**facts.get(name, {}), **timing} for name, timing
              in common.time_interleaved(calls, iters=iters, rounds=rounds).items()}

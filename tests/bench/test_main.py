@@ -1,6 +1,7 @@
 """``python -m moe_ep.bench``: a benchmark this machine cannot run says what
 it needs in one line, writes no result and exits 0 (never a crash on CPU)."""
 
+import json
 import subprocess
 import sys
 
@@ -33,3 +34,13 @@ def test_the_command_line_exits_0_for_a_missing_gpu(tmp_path):
   assert done.returncode == 0, done.stderr
   assert done.stdout.count("skipped: needs a CUDA GPU and CuPy") == 2
   assert "Traceback" not in done.stderr and not list(tmp_path.iterdir())
+
+
+def test_models_times_only_the_shapes_named_and_refuses_an_unknown_one(tmp_path, capsys):
+  bench_main.main(["models", "--smoke", "--model", "tiny", "--out", str(tmp_path)])
+  (result,) = tmp_path.iterdir()
+  assert list(json.loads(result.read_text())["models"]) == ["tiny"]
+  with pytest.raises(SystemExit) as exit_info:
+    bench_main.main(["models", "--smoke", "--model", "bogus", "--out", str(tmp_path)])
+  assert exit_info.value.code == 2
+  assert "unknown --model 'bogus'" in capsys.readouterr().err
