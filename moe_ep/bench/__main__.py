@@ -104,9 +104,15 @@ def main(argv=None) -> None:
       if unknown_shapes:
         parser.error(f"unknown --model {unknown_shapes[0]!r}; choose from {list(shapes)}")
       options["shapes"] = {shape: shapes[shape] for shape in args.model}
+    result_name, path = name + ("-smoke" if args.smoke else ""), None
+    if name == "models" and jax.process_index() == 0:
+      def save_partial(partial):  # each finished shape survives a time limit
+        nonlocal path
+        path = common.write_result(result_name, partial, args.out, path)
+      options["on_shape"] = save_partial
     result = module.run(**options)
     if jax.process_index() == 0:
-      path = common.write_result(name + ("-smoke" if args.smoke else ""), result, args.out)
+      path = common.write_result(result_name, result, args.out, path)
       print(module.summary(result))
       print(f"wrote {path}")
 

@@ -210,17 +210,20 @@ def is_clean_commit(commit: str | None) -> bool:
   return commit is not None and not commit.endswith("+dirty")
 
 
-def write_result(name: str, payload: dict, results_dir: pathlib.Path = RESULTS_DIR) -> pathlib.Path:
+def write_result(name: str, payload: dict, results_dir: pathlib.Path = RESULTS_DIR,
+                 path: pathlib.Path | None = None) -> pathlib.Path:
   """``results_dir/<name>-<date>-<time>.json``: ``payload`` with the
   benchmark's name and :func:`environment`, marked ``"traceable": false``
   where no clean commit names the code it ran (benchmarks/index.py leaves
-  such results out of the index; the source digest is still recorded)."""
+  such results out of the index; the source digest is still recorded).
+  ``path``: rewrite that file instead (a result written as it grows)."""
   results_dir.mkdir(parents=True, exist_ok=True)
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  path = results_dir / f"{name}-{stamp}.json"
+  first = path is None
+  path = path or results_dir / f"{name}-{stamp}.json"
   facts = environment()
   traceable = is_clean_commit(facts["commit"])
-  if not traceable:
+  if not traceable and first:
     print(f"{path.name}: no clean commit names this code ({facts['commit'] or 'no git checkout'}"
           f"); marked untraceable, source digest {facts['source_digest']}")
   path.write_text(json.dumps({"benchmark": name, "traceable": traceable, "environment": facts,

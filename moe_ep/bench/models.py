@@ -133,7 +133,10 @@ def banks(tokens: int, top_k: int, hidden: int, ffn: int, num_experts: int, load
 
 
 def run(shapes: dict = SHAPES, loads=LOADS, iters: int = 5, rounds: int = 4,
-        layers: bool = True, backend: str = "auto") -> dict:
+        layers: bool = True, backend: str = "auto", on_shape=None) -> dict:
+  """Every shape of ``shapes``; ``on_shape(partial)``, if given, after each
+  with the result so far (``"partial": true`` until the last), so that a run
+  cut off by a time limit still leaves its finished shapes."""
   results = {}
   for name, (tokens, top_k, hidden, ffn, num_experts) in shapes.items():
     flops = experts.bank_flops(tokens * top_k, hidden, ffn)
@@ -155,6 +158,8 @@ def run(shapes: dict = SHAPES, loads=LOADS, iters: int = 5, rounds: int = 4,
                      "num_experts": num_experts, "flops": flops,
                      "bank_layout": bank_layout("auto", jnp.bfloat16, hidden, ffn),
                      "methods": methods}
+    if on_shape is not None and len(results) < len(shapes):
+      on_shape({"activation": "swiglu", "dtype": "bfloat16", "models": results, "partial": True})
   return {"activation": "swiglu", "dtype": "bfloat16", "models": results}
 
 

@@ -44,3 +44,22 @@ def test_models_times_only_the_shapes_named_and_refuses_an_unknown_one(tmp_path,
     bench_main.main(["models", "--smoke", "--model", "bogus", "--out", str(tmp_path)])
   assert exit_info.value.code == 2
   assert "unknown --model 'bogus'" in capsys.readouterr().err
+
+
+def test_models_leaves_each_finished_shape_behind_as_it_goes(tmp_path):
+  """A run cut off after its first shape still wrote that shape: the result
+  file is rewritten after each shape, marked partial until the last."""
+  from moe_ep.bench import common, models  # noqa: PLC0415
+  shapes = {"first": (256, 2, 64, 40, 4), "second": (128, 2, 64, 40, 4)}
+  written = []
+
+  def save(partial):
+    written.append(common.write_result("models-smoke", partial, tmp_path,
+                                       written[-1] if written else None))
+
+  result = models.run(shapes=shapes, iters=1, rounds=1, layers=False, backend="xla",
+                      on_shape=save)
+  (path,) = set(written)
+  saved = json.loads(path.read_text())
+  assert saved["partial"] is True and list(saved["models"]) == ["first"]
+  assert list(result["models"]) == ["first", "second"] and "partial" not in result
