@@ -135,7 +135,8 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
     def scope(allocs, out_smem, w_smem, w_barrier):
       wg_idx = lax.axis_index("wg")
 
-      def tile_body(tile, group, n_slice, wg_slice, height):
+      def tile_body(tile, height):
+        group, n_slice, wg_slice = tile.group, tile.columns, tile.wg_columns
         # [height, wg_cols] views of this warpgroup's outputs: hidden's n parts, act.
         outputs = [tile.row_view(hidden_gmem, height).at[:, h, n_slice].at[:, wg_slice]
                    for h in range(n)]
@@ -199,9 +200,8 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
         tile = hopper.output_tile(loop_info, tile_group_gmem, wg_idx, m_iters=m_iters,
                                   n_iters=n_iters, wg_columns=wg_cols, config=config,
                                   tables=table_gmems)
-        group, n_slice, wg_slice = tile.group, tile.columns, tile.wg_columns
         for height in hopper.tile_heights(tile_rows):
-          tile_body(tile, group, n_slice, wg_slice, height)
+          tile_body(tile, height)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
