@@ -193,6 +193,19 @@ def of_height(tile: OutputTile, height: int):
   return True if isinstance(tile.height, int) else tile.height == height
 
 
+def for_each_tile(tile_body, tile_group_gmem, wg_idx, *, m_iters: int, n_iters: int,
+                  wg_columns: int, config: TileConfig, tables, tile_rows) -> None:
+  """The persistent loop over ``m_iters * n_iters`` output tiles
+  (:func:`output_tile`): ``tile_body(tile, height)`` for each of
+  :func:`tile_heights`, the body's work guarded by :func:`of_height`."""
+  @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+  def _(loop_info):
+    tile = output_tile(loop_info, tile_group_gmem, wg_idx, m_iters=m_iters, n_iters=n_iters,
+                       wg_columns=wg_columns, config=config, tables=tables)
+    for height in tile_heights(tile_rows):
+      tile_body(tile, height)
+
+
 def kernel_call(body, out_type, num_sms):
   return plgpu.kernel(
       body, out_type=out_type, grid=(num_sms,), grid_names=("sm",), num_threads=3,
@@ -264,45 +277,43 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
     def scope(allocs, out_smem):
       wg_idx = lax.axis_index("wg")
 
-      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-      def tile_loop(loop_info):
-        tile = output_tile(loop_info, tile_group_gmem, wg_idx, m_iters=m_iters, n_iters=n_iters,
-                           wg_columns=tile_n, config=config, tables=table_gmems)
+      def tile_body(tile, height):
         group, n_slice, wg_n_slice = tile.group, tile.columns, tile.wg_columns
+        out_view = tile.row_view(out_gmem, height).at[:, n_slice].at[:, wg_n_slice]
 
-        for height in tile_heights(tile_rows):
-          out_view = tile.row_view(out_gmem, height).at[:, n_slice].at[:, wg_n_slice]
+        # A tile of no group is stored as zeros by the compute warpgroups (so
+        # the input gradient there is zero, not what memory held).
+        @pl.when((group < 0) & (wg_idx < 2) & of_height(tile, height))
+        def _():
+          store_tile(jnp.zeros((height, tile_n), jnp.float32), out_smem, out_view, wg_idx, epi)
 
-          # A tile of no group is stored as zeros by the compute warpgroups (so
-          # the input gradient there is zero, not what memory held).
-          @pl.when((group < 0) & (wg_idx < 2) & of_height(tile, height))
-          def _():
-            store_tile(jnp.zeros((height, tile_n), jnp.float32), out_smem, out_view, wg_idx, epi)
+        @pl.when((group >= 0) & of_height(tile, height))
+        def _():
+          def compute_context(eval_pipeline):
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((height, tile_n), jnp.float32))
+            def _(acc_ref):
+              eval_pipeline(acc_ref)
+              store_tile(acc_ref[...], out_smem, out_view, wg_idx, epi)
 
-          @pl.when((group >= 0) & of_height(tile, height))
-          def _():
-            def compute_context(eval_pipeline):
-              @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((height, tile_n), jnp.float32))
-              def _(acc_ref):
-                eval_pipeline(acc_ref)
-                store_tile(acc_ref[...], out_smem, out_view, wg_idx, epi)
+          def mma(_, lhs_smem, rhs_smem, acc_ref):
+            if transpose_rhs:
+              rhs_block = transposed(rhs_smem.at[wg_n_slice, :])
+            else:
+              rhs_block = rhs_smem.at[:, wg_n_slice]
+            # A half tile's block holds the next tile's rows too (or TMA's
+            # zeros past the end): only its own enter the product.
+            plgpu.wgmma(acc_ref, lhs_smem if height == tile_m else lhs_smem.at[:height],
+                        rhs_block)
+            plgpu.wgmma_wait(config.delay_release)
+            return acc_ref
 
-            def mma(_, lhs_smem, rhs_smem, acc_ref):
-              if transpose_rhs:
-                rhs_block = transposed(rhs_smem.at[wg_n_slice, :])
-              else:
-                rhs_block = rhs_smem.at[:, wg_n_slice]
-              # A half tile's block holds the next tile's rows too (or TMA's
-              # zeros past the end): only its own enter the product.
-              plgpu.wgmma(acc_ref, lhs_smem if height == tile_m else lhs_smem.at[:height],
-                          rhs_block)
-              plgpu.wgmma_wait(config.delay_release)
-              return acc_ref
+          rhs_view = (rhs_gmem.at[group].at[n_slice, :] if transpose_rhs
+                      else rhs_gmem.at[group].at[:, n_slice])
+          pipeline(mma, compute_context)(lhs_gmem.at[tile.rows, :], rhs_view,
+                                         allocations=allocs)
 
-            rhs_view = (rhs_gmem.at[group].at[n_slice, :] if transpose_rhs
-                        else rhs_gmem.at[group].at[:, n_slice])
-            pipeline(mma, compute_context)(lhs_gmem.at[tile.rows, :], rhs_view,
-                                           allocations=allocs)
+      for_each_tile(tile_body, tile_group_gmem, wg_idx, m_iters=m_iters, n_iters=n_iters,
+                    wg_columns=tile_n, config=config, tables=table_gmems, tile_rows=tile_rows)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

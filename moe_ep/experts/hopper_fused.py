@@ -195,13 +195,9 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
               lhs_gmem.at[tile.rows, :],
               *[rhs_gmem.at[group].at[:, h, n_slice] for h in range(n)], allocations=allocs)
 
-      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-      def tile_loop(loop_info):
-        tile = hopper.output_tile(loop_info, tile_group_gmem, wg_idx, m_iters=m_iters,
-                                  n_iters=n_iters, wg_columns=wg_cols, config=config,
-                                  tables=table_gmems)
-        for height in hopper.tile_heights(tile_rows):
-          tile_body(tile, height)
+      hopper.for_each_tile(tile_body, tile_group_gmem, wg_idx, m_iters=m_iters,
+                           n_iters=n_iters, wg_columns=wg_cols, config=config,
+                           tables=table_gmems, tile_rows=tile_rows)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -373,13 +369,9 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
           pipeline(mma, compute_context)(grad_gmem.at[tile.rows, :],
                                          w_out_gmem.at[group].at[n_slice, :], allocations=allocs)
 
-      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-      def tile_loop(loop_info):
-        tile = hopper.output_tile(loop_info, tile_group_gmem, wg_idx, m_iters=m_iters,
-                                  n_iters=n_iters, wg_columns=wg_cols, config=config,
-                                  tables=table_gmems)
-        for height in hopper.tile_heights(tile_rows):
-          tile_body(tile, height)
+      hopper.for_each_tile(tile_body, tile_group_gmem, wg_idx, m_iters=m_iters,
+                           n_iters=n_iters, wg_columns=wg_cols, config=config,
+                           tables=table_gmems, tile_rows=tile_rows)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
