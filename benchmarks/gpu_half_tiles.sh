@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Half tiles (moe_ep.row_groups.GROUP_ALIGN = 64) on the GPU, from the
-# repository root on the device machine: what docs/grouped.md ("Half tiles")
-# asks before the default flips. STEPS picks the steps (default all four; a
-# device call of 600 s holds about two):
-#   tests      the float64 GPU tests on half tiles (plain, fused, the layer)
+# Half tiles (moe_ep.row_groups.GROUP_ALIGN = 64) and clusters of two CTAs
+# (moe_ep.experts.hopper.CLUSTER_COLUMNS = 2) on the GPU, from the repository
+# root on the device machine: what docs/grouped.md asks before either default
+# flips. STEPS picks the steps (default all four; a device call of 600 s
+# holds about two):
+#   tests      the float64 GPU tests on half tiles (plain, fused, the layer),
+#              clusters against single CTAs bit for bit
 #   memcheck   the sanitizer workload on half tiles, each buffer its own allocation
 #   racecheck  the same, kernels only (cuBLAS's reference reports hazards of its own)
-#   models     the banks on half against whole tiles beside the dense chain
+#   models     the banks on half against whole tiles, in clusters and not,
+#              beside the dense chain
 # Logs go to $OUT, JSON to $OUT/results.
 source benchmarks/gpu_setup.sh
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -15,8 +18,9 @@ WORKLOAD=(python tests/experts/hopper_sanitizer_workload.py --align 64)
 for name in ${STEPS:-tests memcheck racecheck models}; do
   case $name in
     tests) step tests 300 python -m pytest -q -m gpu tests/experts tests/test_layer_layouts.py \
-             -k "align64 and (256-512 or 2880-1408 or hopper-bfloat16-mixed \
-                 or hopper-bfloat16-half or 1408x2880 or layer_matches)" ;;
+             -k "(align64 and (256-512 or 2880-1408 or hopper-bfloat16-mixed \
+                 or hopper-bfloat16-half or 1408x2880 or layer_matches)) \
+                 or clusters_of_two" ;;
     memcheck) step memcheck 200 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
                 "${SANITIZE[@]}" --tool memcheck "${WORKLOAD[@]}" ;;
     racecheck) step racecheck 200 "${SANITIZE[@]}" --tool racecheck "${WORKLOAD[@]}" \

@@ -9,8 +9,10 @@ For each model shape ``(T, K, H, F, E)``, timed side by side in one run:
   proportional to ``1 / i``, shuffled: a few experts hold many times the
   mean, as early in training) and on Dirichlet loads (alpha 4); where the
   activation is fused into the GEMMs by default, also with it as XLA passes
-  (``_unfused``); and with its groups on half tiles (``_align64``,
-  :data:`moe_ep.row_groups.GROUP_ALIGN`);
+  (``_unfused``); with its groups on half tiles (``_align64``,
+  :data:`moe_ep.row_groups.GROUP_ALIGN`), in clusters of two CTAs sharing
+  their rows (``_cluster2``, :data:`moe_ep.experts.hopper.CLUSTER_COLUMNS`)
+  and both;
 * the whole layer (P4) dropless with ``expert_layout="auto"`` (an untrained
   router, near balanced) and at capacity 1.0 on slabs, each with the input's
   gradient.
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 
 from moe_ep.bench import common, experts, layer
 from moe_ep.experts import bank_layout, grouped_expert_mlp
+from moe_ep.experts import hopper
 from moe_ep.experts.grouped import fuses_activation_by_default
 from moe_ep.row_groups import grouped_rows_for
 
@@ -50,9 +53,10 @@ LOADS = ("zipf", "skewed")
 # expert parameters and their gradients, for both variants (DeepSeek-V3's
 # 256 experts: 45 GB each).
 NO_LAYER = ("deepseek_v3",)
-# The bank also with its groups at these alignments (the layout's, 128, is the
-# default's): half tiles against whole ones in the same rounds.
-GROUP_ALIGNS = (64,)
+# The bank also with these options against the defaults in the same rounds:
+# half tiles, and clusters of two CTAs along the columns.
+BANK_OPTIONS = {"_align64": dict(group_align=64), "_cluster2": dict(cluster_columns=2),
+                "_align64_cluster2": dict(group_align=64, cluster_columns=2)}
 
 
 def dense_call(rows: int, hidden: int, ffn: int) -> tuple:
@@ -72,10 +76,12 @@ def dense_call(rows: int, hidden: int, ffn: int) -> tuple:
 
 def bank_call(tokens: int, top_k: int, num_experts: int, load: str, w_in: jax.Array,
               w_out: jax.Array, fuse_activation: bool | None = None,
-              group_align: int | None = None) -> tuple[tuple, dict]:
+              group_align: int | None = None,
+              cluster_columns: int | None = None) -> tuple[tuple, dict]:
   """The grouped bank over groups of ``load`` sizes, its activation fused
   into the GEMMs or not, its groups on whole or half tiles (``group_align``,
-  default the layout's): ``(fn, args)`` and its facts."""
+  default the layout's), its kernels in clusters of ``cluster_columns``
+  (default :data:`hopper.CLUSTER_COLUMNS`): ``(fn, args)`` and its facts."""
   routed, hidden = tokens * top_k, w_in.shape[1]
   sizes = experts.group_sizes(routed, num_experts, load)
   counts = jnp.asarray(sizes)
@@ -83,8 +89,22 @@ def bank_call(tokens: int, top_k: int, num_experts: int, load: str, w_in: jax.Ar
                               seed=3, align=group_align)
   mlp = experts.fwd_bwd(lambda x, a, b: grouped_expert_mlp(
       x, counts, a, b, "swiglu", fuse_activation=fuse_activation, group_align=group_align))
+  if cluster_columns is not None:
+    mlp = _traced_with_clusters(mlp, cluster_columns)
   return (mlp, (rows, w_in, w_out)), {"largest_over_mean": float(sizes.max() * num_experts
                                                                   / routed)}
+
+
+def _traced_with_clusters(fn, columns: int):
+  """``fn``, whose kernels are traced (at its first call) with
+  :data:`hopper.CLUSTER_COLUMNS` set to ``columns``."""
+  def call(*args):
+    default, hopper.CLUSTER_COLUMNS = hopper.CLUSTER_COLUMNS, columns
+    try:
+      return fn(*args)
+    finally:
+      hopper.CLUSTER_COLUMNS = default
+  return call
 
 
 LAYER_VARIANTS = {"layer_dropless": dict(factor=None),
@@ -107,17 +127,17 @@ def layer_calls(tokens: int, top_k: int, hidden: int, ffn: int, num_experts: int
 
 def banks(tokens: int, top_k: int, hidden: int, ffn: int, num_experts: int, loads,
           iters: int, rounds: int, more_calls: dict | None = None,
-          group_aligns=GROUP_ALIGNS) -> dict:
+          bank_options=BANK_OPTIONS) -> dict:
   """The dense chain, the grouped bank on each of ``loads`` (and unfused
-  where the activation is fused by default, and with its groups at each of
-  ``group_aligns``) and ``more_calls``, timed in
+  where the activation is fused by default, and with each of
+  ``bank_options``) and ``more_calls``, timed in
   interleaved rounds (:func:`common.time_interleaved`); each method's
   ``of_dense_rounds`` is its speed over the chain's, round by round."""
   w_in, w_out = experts.weights(hidden, ffn, num_experts, seed=1)
   calls, facts = {"dense": dense_call(tokens * top_k, hidden, ffn)}, {}
   variants = [("", {})] + ([("_unfused", dict(fuse_activation=False))]
                            if fuses_activation_by_default(hidden, ffn) else [])
-  variants += [(f"_align{align}", dict(group_align=align)) for align in group_aligns]
+  variants += list(bank_options.items())
   for load in loads:
     for suffix, options in variants:
       calls[f"grouped_{load}{suffix}"], facts[f"grouped_{load}{suffix}"] = bank_call(

@@ -54,6 +54,11 @@ SIZE_MULTIPLE = 8
 # 16 (a 32-byte swizzle; 64: the full 128-byte one). Sizes of only 8 | size are
 # padded to it, a copy of at most 8 columns.
 _SWIZZLED_MULTIPLE = 16
+# CTAs per cluster of the kernels that write rows (TileConfig.cluster_columns
+# unless a config sets it): 2 shares each row block between two CTAs by TMA
+# multicast, a sixth less traffic from L2 at [128, 256] CTA tiles. Read when a
+# kernel is traced.
+CLUSTER_COLUMNS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +74,10 @@ class TileConfig:
     epi_tile: side of the square pieces the epilogue stores.
     delay_release: wgmma groups a compute warpgroup keeps in flight before it
       releases their stage (0: each product completes before the next).
+    cluster_columns: CTAs of a cluster, computing neighbouring column tiles of
+      one row tile, which load its rows once for all by TMA multicast (1: no
+      clusters; a kernel whose column tiles it does not divide runs without;
+      None: :data:`CLUSTER_COLUMNS` when the kernel is traced).
   """
 
   tile_n: int = 128
@@ -78,6 +87,12 @@ class TileConfig:
   grid_minor_dim: int = 0
   epi_tile: int = 64
   delay_release: int = 0
+  cluster_columns: int | None = None
+
+  def cluster(self, column_tiles: int) -> int:
+    """CTAs per cluster of a kernel of ``column_tiles`` column tiles."""
+    columns = self.cluster_columns or CLUSTER_COLUMNS
+    return columns if column_tiles % columns == 0 else 1
 
 
 def supports(dtype, *, rows: int, contraction: int, columns: int) -> bool:
@@ -165,13 +180,17 @@ class OutputTile:
 def output_tile(loop_info, tile_group_gmem, wg_idx, *, m_iters: int, n_iters: int,
                 wg_columns: int, config: TileConfig, tables=()) -> OutputTile:
   """The :class:`OutputTile` of step ``loop_info`` of an ``nd_loop`` over
-  ``m_iters * n_iters`` tiles, visited in the snake order of ``config``; row
-  tile ``i`` is rows ``i * ROW_TILE`` on, or with a tile list (``tables``:
-  the ``tile_start`` and ``tile_rows`` of
+  ``m_iters * n_iters`` tiles (``n_iters`` column tiles of clusters of
+  ``config.cluster(n_iters)`` CTAs, each of which takes one), visited in the
+  snake order of ``config``; row tile ``i`` is rows ``i * ROW_TILE`` on, or
+  with a tile list (``tables``: the ``tile_start`` and ``tile_rows`` of
   :class:`moe_ep.experts.grouped.GroupTiles`) the list's entry ``i``."""
   (index,) = loop_info.index
-  m_idx, n_idx = plgpu.planar_snake(index, (m_iters, n_iters), config.grid_minor_dim,
-                                    config.grid_tile_width)
+  cluster = config.cluster(n_iters)
+  m_idx, n_idx = plgpu.planar_snake(index, (m_iters, n_iters // cluster),
+                                    config.grid_minor_dim, config.grid_tile_width)
+  if cluster > 1:
+    n_idx = n_idx * cluster + lax.axis_index("cluster")
   if tables:  # TMA needs the rows' alignment proven: half tiles start at multiples of 64
     start = pl.multiple_of(tables[0][m_idx], ROW_TILE // 2)
     height = tables[1][m_idx]
@@ -198,7 +217,7 @@ def for_each_tile(tile_body, tile_group_gmem, wg_idx, *, m_iters: int, n_iters: 
   """The persistent loop over ``m_iters * n_iters`` output tiles
   (:func:`output_tile`): ``tile_body(tile, height)`` for each of
   :func:`tile_heights`, the body's work guarded by :func:`of_height`."""
-  @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+  @plgpu.nd_loop((m_iters * n_iters // config.cluster(n_iters),), collective_axes="sm")
   def _(loop_info):
     tile = output_tile(loop_info, tile_group_gmem, wg_idx, m_iters=m_iters, n_iters=n_iters,
                        wg_columns=wg_columns, config=config, tables=tables)
@@ -206,10 +225,19 @@ def for_each_tile(tile_body, tile_group_gmem, wg_idx, *, m_iters: int, n_iters: 
       tile_body(tile, height)
 
 
-def kernel_call(body, out_type, num_sms):
+def rows_collective(cluster: int) -> tuple[str, ...]:
+  """The ``collective_axes`` of the rows' ``BlockSpec``: a cluster's CTAs
+  share them."""
+  return ("cluster",) if cluster > 1 else ()
+
+
+def kernel_call(body, out_type, num_sms, cluster: int = 1):
+  """The persistent kernel of ``body``: one CTA per multiprocessor, in
+  clusters of ``cluster``."""
+  clusters = dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
   return plgpu.kernel(
-      body, out_type=out_type, grid=(num_sms,), grid_names=("sm",), num_threads=3,
-      thread_name="wg",
+      body, out_type=out_type, grid=(num_sms // cluster,), grid_names=("sm",), num_threads=3,
+      thread_name="wg", **clusters,
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
 
@@ -260,7 +288,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_iters,), memory_registers=40,
         in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda ki: (0, ki), transforms=transforms,
-                                  memory_space=plgpu.SMEM, delay_release=config.delay_release),
+                                  memory_space=plgpu.SMEM, delay_release=config.delay_release,
+                                  collective_axes=rows_collective(config.cluster(n_iters))),
                   rhs_spec],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context)
@@ -317,7 +346,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  call = kernel_call(body, jax.ShapeDtypeStruct((m, padded_n), dtype), num_sms or num_sms_here())
+  call = kernel_call(body, jax.ShapeDtypeStruct((m, padded_n), dtype), num_sms or num_sms_here(),
+                     config.cluster(n_iters))
   return call(tile_group, *tables, lhs, rhs)[:, :n]
 
 

@@ -109,12 +109,13 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
   tables = () if tile_rows is None else (tile_start, tile_rows)
 
   def pipeline(body, compute_context):
-    spec = lambda shape, index: plgpu.BlockSpec(
+    spec = lambda shape, index, collective=(): plgpu.BlockSpec(
         shape, index, transforms=transforms, memory_space=plgpu.SMEM,
-        delay_release=config.delay_release)
+        delay_release=config.delay_release, collective_axes=collective)
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_iters,), memory_registers=40,
-        in_specs=[spec((tile_m, tile_k), lambda ki: (0, ki))]
+        in_specs=[spec((tile_m, tile_k), lambda ki: (0, ki),
+                       hopper.rows_collective(config.cluster(n_iters)))]
         + [spec((tile_k, cta_cols), lambda ki: (ki, 0))] * n,
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context)
@@ -203,7 +204,8 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
 
   out_type = (jax.ShapeDtypeStruct((m, n, padded_f), dtype),
               jax.ShapeDtypeStruct((m, padded_f), dtype))
-  call = hopper.kernel_call(body, out_type, num_sms or hopper.num_sms_here())
+  call = hopper.kernel_call(body, out_type, num_sms or hopper.num_sms_here(),
+                            config.cluster(n_iters))
   hidden, act = call(tile_group, *tables, lhs, rhs, *([row_weights] if weighted else []))
   return hidden[:, :, :ffn].reshape(m, n * ffn), act[:, :ffn]
 
@@ -249,12 +251,13 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
   tables = () if tile_rows is None else (tile_start, tile_rows)
 
   def pipeline(body, compute_context):
-    spec = lambda shape: plgpu.BlockSpec(
+    spec = lambda shape, collective=(): plgpu.BlockSpec(
         shape, lambda ki: (0, ki), transforms=transforms, memory_space=plgpu.SMEM,
-        delay_release=config.delay_release)
+        delay_release=config.delay_release, collective_axes=collective)
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_iters,), memory_registers=40,
-        in_specs=[spec((tile_m, tile_k)), spec((cta_cols, tile_k))],
+        in_specs=[spec((tile_m, tile_k), hopper.rows_collective(config.cluster(n_iters))),
+                  spec((cta_cols, tile_k))],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context)
 
@@ -378,7 +381,8 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
   out_type = [jax.ShapeDtypeStruct((m, n, padded_f), dtype)]
   if weighted:
     out_type.append(jax.ShapeDtypeStruct((2 * n_iters, m), jnp.float32))
-  call = hopper.kernel_call(body, tuple(out_type), num_sms or hopper.num_sms_here())
+  call = hopper.kernel_call(body, tuple(out_type), num_sms or hopper.num_sms_here(),
+                            config.cluster(n_iters))
   outs = call(tile_group, *tables, out_grad, w_out, hidden,
               *([row_weights] if weighted else []))
   d_hidden = outs[0][:, :, :ffn].reshape(m, n * ffn)

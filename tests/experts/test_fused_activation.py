@@ -108,11 +108,15 @@ def test_saving_expert_hidden_recomputes_no_expert_gemm(monkeypatch):
   assert ragged_dots(jax.checkpoint_policies.nothing_saveable) == 2 + 1 + 4
 
 
-@pytest.mark.parametrize("hidden, ffn", [(2880, 1408), (200, 72), (72, 200)])
+@pytest.mark.parametrize("cluster_columns", [1, 2])
+@pytest.mark.parametrize("hidden, ffn", [(2880, 1408), (200, 72), (72, 200), (2048, 768)])
 @pytest.mark.parametrize("activation", hopper_fused.ACTIVATIONS)
-def test_fused_kernels_lower_for_sizes_off_the_tiles(hidden, ffn, activation):
+def test_fused_kernels_lower_for_sizes_off_the_tiles(hidden, ffn, activation, cluster_columns,
+                                                     monkeypatch):
   """Both kernels, weighted and not, lower to Mosaic GPU on any machine
-  (layout inference and shared-memory budget included)."""
+  (layout inference and shared-memory budget included), alone and in
+  clusters of two CTAs."""
+  monkeypatch.setattr(hopper, "CLUSTER_COLUMNS", cluster_columns)
   n, groups, rows = hopper_fused.gate_count(activation), 3, 4 * ROW_TILE
   spec = jax.ShapeDtypeStruct
   tile_group = spec((rows // ROW_TILE,), jnp.int32)
@@ -194,6 +198,37 @@ def test_fused_kernels_match_float64(hidden, ffn, activation, weighted, group_al
       assert error <= 2e-2, (fuse, name, error)
     for value in gots[:2]:
       assert not np.any(np.asarray(value, np.float32)[no_group])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden, ffn", [(1024, 512), (2880, 1408)])
+def test_clusters_of_two_ctas_change_no_bit(hidden, ffn, group_align, monkeypatch):
+  """Two CTAs of a cluster sharing their row blocks by TMA multicast
+  (``hopper.CLUSTER_COLUMNS = 2``) compute each output tile as one CTA
+  alone does, in the same order: the fused and the unfused bank's outputs
+  and every gradient equal bit for bit. Both shapes give some kernels an
+  even number of column tiles (clustered) and (2880, 1408) others an odd
+  one (not) and edge tiles."""
+  if not grouped.hopper_available():
+    pytest.skip("needs a GPU of compute capability 9.0")
+  rng = np.random.default_rng(hidden)
+  bank = _bank(rng, SIZES + [64, 65], hidden, ffn, "swiglu", jnp.bfloat16, group_align)
+  cotangent = jnp.asarray(rng.normal(size=(bank[0].shape[0], hidden)), jnp.bfloat16)
+  for fuse in (True, False):
+    results = []
+    for columns in (1, 2):
+      monkeypatch.setattr(hopper, "CLUSTER_COLUMNS", columns)
+      results.append(_loss_and_grads(bank, "swiglu", True, fuse, cotangent))
+    for single, clustered in zip(*results):
+      np.testing.assert_array_equal(np.asarray(clustered, np.float32),
+                                    np.asarray(single, np.float32))
+
+
+def test_clusters_divide_the_column_tiles_or_are_not_formed(monkeypatch):
+  config = hopper.TileConfig(cluster_columns=2)
+  assert (config.cluster(4), config.cluster(3)) == (2, 1)
+  monkeypatch.setattr(hopper, "CLUSTER_COLUMNS", 2)  # read when a kernel is traced
+  assert (hopper.TileConfig().cluster(6), hopper.TileConfig(cluster_columns=1).cluster(6)) == (2, 1)
 
 
 def test_the_activation_is_fused_by_default_where_ffn_is_below_twice_hidden():
