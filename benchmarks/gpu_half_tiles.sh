@@ -2,10 +2,10 @@
 # Half tiles (moe_ep.row_groups.GROUP_ALIGN = 64) and clusters of two CTAs
 # (moe_ep.experts.hopper.CLUSTER_COLUMNS = 2) on the GPU, from the repository
 # root on the device machine: what docs/grouped.md asks before either default
-# flips. STEPS picks the steps (default all four; a device call of 600 s
+# flips. STEPS picks the steps (default all five; a device call of 600 s
 # holds about two):
-#   tests      the float64 GPU tests on half tiles (plain, fused, the layer),
-#              clusters against single CTAs bit for bit
+#   tests      the float64 GPU tests on half tiles (plain, fused, the layer)
+#   clusters   the bank in clusters of two CTAs against single CTAs, bit for bit
 #   memcheck   the sanitizer workload on half tiles, each buffer its own allocation
 #   racecheck  the same, kernels only (cuBLAS's reference reports hazards of its own)
 #   models     the banks on half against whole tiles, in clusters and not,
@@ -15,19 +15,19 @@ source benchmarks/gpu_setup.sh
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 SANITIZE=(compute-sanitizer --target-processes application-only --error-exitcode 7)
 WORKLOAD=(python tests/experts/hopper_sanitizer_workload.py --align 64)
-for name in ${STEPS:-tests memcheck racecheck models}; do
+for name in ${STEPS:-tests clusters memcheck racecheck models}; do
   case $name in
     tests) step tests 300 python -m pytest -q -m gpu tests/experts tests/test_layer_layouts.py \
-             -k "(align64 and (256-512 or 2880-1408 or hopper-bfloat16-mixed \
-                 or hopper-bfloat16-half or 1408x2880 or layer_matches)) \
-                 or clusters_of_two" ;;
+             -k "align64 and (256-512 or 2880-1408 or hopper-bfloat16-mixed \
+                 or hopper-bfloat16-half or 1408x2880 or layer_matches)" ;;
+    clusters) step clusters 150 python -m pytest -q -m gpu tests/experts -k clusters_of_two ;;
     memcheck) step memcheck 200 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
                 "${SANITIZE[@]}" --tool memcheck "${WORKLOAD[@]}" ;;
     racecheck) step racecheck 200 "${SANITIZE[@]}" --tool racecheck "${WORKLOAD[@]}" \
                  --no-reference ;;
-    models) step models 400 python -m moe_ep.bench models --model qwen3_30b_a3b \
+    models) step models ${MODELS_SECONDS:-400} python -m moe_ep.bench models --model qwen3_30b_a3b \
               --model olmoe_1b_7b --model deepseek_v3 --out "$OUT/results" ;;
-    *) echo "unknown step $name (tests, memcheck, racecheck, models)"; exit 2 ;;
+    *) echo "unknown step $name (tests, clusters, memcheck, racecheck, models)"; exit 2 ;;
   esac
 done
 grep -h -E "(FAILED|passed|failed|ERROR SUMMARY|RACECHECK SUMMARY|align64)" "$OUT"/*.log | head -40
