@@ -57,18 +57,18 @@ def test_send_chunk_never_drops_without_a_factor(num_tokens, top_k, num_experts,
 
 @pytest.mark.parametrize("num_tokens, top_k, num_experts, ep_size", SIZES)
 def test_grouped_worst_case_holds_the_worst_routing_and_caps_every_factor(
-    num_tokens, top_k, num_experts, ep_size):
+    num_tokens, top_k, num_experts, ep_size, group_align):
   local_experts = num_experts // ep_size
   routed = ep_size * num_tokens * worst_rows_into_one_rank(top_k, num_experts, ep_size)
   rows = grouped_rows_for(num_tokens, top_k, num_experts, ep_size)
-  # Every group may waste up to ROW_TILE - 1 rows rounding its start.
-  need = routed + local_experts * (ROW_TILE - 1)
+  # Every group may waste up to group_align - 1 rows rounding its start.
+  need = routed + local_experts * (group_align - 1)
   assert rows % ROW_TILE == 0 and need <= rows < need + ROW_TILE
   # A factor scales the balanced load T * K and is capped at the worst case.
   for factor in (0.25, 1.0, 2.0, 1e6):
     sized = grouped_rows_for(num_tokens, top_k, num_experts, ep_size, factor)
     kept = min(routed, math.ceil(factor * num_tokens * top_k))
-    want = kept + local_experts * (ROW_TILE - 1)
+    want = kept + local_experts * (group_align - 1)
     assert want <= sized < want + ROW_TILE and sized <= rows
 
 

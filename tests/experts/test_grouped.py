@@ -106,7 +106,7 @@ def test_grouped_matmul_and_its_gradients_match_float64(case, implementation, dt
 
 def test_group_tiles_places_groups_on_whole_tiles():
   sizes = jnp.asarray([300, 0, 1, 129], jnp.int32)
-  tiles = grouped.group_tiles(sizes, 10 * ROW_TILE)
+  tiles = grouped.group_tiles(sizes, 10 * ROW_TILE, align=ROW_TILE)
   np.testing.assert_array_equal(tiles.group_start, [0, 384, 384, 512])
   np.testing.assert_array_equal(tiles.group_rows, [384, 0, 128, 256])
   np.testing.assert_array_equal(tiles.tile_group, [0, 0, 0, 2, 3, 3, -1, -1, -1, -1])
