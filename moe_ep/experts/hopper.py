@@ -54,7 +54,7 @@ SIZE_MULTIPLE = 8
 # 16 (a 32-byte swizzle; 64: the full 128-byte one). Sizes of only 8 | size are
 # padded to it, a copy of at most 8 columns.
 _SWIZZLED_MULTIPLE = 16
-# CTAs per cluster of the kernels that write rows (TileConfig.cluster_columns
+# CTAs per cluster of the kernels (TileConfig.cluster_columns
 # unless a config sets it): 2 shares each row block between two CTAs by TMA
 # multicast, a sixth less traffic from L2 at [128, 256] CTA tiles. Read when a
 # kernel is traced.
@@ -374,6 +374,7 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
   tile_m, tile_n, tile_c = ROW_TILE, config.tile_n, config.tile_k
   cta_tile_n = 2 * tile_n
   k_iters, n_iters = pl.cdiv(k, tile_m), pl.cdiv(n, cta_tile_n)
+  cluster = config.cluster(n_iters)
   dtype = lhs.dtype
   # One swizzle for both wgmma operands, whose minor sizes are K and N.
   lhs_transforms = rhs_transforms = smem_transforms(dtype, tile_m, k, cta_tile_n, n)
@@ -386,7 +387,8 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
         in_specs=[
             plgpu.BlockSpec((tile_c, tile_m), lambda ci: (first_block + ci, 0),
                             transforms=lhs_transforms, memory_space=plgpu.SMEM,
-                            delay_release=config.delay_release),
+                            delay_release=config.delay_release,
+                            collective_axes=rows_collective(cluster)),
             plgpu.BlockSpec((tile_c, cta_tile_n), lambda ci: (first_block + ci, 0),
                             transforms=rhs_transforms, memory_space=plgpu.SMEM,
                             delay_release=config.delay_release)],
@@ -407,11 +409,13 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
     def scope(allocs, out_smem):
       wg_idx = lax.axis_index("wg")
 
-      @plgpu.nd_loop((num_groups, k_iters * n_iters), collective_axes="sm")
+      @plgpu.nd_loop((num_groups, k_iters * n_iters // cluster), collective_axes="sm")
       def tile_loop(loop_info):
         group, index = loop_info.index
-        k_idx, n_idx = plgpu.planar_snake(index, (k_iters, n_iters), config.grid_minor_dim,
-                                          config.grid_tile_width)
+        k_idx, n_idx = plgpu.planar_snake(index, (k_iters, n_iters // cluster),
+                                          config.grid_minor_dim, config.grid_tile_width)
+        if cluster > 1:  # the cluster's CTAs share the lhs block (the contraction's rows)
+          n_idx = n_idx * cluster + lax.axis_index("cluster")
         steps = group_steps_gmem[group]
         first_block = group_start_gmem[group] // tile_c
         k_slice = pl.ds(k_idx * tile_m, tile_m)
@@ -436,5 +440,5 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   call = kernel_call(body, jax.ShapeDtypeStruct((num_groups, k, n), dtype),
-                      num_sms or num_sms_here())
+                      num_sms or num_sms_here(), cluster)
   return call(group_start, group_steps, lhs, rhs)[:, :unpadded_k, :unpadded_n]
