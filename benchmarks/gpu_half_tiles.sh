@@ -16,6 +16,8 @@ source benchmarks/gpu_setup.sh
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 SANITIZE=(compute-sanitizer --target-processes application-only --error-exitcode 7)
 WORKLOAD=(python tests/experts/hopper_sanitizer_workload.py --align 64)
+OPTIONS=()  # BANK_OPTIONS="_align64 ...": the models step's bank options (default all)
+for option in ${BANK_OPTIONS:-}; do OPTIONS+=(--bank-option "$option"); done
 for name in ${STEPS:-tests clusters memcheck racecheck models}; do
   case $name in
     tests) step tests 300 python -m pytest -q -m gpu tests/experts tests/test_layer_layouts.py \
@@ -29,7 +31,7 @@ for name in ${STEPS:-tests clusters memcheck racecheck models}; do
     racecheck) step racecheck 200 "${SANITIZE[@]}" --tool racecheck "${WORKLOAD[@]}" \
                  --no-reference ;;
     models) step models ${MODELS_SECONDS:-400} python -m moe_ep.bench models --model qwen3_30b_a3b \
-              --model olmoe_1b_7b --model deepseek_v3 --out "$OUT/results" ;;
+              --model olmoe_1b_7b --model deepseek_v3 "${OPTIONS[@]}" --out "$OUT/results" ;;
     *) echo "unknown step $name (tests, clusters, clustercheck, memcheck, racecheck, models)"; exit 2 ;;
   esac
 done

@@ -84,6 +84,10 @@ def main(argv=None) -> None:
                            "qwen3_30b_a3b, olmoe_1b_7b, mixtral_8x7b, mixtral_8x22b, "
                            "deepseek_v2_lite, gpt_oss_20b, deepseek_v3), so that a run fits "
                            "a time limit")
+  parser.add_argument("--bank-option", action="append", default=None, metavar="SUFFIX",
+                      help="models: time the banks with only these of their options beside the "
+                           "defaults (repeatable; default all: _align64, _cluster2, "
+                           "_align64_cluster2; none: no option)")
   args = parser.parse_args(argv)
   distributed.initialize_from_env()  # a no-op unless started by moe_ep.launch
   unknown = sorted(set(args.names) - set(BENCHMARKS) - {"all"})
@@ -104,6 +108,13 @@ def main(argv=None) -> None:
       if unknown_shapes:
         parser.error(f"unknown --model {unknown_shapes[0]!r}; choose from {list(shapes)}")
       options["shapes"] = {shape: shapes[shape] for shape in args.model}
+    if name == "models" and args.bank_option is not None:
+      chosen = [o for o in args.bank_option if o != "none"]
+      unknown_options = sorted(set(chosen) - set(module.BANK_OPTIONS))
+      if unknown_options:
+        parser.error(f"unknown --bank-option {unknown_options[0]!r}; choose from "
+                     f"{[*module.BANK_OPTIONS, 'none']}")
+      options["bank_options"] = {o: module.BANK_OPTIONS[o] for o in chosen}
     result_name, path = name + ("-smoke" if args.smoke else ""), None
     if name == "models" and jax.process_index() == 0:
       def save_partial(partial):  # each finished shape survives a time limit

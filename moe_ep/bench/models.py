@@ -153,7 +153,8 @@ def banks(tokens: int, top_k: int, hidden: int, ffn: int, num_experts: int, load
 
 
 def run(shapes: dict = SHAPES, loads=LOADS, iters: int = 5, rounds: int = 4,
-        layers: bool = True, backend: str = "auto", on_shape=None) -> dict:
+        layers: bool = True, backend: str = "auto", on_shape=None,
+        bank_options=BANK_OPTIONS) -> dict:
   """Every shape of ``shapes``; ``on_shape(partial)``, if given, after each
   with the result so far (``"partial": true`` until the last), so that a run
   cut off by a time limit still leaves its finished shapes."""
@@ -162,7 +163,8 @@ def run(shapes: dict = SHAPES, loads=LOADS, iters: int = 5, rounds: int = 4,
     flops = experts.bank_flops(tokens * top_k, hidden, ffn)
     more = (layer_calls(tokens, top_k, hidden, ffn, num_experts, backend)
             if layers and name not in NO_LAYER else {})
-    methods = banks(tokens, top_k, hidden, ffn, num_experts, loads, iters, rounds, more)
+    methods = banks(tokens, top_k, hidden, ffn, num_experts, loads, iters, rounds, more,
+                    bank_options)
     for variant, (step, args) in more.items():
       if "median_ms" in methods[variant]:
         (_, aux), _ = step(*args)

@@ -46,6 +46,18 @@ def test_models_times_only_the_shapes_named_and_refuses_an_unknown_one(tmp_path,
   assert "unknown --model 'bogus'" in capsys.readouterr().err
 
 
+def test_models_times_only_the_bank_options_named_and_refuses_an_unknown_one(tmp_path, capsys):
+  bench_main.main(["models", "--smoke", "--bank-option", "_cluster2", "--out", str(tmp_path)])
+  (result,) = tmp_path.iterdir()
+  (shape,) = json.loads(result.read_text())["models"].values()
+  assert sorted(m for m in shape["methods"] if m.startswith("grouped_zipf")) == [
+      "grouped_zipf", "grouped_zipf_cluster2", "grouped_zipf_unfused"]
+  with pytest.raises(SystemExit) as exit_info:
+    bench_main.main(["models", "--smoke", "--bank-option", "_bogus", "--out", str(tmp_path)])
+  assert exit_info.value.code == 2
+  assert "unknown --bank-option '_bogus'" in capsys.readouterr().err
+
+
 def test_models_leaves_each_finished_shape_behind_as_it_goes(tmp_path):
   """A run cut off after its first shape still wrote that shape: the result
   file is rewritten after each shape, marked partial until the last."""
