@@ -32,8 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_ep.bench import common, experts, layer
-from moe_ep.experts import bank_layout, grouped_expert_mlp
-from moe_ep.experts import hopper
+from moe_ep.experts import bank_layout, grouped_expert_mlp, hopper
 from moe_ep.experts.grouped import fuses_activation_by_default
 from moe_ep.row_groups import grouped_rows_for
 
