@@ -24,6 +24,7 @@ computes the wrong rows still fails (exit code 1).
 """
 
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,14 @@ CASES = [  # group sizes, spare row tiles of no group, K, N
     ([64, 65, 1, 192, 0, 63], 1, 256, 512),  # half tiles (with --align 64)
     ([448, 64], 0, 256, 256),  # a half tile ends the buffer (TMA fill past it)
 ]
+
+
+START = time.monotonic()
+
+
+def progress(done: str):
+  """One line on stderr per case run, so a run cut short names its case."""
+  print(f"{time.monotonic() - START:7.1f} s  {done}", file=sys.stderr, flush=True)
 
 
 def grouped_problem(rng, sizes, spare_tiles, contraction, columns):
@@ -79,9 +88,9 @@ def main(check_reference: bool = True):
   failures = []
   for sizes, spare, contraction, columns in CASES:
     lhs, rhs, cotangent, tiles, in_group = grouped_problem(rng, sizes, spare, contraction, columns)
-    got = passes("hopper")(lhs, rhs, cotangent, tiles)
+    got = jax.block_until_ready(passes("hopper")(lhs, rhs, cotangent, tiles))
+    progress(f"grouped_matmul {sizes} K={contraction} N={columns}")
     if not check_reference:
-      jax.block_until_ready(got)
       continue
     want = passes("xla")(lhs, rhs, cotangent, tiles)
     for name, g, w in zip(("forward", "input gradient", "weight gradient"), got, want):
@@ -100,6 +109,7 @@ def main(check_reference: bool = True):
   loss = lambda x, a, b: jnp.sum(grouped.grouped_expert_mlp(
       x, counts, a, b, "swiglu", implementation="hopper").astype(jnp.float32) ** 2)
   value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, w_in, w_out)
+  progress("the SwiGLU bank")
   if not (np.isfinite(float(value)) and all(np.isfinite(np.asarray(g, np.float32)).all()
                                             for g in grads)):
     failures.append("the SwiGLU bank's loss or gradients are not finite")
@@ -139,9 +149,9 @@ def fused_activation_cases(rng, check_reference: bool) -> list[str]:
       out, vjp = jax.vjp(mlp, x, w_in, w_out, weights)
       return (out, *vjp(cotangent))
 
-    got = jax.jit(lambda: run("hopper", True))()
+    got = jax.block_until_ready(jax.jit(lambda: run("hopper", True))())
+    progress(f"fused {activation} {sizes} H={hidden} F={ffn}")
     if not check_reference:
-      jax.block_until_ready(got)
       continue
     want = jax.jit(lambda: run("xla", False))()
     for name, g, w in zip(("out", "d_rows", "d_w_in", "d_w_out", "d_weights"), got, want):
