@@ -177,6 +177,19 @@ class OutputTile:
     return ref.at[pl.ds(self.rows.start, height)]
 
 
+def snake_tile(index, row_iters: int, n_iters: int, config: TileConfig):
+  """``(row tile, column tile)`` of step ``index`` of a loop over
+  ``row_iters * n_iters`` tiles in the snake order of ``config``: a cluster
+  of ``config.cluster(n_iters)`` CTAs takes one step, each CTA one of its
+  neighbouring column tiles."""
+  cluster = config.cluster(n_iters)
+  row_idx, n_idx = plgpu.planar_snake(index, (row_iters, n_iters // cluster),
+                                      config.grid_minor_dim, config.grid_tile_width)
+  if cluster > 1:
+    n_idx = n_idx * cluster + lax.axis_index("cluster")
+  return row_idx, n_idx
+
+
 def output_tile(loop_info, tile_group_gmem, wg_idx, *, m_iters: int, n_iters: int,
                 wg_columns: int, config: TileConfig, tables=()) -> OutputTile:
   """The :class:`OutputTile` of step ``loop_info`` of an ``nd_loop`` over
@@ -186,11 +199,7 @@ def output_tile(loop_info, tile_group_gmem, wg_idx, *, m_iters: int, n_iters: in
   with a tile list (``tables``: the ``tile_start`` and ``tile_rows`` of
   :class:`moe_ep.experts.grouped.GroupTiles`) the list's entry ``i``."""
   (index,) = loop_info.index
-  cluster = config.cluster(n_iters)
-  m_idx, n_idx = plgpu.planar_snake(index, (m_iters, n_iters // cluster),
-                                    config.grid_minor_dim, config.grid_tile_width)
-  if cluster > 1:
-    n_idx = n_idx * cluster + lax.axis_index("cluster")
+  m_idx, n_idx = snake_tile(index, m_iters, n_iters, config)
   if tables:  # TMA needs the rows' alignment proven: half tiles start at multiples of 64
     start = pl.multiple_of(tables[0][m_idx], ROW_TILE // 2)
     height = tables[1][m_idx]
@@ -412,10 +421,8 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
       @plgpu.nd_loop((num_groups, k_iters * n_iters // cluster), collective_axes="sm")
       def tile_loop(loop_info):
         group, index = loop_info.index
-        k_idx, n_idx = plgpu.planar_snake(index, (k_iters, n_iters // cluster),
-                                          config.grid_minor_dim, config.grid_tile_width)
-        if cluster > 1:  # the cluster's CTAs share the lhs block (the contraction's rows)
-          n_idx = n_idx * cluster + lax.axis_index("cluster")
+        # A cluster's CTAs share the lhs block (the contraction's rows).
+        k_idx, n_idx = snake_tile(index, k_iters, n_iters, config)
         steps = group_steps_gmem[group]
         first_block = group_start_gmem[group] // tile_c
         k_slice = pl.ds(k_idx * tile_m, tile_m)
