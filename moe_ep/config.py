@@ -35,6 +35,7 @@ REMAT_GROUPS = {
     "combine": ("combine.output",),
     "expert_hidden": ("expert_hidden",),
     "expert_output": ("expert_output",),
+    "expert_weights": ("expert_weights",),
 }
 REMAT_NAMES = tuple(name for group in REMAT_GROUPS.values() for name in group)
 
@@ -140,7 +141,8 @@ class RematConfig:
 
   Names are always attached with ``jax.ad_checkpoint.checkpoint_name`` as
   ``f"{prefix}.{name}"``. ``save`` lists groups (``"router"``,
-  ``"dispatch"``, ``"combine"``, ``"expert_hidden"``, ``"expert_output"``)
+  ``"dispatch"``, ``"combine"``, ``"expert_hidden"``, ``"expert_output"``,
+  ``"expert_weights"``)
   or single names (``"dispatch.tokens"``, ``"dispatch.weights"``,
   ``"dispatch.handle"``, ``"dispatch.counts"``, ``"router.scores"``, ...).
   With ``apply=True`` the layer checkpoints its own body with :meth:`policy`;
@@ -154,6 +156,10 @@ class RematConfig:
   ``"expert_hidden"`` means backward recomputes no expert GEMM: it holds the
   activation's input (``2F`` values a routed row for gated activations),
   and where the grouped kernels fuse the activation its output too (``3F``).
+  Saving ``"expert_weights"`` (the experts' weights in the compute dtype, one
+  copy of this shard's ``w_in`` and ``w_out``, 2 bytes a parameter in bf16)
+  spares backward the cast from ``param_dtype``: a pass over the float32
+  weights per layer, where a model's other weights are few beside them.
 
   >>> RematConfig(save=("dispatch",)).names
   ('moe.dispatch.tokens', 'moe.dispatch.weights', 'moe.dispatch.handle', 'moe.dispatch.counts')

@@ -173,13 +173,14 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, mesh, dtype, num_valid: 
   # output [M, H] (moe_ep.experts.activate), else on the output.
   with jax.named_scope(NAMED_SCOPES["experts"]):
     weights = dispatched.weights if _weights_on_activation(config) else None
+    # Cast once here, named: a remat saving "expert_weights" keeps the cast.
+    w_in, w_out = (name("expert_weights", params[key].astype(dtype)) for key in ("w_in", "w_out"))
     if grouped_rows is None:
-      out = expert_mlp(dispatched.tokens, params["w_in"], params["w_out"], config.activation,
-                       name, row_weights=weights)
+      out = expert_mlp(dispatched.tokens, w_in, w_out, config.activation, name,
+                       row_weights=weights)
     else:
-      out = grouped_expert_mlp(dispatched.tokens, dispatched.counts, params["w_in"],
-                               params["w_out"], config.activation, name,
-                               row_weights=weights)
+      out = grouped_expert_mlp(dispatched.tokens, dispatched.counts, w_in, w_out,
+                               config.activation, name, row_weights=weights)
     if weights is None:
       out = (out.astype(jnp.float32) * dispatched.weights[..., None]).astype(dtype)
 

@@ -356,3 +356,41 @@ def test_update_expert_bias_inside_nnx_jit_moves_toward_balance():
     last = np.asarray(step(layer, x))
   assert spread(last) < first
   assert np.abs(np.asarray(layer.expert_bias[...])).max() > 0
+
+
+@pytest.mark.parametrize("layout", ["slabs", "grouped"])
+def test_saved_expert_weights_spare_backward_their_cast(layout):
+  """With float32 parameters and bf16 compute, a remat saving
+  "expert_weights" casts w_in and w_out as often as no remat at all (once,
+  forward); without it backward's recomputation casts both again. The
+  gradients are the same either way."""
+  mesh = make_mesh((2, 4), ("dp", "ep"))
+  layer = ExpertParallelMoE(config(dtype="bfloat16", param_dtype="float32",
+                                   expert_layout=layout), mesh=mesh, rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  x = batch(2)
+
+  def pure(params, x):
+    return loss_fn(nnx.merge(graphdef, params, rest), x)
+
+  def step(save):
+    body = pure if save is None else jax.checkpoint(pure, policy=RematConfig(save=save).policy())
+    return jax.value_and_grad(body, has_aux=True)
+
+  def casts(save) -> int:
+    """float32 -> bf16 casts of w_in's or w_out's per-shard shape (the weight
+    gradients' own casts, where a backward rule makes one, count alike in
+    every variant)."""
+    shapes = {(EXPERTS // 4, HIDDEN, 2 * FFN), (EXPERTS // 4, FFN, HIDDEN)}
+    jaxpr = jax.make_jaxpr(step(save))(params, x).jaxpr
+    return sum(eqn.primitive.name == "convert_element_type"
+               and eqn.invars[0].aval.dtype == jnp.float32
+               and eqn.outvars[0].aval.dtype == jnp.bfloat16
+               and eqn.invars[0].aval.shape in shapes
+               for inner in nested_jaxprs(jaxpr) for eqn in inner.eqns)
+
+  assert casts(("dispatch", "expert_weights")) == casts(None)
+  assert casts(("dispatch",)) == casts(None) + 2
+  saving, recomputing = (jax.jit(step(save))(params, x)
+                         for save in (("dispatch", "expert_weights"), ("dispatch",)))
+  assert_trees_close(saving, recomputing, dict(rtol=0, atol=0))
