@@ -3,6 +3,7 @@ case in its own process with a time limit, so one that never finishes names
 itself and the others still run.
 
     python benchmarks/cluster_probe.py            # every case, 60 s each
+    python benchmarks/cluster_probe.py --first 3 --limit 45
     python benchmarks/cluster_probe.py forward 256 512 --one   # one case, in this process
 
 A case is a pass (forward, input gradient, weight gradient) of
@@ -50,14 +51,16 @@ def main():
     name, k, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     one(name, k, n)
     return
-  for name, k, n in CASES:
+  first = int(sys.argv[sys.argv.index("--first") + 1]) if "--first" in sys.argv else len(CASES)
+  limit = float(sys.argv[sys.argv.index("--limit") + 1]) if "--limit" in sys.argv else 60
+  for name, k, n in CASES[:first]:
     start = time.monotonic()
     try:
       run = subprocess.run([sys.executable, __file__, name, str(k), str(n), "--one"],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=limit)
       outcome = "ok" if run.returncode == 0 else f"rc={run.returncode}: {run.stderr[-300:]}"
     except subprocess.TimeoutExpired:
-      outcome = "did not finish in 60 s"
+      outcome = f"did not finish in {limit:.0f} s"
     print(f"{name} K={k} N={n}: {outcome} ({time.monotonic() - start:.0f} s)", flush=True)
 
 
