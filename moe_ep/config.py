@@ -158,8 +158,8 @@ class RematConfig:
   and where the grouped kernels fuse the activation its output too (``3F``).
   Saving ``"expert_weights"`` (the experts' weights in the compute dtype, one
   copy of this shard's ``w_in`` and ``w_out``, 2 bytes a parameter in bf16)
-  spares backward the cast from ``param_dtype``: a pass over the float32
-  weights per layer, where a model's other weights are few beside them.
+  spares backward's recomputation the cast from ``param_dtype``, a pass over
+  the float32 expert weights per layer.
 
   >>> RematConfig(save=("dispatch",)).names
   ('moe.dispatch.tokens', 'moe.dispatch.weights', 'moe.dispatch.handle', 'moe.dispatch.counts')
