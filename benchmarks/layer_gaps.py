@@ -26,26 +26,16 @@ from moe_ep.bench import common, layer, models
 from moe_ep.bench.timeline import _gpu_kernels
 
 
-def union_ns(events) -> float:
-  """Time covered by at least one of ``events`` (``(start, duration, _)``, sorted)."""
-  covered, end = 0.0, -np.inf
-  for start, duration, _ in events:
-    stop = start + duration
-    if stop > end:
-      covered += stop - max(start, end)
-      end = stop
-  return covered
-
-
-def gaps(events, top: int) -> list[dict]:
-  """The ``top`` widest idle gaps between ``events`` (sorted by start)."""
+def gaps(events) -> list[dict]:
+  """Every idle gap between ``events`` (``(start, duration, name)``, sorted
+  by start), widest first; the busy time is the span less their sum."""
   found, end, last = [], -np.inf, None
   for start, duration, name in events:
     if last is not None and start > end:
       found.append({"us": (start - end) / 1e3, "after": last, "before": name})
     if start + duration >= end:
       end, last = start + duration, name
-  return sorted(found, key=lambda g: -g["us"])[:top]
+  return sorted(found, key=lambda g: -g["us"])
 
 
 def main():
@@ -75,6 +65,7 @@ def main():
   # From the first kernel's start to the last one's end: the host's first
   # dispatch is before it, so this is the device's wall time for the calls.
   span = max(start + duration for start, duration, _ in events) - events[0][0]
+  idle = gaps(events)
   result = {
       "model": args.model, "shape": dict(tokens=tokens, top_k=top_k, hidden=hidden, ffn=ffn,
                                          experts=experts),
@@ -83,12 +74,11 @@ def main():
       "timed_median_ms": timing["median_ms"], "timed": timing,
       "traced_calls": args.calls, "kernels_per_call": len(events) / args.calls,
       "traced_span_ms_per_call": span / 1e6 / args.calls,
-      "busy_ms_per_call": union_ns(events) / 1e6 / args.calls,
+      "busy_ms_per_call": (span - 1e3 * sum(g["us"] for g in idle)) / 1e6 / args.calls,
       "kernel_sum_ms_per_call": sum(d for _, d, _ in events) / 1e6 / args.calls,
-      "widest_gaps": gaps(events, 25),
-        }
-  print(json.dumps({k: v for k, v in result.items() if k != "timed"},
-                   indent=1))
+      "widest_gaps": idle[:25],
+  }
+  print(json.dumps({k: v for k, v in result.items() if k != "timed"}, indent=1))
   if args.out:
     print(common.write_result(f"layer-gaps-{args.model}", result, results_dir=args.out))
 
