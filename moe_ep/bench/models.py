@@ -12,7 +12,8 @@ For each model shape ``(T, K, H, F, E)``, timed side by side in one run:
   (``_unfused``); with its groups on half tiles (``_align64``,
   :data:`moe_ep.row_groups.GROUP_ALIGN`), in clusters of two CTAs sharing
   their rows (``_cluster2``, :data:`moe_ep.experts.hopper.CLUSTER_COLUMNS`)
-  and both;
+  and both, and with each kernel's tiles' pipelines run as one chain
+  (``_chained``, :data:`moe_ep.experts.hopper.CHAIN_TILES`);
 * the whole layer (P4) dropless with ``expert_layout="auto"`` (an untrained
   router, near balanced) and at capacity 1.0 on slabs, each with the input's
   gradient.
@@ -53,9 +54,10 @@ LOADS = ("zipf", "skewed")
 # 256 experts: 45 GB each).
 NO_LAYER = ("deepseek_v3",)
 # The bank also with these options against the defaults in the same rounds:
-# half tiles, and clusters of two CTAs along the columns.
+# half tiles, clusters of two CTAs along the columns, chained tiles.
 BANK_OPTIONS = {"_align64": dict(group_align=64), "_cluster2": dict(cluster_columns=2),
-                "_align64_cluster2": dict(group_align=64, cluster_columns=2)}
+                "_align64_cluster2": dict(group_align=64, cluster_columns=2),
+                "_chained": dict(chain_tiles=True)}
 
 
 def dense_call(rows: int, hidden: int, ffn: int) -> tuple:
@@ -75,12 +77,13 @@ def dense_call(rows: int, hidden: int, ffn: int) -> tuple:
 
 def bank_call(tokens: int, top_k: int, num_experts: int, load: str, w_in: jax.Array,
               w_out: jax.Array, fuse_activation: bool | None = None,
-              group_align: int | None = None,
-              cluster_columns: int | None = None) -> tuple[tuple, dict]:
+              group_align: int | None = None, cluster_columns: int | None = None,
+              chain_tiles: bool | None = None) -> tuple[tuple, dict]:
   """The grouped bank over groups of ``load`` sizes, its activation fused
   into the GEMMs or not, its groups on whole or half tiles (``group_align``,
   default the layout's), its kernels in clusters of ``cluster_columns``
-  (default :data:`hopper.CLUSTER_COLUMNS`): ``(fn, args)`` and its facts."""
+  (default :data:`hopper.CLUSTER_COLUMNS`) and their tiles chained or not
+  (default :data:`hopper.CHAIN_TILES`): ``(fn, args)`` and its facts."""
   routed, hidden = tokens * top_k, w_in.shape[1]
   sizes = experts.group_sizes(routed, num_experts, load)
   counts = jnp.asarray(sizes)
@@ -88,21 +91,28 @@ def bank_call(tokens: int, top_k: int, num_experts: int, load: str, w_in: jax.Ar
                               seed=3, align=group_align)
   mlp = experts.fwd_bwd(lambda x, a, b: grouped_expert_mlp(
       x, counts, a, b, "swiglu", fuse_activation=fuse_activation, group_align=group_align))
-  if cluster_columns is not None:
-    mlp = _traced_with_clusters(mlp, cluster_columns)
+  chosen = dict(CLUSTER_COLUMNS=cluster_columns, CHAIN_TILES=chain_tiles)
+  mlp = _traced_with(mlp, **{k: v for k, v in chosen.items() if v is not None})
   return (mlp, (rows, w_in, w_out)), {"largest_over_mean": float(sizes.max() * num_experts
                                                                   / routed)}
 
 
-def _traced_with_clusters(fn, columns: int):
-  """``fn``, whose kernels are traced (at its first call) with
-  :data:`hopper.CLUSTER_COLUMNS` set to ``columns``."""
+def _traced_with(fn, **settings):
+  """``fn``, whose kernels are traced (at its first call) with the
+  :mod:`moe_ep.experts.hopper` settings ``settings`` (``CLUSTER_COLUMNS``,
+  ``CHAIN_TILES``)."""
+  if not settings:
+    return fn
+
   def call(*args):
-    default, hopper.CLUSTER_COLUMNS = hopper.CLUSTER_COLUMNS, columns
+    defaults = {name: getattr(hopper, name) for name in settings}
+    for name, value in settings.items():
+      setattr(hopper, name, value)
     try:
       return fn(*args)
     finally:
-      hopper.CLUSTER_COLUMNS = default
+      for name, value in defaults.items():
+        setattr(hopper, name, value)
   return call
 
 

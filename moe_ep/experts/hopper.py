@@ -59,6 +59,10 @@ _SWIZZLED_MULTIPLE = 16
 # multicast, a sixth less traffic from L2 at [128, 256] CTA tiles. Read when a
 # kernel is traced.
 CLUSTER_COLUMNS = 1
+# Whether the kernels over row tiles run their tiles' pipelines as one chain
+# (TileConfig.chain_tiles unless a config sets it; :func:`chain`). Read when
+# a kernel is traced.
+CHAIN_TILES = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +82,9 @@ class TileConfig:
       one row tile, which load its rows once for all by TMA multicast (1: no
       clusters; a kernel whose column tiles it does not divide runs without;
       None: :data:`CLUSTER_COLUMNS` when the kernel is traced).
+    chain_tiles: the memory warpgroup loads a tile's first blocks while the
+      compute warpgroups finish the tile before and store it, where
+      :func:`chain` allows (None: :data:`CHAIN_TILES` when traced).
   """
 
   tile_n: int = 128
@@ -88,6 +95,7 @@ class TileConfig:
   epi_tile: int = 64
   delay_release: int = 0
   cluster_columns: int | None = None
+  chain_tiles: bool | None = None
 
   def cluster(self, column_tiles: int) -> int:
     """CTAs per cluster of a kernel of ``column_tiles`` column tiles."""
@@ -221,17 +229,55 @@ def of_height(tile: OutputTile, height: int):
   return True if isinstance(tile.height, int) else tile.height == height
 
 
+def chain(allocs: dict, config: TileConfig, k_iters: int) -> tuple[dict, int] | None:
+  """The ``chain`` of :func:`for_each_tile` for a kernel of ``k_iters``
+  pipeline steps per tile whose pipelines' allocations are ``allocs``: they
+  and the stages, or None where the tiles' pipelines do not run as one chain
+  (``config``'s choice, and JAX's pipeline of pipelines needs whole rounds of
+  the stages and no delayed release)."""
+  stages = min(config.max_concurrent_steps, k_iters)
+  chained = config.chain_tiles if config.chain_tiles is not None else CHAIN_TILES
+  if chained and config.delay_release == 0 and k_iters % stages == 0:
+    return allocs, stages
+  return None
+
+
 def for_each_tile(tile_body, tile_group_gmem, wg_idx, *, m_iters: int, n_iters: int,
-                  wg_columns: int, config: TileConfig, tables, tile_rows) -> None:
+                  wg_columns: int, config: TileConfig, tables, tile_rows,
+                  chain: tuple[dict, int] | None = None) -> None:
   """The persistent loop over ``m_iters * n_iters`` output tiles
-  (:func:`output_tile`): ``tile_body(tile, height)`` for each of
-  :func:`tile_heights`, the body's work guarded by :func:`of_height`."""
-  @plgpu.nd_loop((m_iters * n_iters // config.cluster(n_iters),), collective_axes="sm")
-  def _(loop_info):
+  (:func:`output_tile`): ``tile_body(tile, height, pipeline_state)`` for each
+  of :func:`tile_heights`, the body's pipeline guarded by ``tile.group >= 0``
+  and :func:`of_height`.
+
+  ``pipeline_state`` is None: each tile's pipeline fills the stages and
+  drains them. With a ``chain`` (:func:`chain`) it is JAX's ``PipelinePipeline`` state, traced: START
+  for a CTA's first pipeline, STEADY after it, so that the memory warpgroup
+  loads a tile's first blocks while the compute warpgroups finish the tile
+  before and store it. The memory warpgroup drains the chain after the loop,
+  the last pipeline's stages (which STOP would, but which pipeline is a CTA's
+  last is known only at the end)."""
+  start, steady = (int(state) for state in (plgpu.PipelinePipeline.START,
+                                           plgpu.PipelinePipeline.STEADY))
+
+  @plgpu.nd_loop((m_iters * n_iters // config.cluster(n_iters),), collective_axes="sm",
+                 init_carry=jnp.int32(0))
+  def started(loop_info, carry):
     tile = output_tile(loop_info, tile_group_gmem, wg_idx, m_iters=m_iters, n_iters=n_iters,
                        wg_columns=wg_columns, config=config, tables=tables)
     for height in tile_heights(tile_rows):
-      tile_body(tile, height)
+      tile_body(tile, height, None if chain is None else jnp.where(carry > 0, steady, start))
+      carry = carry | ((tile.group >= 0) & of_height(tile, height)).astype(jnp.int32)
+    return carry
+
+  if chain is not None:
+    allocs, stages = chain
+
+    @pl.when((started > 0) & (wg_idx == 2))  # the memory warpgroup
+    def _():
+      for barrier in allocs["flat_consumed_barrier_refs"]:
+        for slot in range(stages):
+          plgpu.barrier_wait(barrier.at[slot])
 
 
 def rows_collective(cluster: int) -> tuple[str, ...]:
@@ -288,7 +334,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
   out_transforms = smem_transforms(dtype, epi, padded_n)
   tables = () if tile_rows is None else (tile_start, tile_rows)
 
-  def pipeline(body, compute_context):
+  def pipeline(body, compute_context, state=None):
     rhs_spec = (plgpu.BlockSpec((cta_tile_n, tile_k), lambda ki: (0, ki), transforms=transforms,
                                 memory_space=plgpu.SMEM, delay_release=config.delay_release)
                 if transpose_rhs else
@@ -301,7 +347,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
                                   collective_axes=rows_collective(config.cluster(n_iters))),
                   rhs_spec],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
-        compute_context=compute_context)
+        compute_context=compute_context, pipeline_state=state)
 
   def body(tile_group_gmem, *refs):
     *table_gmems, lhs_gmem, rhs_gmem, out_gmem = refs
@@ -315,7 +361,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
     def scope(allocs, out_smem):
       wg_idx = lax.axis_index("wg")
 
-      def tile_body(tile, height):
+      def tile_body(tile, height, state):
         group, n_slice, wg_n_slice = tile.group, tile.columns, tile.wg_columns
         out_view = tile.row_view(out_gmem, height).at[:, n_slice].at[:, wg_n_slice]
 
@@ -347,11 +393,12 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
 
           rhs_view = (rhs_gmem.at[group].at[n_slice, :] if transpose_rhs
                       else rhs_gmem.at[group].at[:, n_slice])
-          pipeline(mma, compute_context)(lhs_gmem.at[tile.rows, :], rhs_view,
-                                         allocations=allocs)
+          pipeline(mma, compute_context, state)(lhs_gmem.at[tile.rows, :], rhs_view,
+                                                allocations=allocs)
 
       for_each_tile(tile_body, tile_group_gmem, wg_idx, m_iters=m_iters, n_iters=n_iters,
-                    wg_columns=tile_n, config=config, tables=table_gmems, tile_rows=tile_rows)
+                    wg_columns=tile_n, config=config, tables=table_gmems, tile_rows=tile_rows,
+                    chain=chain(allocs, config, k_iters))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

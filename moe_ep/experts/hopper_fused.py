@@ -108,7 +108,7 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
   weighted = row_weights is not None
   tables = () if tile_rows is None else (tile_start, tile_rows)
 
-  def pipeline(body, compute_context):
+  def pipeline(body, compute_context, state=None):
     spec = lambda shape, index, collective=(): plgpu.BlockSpec(
         shape, index, transforms=transforms, memory_space=plgpu.SMEM,
         delay_release=config.delay_release, collective_axes=collective)
@@ -118,7 +118,7 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
                        hopper.rows_collective(config.cluster(n_iters)))]
         + [spec((tile_k, cta_cols), lambda ki: (ki, 0))] * n,
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
-        compute_context=compute_context)
+        compute_context=compute_context, pipeline_state=state)
 
   def body(tile_group_gmem, *refs):
     table_gmems, (lhs_gmem, rhs_gmem, *refs) = refs[:len(tables)], refs[len(tables):]
@@ -136,7 +136,7 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
     def scope(allocs, out_smem, w_smem, w_barrier):
       wg_idx = lax.axis_index("wg")
 
-      def tile_body(tile, height):
+      def tile_body(tile, height, state):
         group, n_slice, wg_slice = tile.group, tile.columns, tile.wg_columns
         # [height, wg_cols] views of this warpgroup's outputs: hidden's n parts, act.
         outputs = [tile.row_view(hidden_gmem, height).at[:, h, n_slice].at[:, wg_slice]
@@ -192,13 +192,14 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
             plgpu.wgmma_wait(config.delay_release)
             return accs
 
-          pipeline(mma, compute_context)(
+          pipeline(mma, compute_context, state)(
               lhs_gmem.at[tile.rows, :],
               *[rhs_gmem.at[group].at[:, h, n_slice] for h in range(n)], allocations=allocs)
 
       hopper.for_each_tile(tile_body, tile_group_gmem, wg_idx, m_iters=m_iters,
                            n_iters=n_iters, wg_columns=wg_cols, config=config,
-                           tables=table_gmems, tile_rows=tile_rows)
+                           tables=table_gmems, tile_rows=tile_rows,
+                           chain=hopper.chain(allocs, config, k_iters))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -250,7 +251,7 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
   weighted = row_weights is not None
   tables = () if tile_rows is None else (tile_start, tile_rows)
 
-  def pipeline(body, compute_context):
+  def pipeline(body, compute_context, state=None):
     spec = lambda shape, collective=(): plgpu.BlockSpec(
         shape, lambda ki: (0, ki), transforms=transforms, memory_space=plgpu.SMEM,
         delay_release=config.delay_release, collective_axes=collective)
@@ -259,7 +260,7 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
         in_specs=[spec((tile_m, tile_k), hopper.rows_collective(config.cluster(n_iters))),
                   spec((cta_cols, tile_k))],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
-        compute_context=compute_context)
+        compute_context=compute_context, pipeline_state=state)
 
   def body(tile_group_gmem, *refs):
     table_gmems, (grad_gmem, w_out_gmem, hidden_gmem, *refs) = (refs[:len(tables)],
@@ -282,7 +283,7 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
       wg_idx = lax.axis_index("wg")
       loaded = lambda slot, h: barriers.at[(2 * wg_idx + slot) * 2 + h]
 
-      def tile_body(tile, height):
+      def tile_body(tile, height, state):
         group, n_slice, wg_slice = tile.group, tile.columns, tile.wg_columns
         pieces = [(slice(i * _EPI, (i + 1) * _EPI), slice(j * _EPI, (j + 1) * _EPI))
                   for i in range(height // _EPI) for j in range(wg_cols // _EPI)]
@@ -369,12 +370,13 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
             plgpu.wgmma_wait(config.delay_release)
             return acc
 
-          pipeline(mma, compute_context)(grad_gmem.at[tile.rows, :],
+          pipeline(mma, compute_context, state)(grad_gmem.at[tile.rows, :],
                                          w_out_gmem.at[group].at[n_slice, :], allocations=allocs)
 
       hopper.for_each_tile(tile_body, tile_group_gmem, wg_idx, m_iters=m_iters,
                            n_iters=n_iters, wg_columns=wg_cols, config=config,
-                           tables=table_gmems, tile_rows=tile_rows)
+                           tables=table_gmems, tile_rows=tile_rows,
+                           chain=hopper.chain(allocs, config, k_iters))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

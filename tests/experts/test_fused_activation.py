@@ -4,6 +4,7 @@ their pure-JAX branches), the kernels lower for sizes off their tiles, and,
 on a Hopper GPU, the kernels match float64 with the gradient exactly zero
 off the groups."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -108,15 +109,16 @@ def test_saving_expert_hidden_recomputes_no_expert_gemm(monkeypatch):
   assert ragged_dots(jax.checkpoint_policies.nothing_saveable) == 2 + 1 + 4
 
 
-@pytest.mark.parametrize("cluster_columns", [1, 2])
+@pytest.mark.parametrize("cluster_columns, chain_tiles", [(1, False), (2, False), (1, True)])
 @pytest.mark.parametrize("hidden, ffn", [(2880, 1408), (200, 72), (72, 200), (2048, 768)])
 @pytest.mark.parametrize("activation", hopper_fused.ACTIVATIONS)
 def test_fused_kernels_lower_for_sizes_off_the_tiles(hidden, ffn, activation, cluster_columns,
-                                                     monkeypatch):
+                                                     chain_tiles, monkeypatch):
   """Both kernels, weighted and not, lower to Mosaic GPU on any machine
-  (layout inference and shared-memory budget included), alone and in
-  clusters of two CTAs."""
+  (layout inference and shared-memory budget included), alone, in clusters
+  of two CTAs, and with each CTA's tiles chained (where H allows)."""
   monkeypatch.setattr(hopper, "CLUSTER_COLUMNS", cluster_columns)
+  monkeypatch.setattr(hopper, "CHAIN_TILES", chain_tiles)
   n, groups, rows = hopper_fused.gate_count(activation), 3, 4 * ROW_TILE
   spec = jax.ShapeDtypeStruct
   tile_group = spec((rows // ROW_TILE,), jnp.int32)
@@ -222,6 +224,43 @@ def test_clusters_of_two_ctas_change_no_bit(hidden, ffn, group_align, monkeypatc
     for single, clustered in zip(*results):
       np.testing.assert_array_equal(np.asarray(clustered, np.float32),
                                     np.asarray(single, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden, ffn", [(1024, 512), (2048, 768)])
+def test_chained_tiles_change_no_bit(hidden, ffn, group_align, monkeypatch):
+  """A CTA's tiles' pipelines run as one chain (``hopper.CHAIN_TILES``: the
+  next tile's blocks load while this one is finished and stored) compute
+  each output tile in the same order as tile by tile: the fused and the
+  unfused bank's outputs and every gradient equal bit for bit. Both shapes'
+  contractions (H, F and 2F) are whole rounds of the stages, so every
+  kernel over row tiles chains."""
+  if not grouped.hopper_available():
+    pytest.skip("needs a GPU of compute capability 9.0")
+  chained = hopper.TileConfig(chain_tiles=True)
+  assert all(hopper.chain({}, chained, size // chained.tile_k) for size in (hidden, ffn))
+  rng = np.random.default_rng(hidden)
+  bank = _bank(rng, SIZES + [64, 65], hidden, ffn, "swiglu", jnp.bfloat16, group_align)
+  cotangent = jnp.asarray(rng.normal(size=(bank[0].shape[0], hidden)), jnp.bfloat16)
+  for fuse in (True, False):
+    results = []
+    for chain in (False, True):
+      monkeypatch.setattr(hopper, "CHAIN_TILES", chain)
+      results.append(_loss_and_grads(bank, "swiglu", True, fuse, cotangent))
+    for alone, chained_result in zip(*results):
+      np.testing.assert_array_equal(np.asarray(chained_result, np.float32),
+                                    np.asarray(alone, np.float32))
+
+
+def test_tiles_chain_on_whole_rounds_of_the_stages_without_delayed_release(monkeypatch):
+  config = hopper.TileConfig(chain_tiles=True, max_concurrent_steps=4)
+  assert [hopper.chain({}, config, k) is not None for k in (12, 32, 22, 45, 2, 3)] == [
+      True, True, False, False, True, True]  # fewer steps than stages: the stages shrink
+  assert hopper.chain({}, dataclasses.replace(config, delay_release=1), 32) is None
+  assert hopper.chain({}, hopper.TileConfig(), 32) is None  # off by default
+  monkeypatch.setattr(hopper, "CHAIN_TILES", True)  # read when a kernel is traced
+  assert hopper.chain({}, hopper.TileConfig(), 32) is not None
+  assert hopper.chain({}, hopper.TileConfig(chain_tiles=False), 32) is None
 
 
 def test_clusters_divide_the_column_tiles_or_are_not_formed(monkeypatch):

@@ -206,15 +206,17 @@ def test_auto_says_once_per_shape_where_a_gpu_runs_slabs(monkeypatch):
   grouped._warn_slabs.cache_clear()
 
 
-@pytest.mark.parametrize("cluster_columns", [1, 2])
+@pytest.mark.parametrize("cluster_columns, chain_tiles", [(1, False), (2, False), (1, True)])
 @pytest.mark.parametrize("hidden, columns", [(2880, 1408), (200, 72), (2048, 1024)])
 def test_hopper_kernels_lower_for_sizes_off_the_tiles(hidden, columns, cluster_columns,
-                                                      monkeypatch):
+                                                      chain_tiles, monkeypatch):
   """The three kernels lower to Mosaic GPU (on any machine) for sizes that
   are not multiples of their tiles: edge tiles and 8 | size alone (the GPU
-  tests check their values); alone and in clusters of two CTAs."""
+  tests check their values); alone, in clusters of two CTAs, and with each
+  CTA's tiles chained (where the contraction allows: not 2880 or 1408)."""
   from moe_ep.experts import hopper
   monkeypatch.setattr(hopper, "CLUSTER_COLUMNS", cluster_columns)
+  monkeypatch.setattr(hopper, "CHAIN_TILES", chain_tiles)
   groups, rows = 3, 4 * ROW_TILE
   lhs = jax.ShapeDtypeStruct((rows, hidden), jnp.bfloat16)
   tile_group = jax.ShapeDtypeStruct((rows // ROW_TILE,), jnp.int32)

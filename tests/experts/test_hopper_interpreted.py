@@ -64,26 +64,42 @@ def _tables(tiles):
   return dict(tile_start=tiles.tile_start, tile_rows=tiles.tile_rows)
 
 
+# Each CTA's tiles alone, and chained (hopper.CHAIN_TILES) over a contraction
+# of two rounds of the four stages: the interpreter also checks that every
+# barrier phase is waited for.
+CHAINS = pytest.mark.parametrize("chain_tiles, contraction", [(False, 128), (True, 512)],
+                                 ids=["alone", "chained"])
+
+
+@CHAINS
 @pytest.mark.parametrize("align", [128, 64])
-def test_grouped_matmul_interpreted_matches_float64(interpreted, align):
-  rows, weights, tiles, rows64, weights64, group_of_row = _problem(align, 128, 512)
-  got = hopper.grouped_matmul(rows, weights, tiles.tile_group, num_sms=3, **_tables(tiles))
+def test_grouped_matmul_interpreted_matches_float64(interpreted, align, chain_tiles,
+                                                    contraction):
+  rows, weights, tiles, rows64, weights64, group_of_row = _problem(align, contraction, 512)
+  config = hopper.TileConfig(chain_tiles=chain_tiles)
+  assert (hopper.chain({}, config, contraction // config.tile_k) is not None) == chain_tiles
+  got = hopper.grouped_matmul(rows, weights, tiles.tile_group, num_sms=3, config=config,
+                              **_tables(tiles))
   want = _grouped_product(rows64, weights64, group_of_row)
   got = np.asarray(got.astype(jnp.float32), np.float64)
   # float32 sums rounded once to bf16: 2^-8 of each value, plus the sums' own
-  # error (128 terms of 2^-24) against the magnitudes.
+  # error (at most 512 terms of 2^-24) against the magnitudes.
   np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=1e-5)
   assert not got[group_of_row < 0].any()  # padding and rows of no group: exactly zero
 
 
+@CHAINS
 @pytest.mark.parametrize("align", [128, 64])
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_activation_matmul_interpreted_matches_float64(interpreted, align, activation):
+def test_activation_matmul_interpreted_matches_float64(interpreted, align, activation,
+                                                       chain_tiles, contraction):
   n = hopper_fused.gate_count(activation)
   ffn = 256
-  rows, weights, tiles, rows64, weights64, group_of_row = _problem(align, 128, n * ffn, seed=1)
-  hidden, act = hopper_fused.activation_matmul(rows, weights, tiles.tile_group, None,
-                                               activation, num_sms=3, **_tables(tiles))
+  rows, weights, tiles, rows64, weights64, group_of_row = _problem(align, contraction, n * ffn,
+                                                                   seed=1)
+  hidden, act = hopper_fused.activation_matmul(
+      rows, weights, tiles.tile_group, None, activation, num_sms=3,
+      config=hopper.TileConfig(chain_tiles=chain_tiles), **_tables(tiles))
   want_hidden = _grouped_product(rows64, weights64, group_of_row)
   gate = want_hidden[:, :ffn]
   if activation == "swiglu":
