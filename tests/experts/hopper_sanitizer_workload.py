@@ -11,7 +11,9 @@ for memcheck, not inside XLA's pool):
     cuBLAS kernels report shared-memory hazards of their own under racecheck,
     and make the run many times longer; ``--align 64``: groups on half
     tiles, ``moe_ep.row_groups.GROUP_ALIGN`` set to 64; ``--cluster 2``:
-    the kernels in clusters of two CTAs, ``moe_ep.experts.hopper.CLUSTER_COLUMNS``)
+    the kernels in clusters of two CTAs, ``moe_ep.experts.hopper.CLUSTER_COLUMNS``;
+    ``--chain``: each CTA's tiles' pipelines chained,
+    ``moe_ep.experts.hopper.CHAIN_TILES``)
 
 It runs the forward, the input gradient and the weight gradient of
 ``grouped_matmul`` on the edge cases of the layout: empty groups, a group of
@@ -167,7 +169,8 @@ def fused_activation_cases(rng, check_reference: bool) -> list[str]:
 if __name__ == "__main__":
   if "--align" in sys.argv[1:]:
     row_groups.GROUP_ALIGN = int(sys.argv[sys.argv.index("--align") + 1])
+  from moe_ep.experts import hopper
   if "--cluster" in sys.argv[1:]:
-    from moe_ep.experts import hopper
     hopper.CLUSTER_COLUMNS = int(sys.argv[sys.argv.index("--cluster") + 1])
+  hopper.CHAIN_TILES = "--chain" in sys.argv[1:]
   main(check_reference="--no-reference" not in sys.argv[1:])

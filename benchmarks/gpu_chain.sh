@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Chained tiles (moe_ep.experts.hopper.CHAIN_TILES: each CTA's tiles'
+# pipelines as one chain) on the GPU, from the repository root on the device
+# machine: what docs/grouped.md asks before the default flips. STEPS picks
+# the steps (default tests and models):
+#   tests      the chained kernels against tile-by-tile ones bit for bit, and
+#              every kernel's lowering with them
+#   memcheck   the sanitizer workload chained, each buffer its own allocation
+#   racecheck  the same, kernels only
+#   models     the banks chained against tile by tile, beside the dense chain,
+#              on MODELS (default the Qwen3 and OLMoE shapes)
+# Logs go to $OUT, JSON to $OUT/results.
+source benchmarks/gpu_setup.sh
+SANITIZE=(compute-sanitizer --target-processes application-only --error-exitcode 7)
+WORKLOAD=(python tests/experts/hopper_sanitizer_workload.py --chain)
+MODEL_ARGS=()
+for model in ${MODELS:-qwen3_30b_a3b olmoe_1b_7b}; do MODEL_ARGS+=(--model "$model"); done
+for name in ${STEPS:-tests models}; do
+  case $name in
+    tests) step tests 200 env XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -q -m gpu \
+             -n 8 -p no:cacheprovider tests/experts -k "chain or lower" -rfE ;;
+    memcheck) step memcheck 200 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+                "${SANITIZE[@]}" --tool memcheck "${WORKLOAD[@]}" ;;
+    racecheck) step racecheck 200 "${SANITIZE[@]}" --tool racecheck "${WORKLOAD[@]}" \
+                 --no-reference ;;
+    models) step models ${MODELS_SECONDS:-330} python -m moe_ep.bench models "${MODEL_ARGS[@]}" \
+              --bank-option _chained --out "$OUT/results" ;;
+    *) echo "unknown step $name (tests, memcheck, racecheck, models)"; exit 2 ;;
+  esac
+done
+grep -h -E "(FAILED|passed|failed|ERROR SUMMARY|RACECHECK SUMMARY|grouped_|dense:|layer_)" \
+  "$OUT"/*.log | head -60
