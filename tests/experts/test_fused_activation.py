@@ -109,14 +109,15 @@ def test_saving_expert_hidden_recomputes_no_expert_gemm(monkeypatch):
   assert ragged_dots(jax.checkpoint_policies.nothing_saveable) == 2 + 1 + 4
 
 
-@pytest.mark.parametrize("cluster_columns, chain_tiles", [(1, False), (2, False), (1, True)])
+@pytest.mark.parametrize("cluster_columns, chain_tiles", itertools.product([1, 2], [False, True]))
 @pytest.mark.parametrize("hidden, ffn", [(2880, 1408), (200, 72), (72, 200), (2048, 768)])
 @pytest.mark.parametrize("activation", hopper_fused.ACTIVATIONS)
 def test_fused_kernels_lower_for_sizes_off_the_tiles(hidden, ffn, activation, cluster_columns,
                                                      chain_tiles, monkeypatch):
   """Both kernels, weighted and not, lower to Mosaic GPU on any machine
-  (layout inference and shared-memory budget included), alone, in clusters
-  of two CTAs, and with each CTA's tiles chained (where H allows)."""
+  (layout inference and shared-memory budget included), alone and in
+  clusters of two CTAs, each with and without its tiles chained (where H
+  allows)."""
   monkeypatch.setattr(hopper, "CLUSTER_COLUMNS", cluster_columns)
   monkeypatch.setattr(hopper, "CHAIN_TILES", chain_tiles)
   n, groups, rows = hopper_fused.gate_count(activation), 3, 4 * ROW_TILE

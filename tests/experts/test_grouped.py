@@ -206,14 +206,15 @@ def test_auto_says_once_per_shape_where_a_gpu_runs_slabs(monkeypatch):
   grouped._warn_slabs.cache_clear()
 
 
-@pytest.mark.parametrize("cluster_columns, chain_tiles", [(1, False), (2, False), (1, True)])
+@pytest.mark.parametrize("cluster_columns, chain_tiles", itertools.product([1, 2], [False, True]))
 @pytest.mark.parametrize("hidden, columns", [(2880, 1408), (200, 72), (2048, 1024)])
 def test_hopper_kernels_lower_for_sizes_off_the_tiles(hidden, columns, cluster_columns,
                                                       chain_tiles, monkeypatch):
   """The three kernels lower to Mosaic GPU (on any machine) for sizes that
   are not multiples of their tiles: edge tiles and 8 | size alone (the GPU
-  tests check their values); alone, in clusters of two CTAs, and with each
-  CTA's tiles chained (where the contraction allows: not 2880 or 1408)."""
+  tests check their values); alone and in clusters of two CTAs, each with
+  and without its tiles chained (where the contraction allows: not 2880 or
+  1408)."""
   from moe_ep.experts import hopper
   monkeypatch.setattr(hopper, "CLUSTER_COLUMNS", cluster_columns)
   monkeypatch.setattr(hopper, "CHAIN_TILES", chain_tiles)
