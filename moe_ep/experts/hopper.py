@@ -251,12 +251,13 @@ def for_each_tile(tile_body, tile_group_gmem, wg_idx, *, m_iters: int, n_iters: 
   and :func:`of_height`.
 
   ``pipeline_state`` is None: each tile's pipeline fills the stages and
-  drains them. With a ``chain`` (:func:`chain`) it is JAX's ``PipelinePipeline`` state, traced: START
-  for a CTA's first pipeline, STEADY after it, so that the memory warpgroup
-  loads a tile's first blocks while the compute warpgroups finish the tile
-  before and store it. The memory warpgroup drains the chain after the loop,
-  the last pipeline's stages (which STOP would, but which pipeline is a CTA's
-  last is known only at the end)."""
+  drains them. With a ``chain`` (:func:`chain`) it is JAX's
+  ``PipelinePipeline`` state, traced: START for a CTA's first pipeline,
+  STEADY after it (the loop carries whether one has run), so that the memory
+  warpgroup loads a tile's first blocks while the compute warpgroups finish
+  the tile before and store it. After the loop the memory warpgroup waits
+  for the last pipeline's stages, as STOP would: which pipeline is a CTA's
+  last is known only then."""
   start, steady = (int(state) for state in (plgpu.PipelinePipeline.START,
                                            plgpu.PipelinePipeline.STEADY))
 
