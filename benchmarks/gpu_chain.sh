@@ -9,6 +9,9 @@
 #   racecheck  the same, kernels only
 #   models     the banks chained against tile by tile, beside the dense chain,
 #              on MODELS (default the Qwen3 and OLMoE shapes)
+#   pretrain   configs/h200.yaml at batch 12 and configs/h200_fine.yaml at
+#              batch 6 trained tile by tile, then chained (two results of
+#              benchmarks/gpu_pretrain.sh, one after the other)
 # Logs go to $OUT, JSON to $OUT/results.
 source benchmarks/gpu_setup.sh
 SANITIZE=(compute-sanitizer --target-processes application-only --error-exitcode 7)
@@ -25,7 +28,15 @@ for name in ${STEPS:-tests models}; do
                  --no-reference ;;
     models) step models ${MODELS_SECONDS:-330} python -m moe_ep.bench models "${MODEL_ARGS[@]}" \
               --bank-option _chained --out "$OUT/results" ;;
-    *) echo "unknown step $name (tests, memcheck, racecheck, models)"; exit 2 ;;
+    pretrain)
+      for chained in False True; do
+        RUNS="h200_b12_chain$chained configs/h200.yaml train.batch_size=12
+fine_b6_chain$chained configs/h200_fine.yaml train.batch_size=6" STEPS=${PRETRAIN_STEPS:-20} \
+        RUN_TIMEOUT=${RUN_TIMEOUT:-120} PRETRAIN_CMD="python benchmarks/run_with.py \
+          moe_ep.experts.hopper.CHAIN_TILES=$chained -m examples.pretrain" \
+          bash benchmarks/gpu_pretrain.sh | tail -3
+      done ;;
+    *) echo "unknown step $name (tests, memcheck, racecheck, models, pretrain)"; exit 2 ;;
   esac
 done
 grep -h -E "(FAILED|passed|failed|ERROR SUMMARY|RACECHECK SUMMARY|grouped_|dense:|layer_)" \
