@@ -129,6 +129,7 @@ FUSED_CASES = [  # group sizes, spare row tiles, H, F, activation
     ([200, 1], 1, 200, 72, "geglu"),  # sizes of only 8 | size
     ([64, 65, 1, 63], 1, 256, 512, "swiglu"),  # half tiles (with --align 64)
     ([448, 64], 0, 256, 256, "swiglu"),  # a half tile ends the buffer
+    ([300, 0, 1, 129], 1, 768, 256, "swiglu"),  # with --chain, the input gradient chains too
 ]
 
 

@@ -228,18 +228,21 @@ def test_clusters_of_two_ctas_change_no_bit(hidden, ffn, group_align, monkeypatc
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hidden, ffn", [(1024, 512), (2048, 768)])
+@pytest.mark.parametrize("hidden, ffn", [(768, 512), (2048, 768)])
 def test_chained_tiles_change_no_bit(hidden, ffn, group_align, monkeypatch):
   """A CTA's tiles' pipelines run as one chain (``hopper.CHAIN_TILES``: the
   next tile's blocks load while this one is finished and stored) compute
   each output tile in the same order as tile by tile: the fused and the
-  unfused bank's outputs and every gradient equal bit for bit. Both shapes'
-  contractions (H, F and 2F) are whole rounds of the stages, so every
-  kernel over row tiles chains."""
+  unfused bank's outputs and every gradient equal bit for bit. Every kernel
+  over row tiles chains at both shapes (H, F and 2F whole rounds of four
+  stages), but the fused input gradient's three stages at H = 2048."""
   if not grouped.hopper_available():
     pytest.skip("needs a GPU of compute capability 9.0")
   chained = hopper.TileConfig(chain_tiles=True)
-  assert all(hopper.chain({}, chained, size // chained.tile_k) for size in (hidden, ffn))
+  steps = lambda size: size // chained.tile_k
+  assert all(hopper.chain({}, chained, steps(size)) for size in (hidden, ffn, 2 * ffn))
+  grad_config = dataclasses.replace(hopper_fused.GRAD_CONFIG, chain_tiles=True)
+  assert (hopper.chain({}, grad_config, steps(hidden)) is not None) == (hidden == 768)
   rng = np.random.default_rng(hidden)
   bank = _bank(rng, SIZES + [64, 65], hidden, ffn, "swiglu", jnp.bfloat16, group_align)
   cotangent = jnp.asarray(rng.normal(size=(bank[0].shape[0], hidden)), jnp.bfloat16)
