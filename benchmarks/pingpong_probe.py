@@ -6,7 +6,7 @@ warpgroup its own [128, 128] tiles, its own three stages), and a dense
 cuBLAS GEMM of the same rows; each kernel's output checked against the
 cooperative one. Writes JSON to --out.
 
-  python benchmarks/pingpong_probe.py [--loads zipf skewed] [--out DIR]
+  python benchmarks/pingpong_probe.py [--loads zipf skewed] [--gemms NAME...] [--out DIR]
 """
 
 import argparse
@@ -30,6 +30,8 @@ TOKENS, TOP_K, HIDDEN, FFN, EXPERTS = 16384, 8, 2048, 768, 128
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--loads", nargs="+", default=["zipf", "skewed"])
+  parser.add_argument("--gemms", nargs="+", default=None,
+                      help="of fwd_w_in fwd_w_out dgrad_w_out dgrad_w_in (default all)")
   parser.add_argument("--stages", type=int, default=3)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp/out/results"))
   args = parser.parse_args()
@@ -47,6 +49,8 @@ def main() -> None:
         "dgrad_w_in": (2 * FFN, (EXPERTS, HIDDEN, 2 * FFN), True),
     }
     for gemm, (width, wshape, transpose) in gemms.items():
+      if args.gemms and gemm not in args.gemms:
+        continue
       rows = experts.grouped_rows(sizes, num_rows, width, seed=3)
       w = jax.random.normal(key[1], wshape, jnp.bfloat16) * width ** -0.5
       n = wshape[1] if transpose else wshape[2]
