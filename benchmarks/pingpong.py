@@ -1,6 +1,12 @@
-"""Prototype: ping-pong grouped matmul (each compute warpgroup owns alternate tiles)."""
-import functools
-import jax, jax.numpy as jnp
+"""A prototype of the grouped GEMM on a ping-pong schedule (docs/grouped.md):
+each compute warpgroup owns alternate ``[128, tile_n]`` output tiles of its
+CTA and its own ring of ``stages`` shared-memory stages, so that one stores
+a tile while the other multiplies. The operands and the result are
+:func:`moe_ep.experts.hopper.grouped_matmul`'s (whole row tiles only, no
+clusters); timed by benchmarks/pingpong_probe.py.
+"""
+import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -10,6 +16,9 @@ from moe_ep.row_groups import ROW_TILE
 
 def pingpong_matmul(lhs, rhs, tile_group, *, transpose_rhs=False, stages=3, tile_n=128,
                     config=hopper.TileConfig(), num_sms=None):
+  """``out [M, N]``: ``lhs [M, K]`` rows times ``rhs [G, K, N]`` (``[G, N, K]``
+  with ``transpose_rhs``) of each row tile's group (``tile_group [M / 128]``,
+  -1: zeros); ``config`` gives ``tile_k``, the snake order and the epilogue."""
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   lhs = hopper.pad_minor(lhs, 1)
   rhs = hopper.pad_minor(hopper.pad_minor(rhs, 1), 2)
