@@ -371,7 +371,8 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
             return acc
 
           pipeline(mma, compute_context, state)(grad_gmem.at[tile.rows, :],
-                                         w_out_gmem.at[group].at[n_slice, :], allocations=allocs)
+                                                w_out_gmem.at[group].at[n_slice, :],
+                                                allocations=allocs)
 
       hopper.for_each_tile(tile_body, tile_group_gmem, wg_idx, m_iters=m_iters,
                            n_iters=n_iters, wg_columns=wg_cols, config=config,
