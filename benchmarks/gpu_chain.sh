@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Chained tiles (moe_ep.experts.hopper.CHAIN_TILES: each CTA's tiles'
-# pipelines as one chain) on the GPU, from the repository root on the device
-# machine: what docs/grouped.md asks before the default flips. STEPS picks
+# Chained tiles (moe_ep.experts.hopper.CHAIN_TILES, the default: each CTA's
+# tiles' pipelines as one chain) on the GPU, from the repository root on the
+# device machine: what docs/grouped.md measured. STEPS picks
 # the steps (default tests and models):
 #   tests      the chained kernels against tile-by-tile ones bit for bit, and
 #              every kernel's lowering with them
@@ -15,7 +15,7 @@
 # Logs go to $OUT, JSON to $OUT/results.
 source benchmarks/gpu_setup.sh
 SANITIZE=(compute-sanitizer --target-processes application-only --error-exitcode 7)
-WORKLOAD=(python tests/experts/hopper_sanitizer_workload.py --chain)
+WORKLOAD=(python tests/experts/hopper_sanitizer_workload.py)
 MODEL_ARGS=()
 for model in ${MODELS:-qwen3_30b_a3b olmoe_1b_7b}; do MODEL_ARGS+=(--model "$model"); done
 for name in ${STEPS:-tests models}; do
@@ -27,7 +27,7 @@ for name in ${STEPS:-tests models}; do
     racecheck) step racecheck 200 "${SANITIZE[@]}" --tool racecheck "${WORKLOAD[@]}" \
                  --no-reference ;;
     models) step models ${MODELS_SECONDS:-330} python -m moe_ep.bench models "${MODEL_ARGS[@]}" \
-              --bank-option _chained --out "$OUT/results" ;;
+              --bank-option _tile_by_tile --out "$OUT/results" ;;
     pretrain)
       for chained in False True; do
         RUNS="h200_b12_chain$chained configs/h200.yaml train.batch_size=12

@@ -12,8 +12,8 @@ For each model shape ``(T, K, H, F, E)``, timed side by side in one run:
   (``_unfused``); with its groups on half tiles (``_align64``,
   :data:`moe_ep.row_groups.GROUP_ALIGN`), in clusters of two CTAs sharing
   their rows (``_cluster2``, :data:`moe_ep.experts.hopper.CLUSTER_COLUMNS`)
-  and both, and with each kernel's tiles' pipelines run as one chain
-  (``_chained``, :data:`moe_ep.experts.hopper.CHAIN_TILES`);
+  and both, and with each kernel's tiles' pipelines run one by one rather
+  than as one chain (``_tile_by_tile``, :data:`moe_ep.experts.hopper.CHAIN_TILES`);
 * the whole layer (P4) dropless with ``expert_layout="auto"`` (an untrained
   router, near balanced) and at capacity 1.0 on slabs, each with the input's
   gradient.
@@ -54,10 +54,10 @@ LOADS = ("zipf", "skewed")
 # 256 experts: 45 GB each).
 NO_LAYER = ("deepseek_v3",)
 # The bank also with these options against the defaults in the same rounds:
-# half tiles, clusters of two CTAs along the columns, chained tiles.
+# half tiles, clusters of two CTAs along the columns, tiles not chained.
 BANK_OPTIONS = {"_align64": dict(group_align=64), "_cluster2": dict(cluster_columns=2),
                 "_align64_cluster2": dict(group_align=64, cluster_columns=2),
-                "_chained": dict(chain_tiles=True)}
+                "_tile_by_tile": dict(chain_tiles=False)}
 
 
 def dense_call(rows: int, hidden: int, ffn: int) -> tuple:

@@ -60,9 +60,10 @@ _SWIZZLED_MULTIPLE = 16
 # kernel is traced.
 CLUSTER_COLUMNS = 1
 # Whether the kernels over row tiles run their tiles' pipelines as one chain
-# (TileConfig.chain_tiles unless a config sets it; :func:`chain`). Read when
-# a kernel is traced.
-CHAIN_TILES = False
+# (TileConfig.chain_tiles unless a config sets it; :func:`chain`): 1-3% faster
+# on the Qwen3 bank's GEMMs, the same bits (docs/grouped.md). Read when a
+# kernel is traced.
+CHAIN_TILES = True
 
 
 @dataclasses.dataclass(frozen=True)

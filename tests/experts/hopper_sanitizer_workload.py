@@ -12,7 +12,7 @@ for memcheck, not inside XLA's pool):
     and make the run many times longer; ``--align 64``: groups on half
     tiles, ``moe_ep.row_groups.GROUP_ALIGN`` set to 64; ``--cluster 2``:
     the kernels in clusters of two CTAs, ``moe_ep.experts.hopper.CLUSTER_COLUMNS``;
-    ``--chain``: each CTA's tiles' pipelines chained,
+    ``--no-chain``: each CTA's tiles' pipelines one by one, not chained,
     ``moe_ep.experts.hopper.CHAIN_TILES``)
 
 It runs the forward, the input gradient and the weight gradient of
@@ -129,7 +129,7 @@ FUSED_CASES = [  # group sizes, spare row tiles, H, F, activation
     ([200, 1], 1, 200, 72, "geglu"),  # sizes of only 8 | size
     ([64, 65, 1, 63], 1, 256, 512, "swiglu"),  # half tiles (with --align 64)
     ([448, 64], 0, 256, 256, "swiglu"),  # a half tile ends the buffer
-    ([300, 0, 1, 129], 1, 768, 256, "swiglu"),  # with --chain, the input gradient chains too
+    ([300, 0, 1, 129], 1, 768, 256, "swiglu"),  # the fused input gradient chains too
 ]
 
 
@@ -173,5 +173,6 @@ if __name__ == "__main__":
   from moe_ep.experts import hopper
   if "--cluster" in sys.argv[1:]:
     hopper.CLUSTER_COLUMNS = int(sys.argv[sys.argv.index("--cluster") + 1])
-  hopper.CHAIN_TILES = "--chain" in sys.argv[1:]
+  if "--no-chain" in sys.argv[1:]:
+    hopper.CHAIN_TILES = False
   main(check_reference="--no-reference" not in sys.argv[1:])

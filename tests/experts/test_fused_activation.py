@@ -261,9 +261,10 @@ def test_tiles_chain_on_whole_rounds_of_the_stages_without_delayed_release(monke
   assert [hopper.chain({}, config, k) is not None for k in (12, 32, 22, 45, 2, 3)] == [
       True, True, False, False, True, True]  # fewer steps than stages: the stages shrink
   assert hopper.chain({}, dataclasses.replace(config, delay_release=1), 32) is None
-  assert hopper.chain({}, hopper.TileConfig(), 32) is None  # off by default
-  monkeypatch.setattr(hopper, "CHAIN_TILES", True)  # read when a kernel is traced
-  assert hopper.chain({}, hopper.TileConfig(), 32) is not None
+  assert hopper.chain({}, hopper.TileConfig(), 32) is not None  # on by default
+  monkeypatch.setattr(hopper, "CHAIN_TILES", False)  # read when a kernel is traced
+  assert hopper.chain({}, hopper.TileConfig(), 32) is None
+  assert hopper.chain({}, hopper.TileConfig(chain_tiles=True), 32) is not None
   assert hopper.chain({}, hopper.TileConfig(chain_tiles=False), 32) is None
 
 
