@@ -123,5 +123,6 @@ def pingpong_matmul(lhs, rhs, tile_group, *, transpose_rhs=False, stages=3, tile
         collective_axes="wg")
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  call = hopper.kernel_call(body, jax.ShapeDtypeStruct((m, padded_n), dtype), num_sms)
+  call = hopper.kernel_call(body, jax.ShapeDtypeStruct((m, padded_n), dtype), num_sms,
+                            name="pingpong_matmul")
   return call(tile_group, lhs, rhs)[:, :n]

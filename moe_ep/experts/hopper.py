@@ -288,9 +288,11 @@ def rows_collective(cluster: int) -> tuple[str, ...]:
   return ("cluster",) if cluster > 1 else ()
 
 
-def kernel_call(body, out_type, num_sms, cluster: int = 1):
+def kernel_call(body, out_type, num_sms, cluster: int = 1, *, name: str):
   """The persistent kernel of ``body``: one CTA per multiprocessor, in
-  clusters of ``cluster``."""
+  clusters of ``cluster``; its GPU kernel is ``{name}_mosaic_gpu_kernel`` in
+  profiles."""
+  body.__name__ = body.__qualname__ = name
   clusters = dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
   return plgpu.kernel(
       body, out_type=out_type, grid=(num_sms // cluster,), grid_names=("sm",), num_threads=3,
@@ -405,7 +407,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   call = kernel_call(body, jax.ShapeDtypeStruct((m, padded_n), dtype), num_sms or num_sms_here(),
-                     config.cluster(n_iters))
+                     config.cluster(n_iters),
+                     name="grouped_matmul_t" if transpose_rhs else "grouped_matmul")
   return call(tile_group, *tables, lhs, rhs)[:, :n]
 
 
@@ -496,5 +499,5 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   call = kernel_call(body, jax.ShapeDtypeStruct((num_groups, k, n), dtype),
-                      num_sms or num_sms_here(), cluster)
+                      num_sms or num_sms_here(), cluster, name="grouped_matmul_wgrad")
   return call(group_start, group_steps, lhs, rhs)[:, :unpadded_k, :unpadded_n]

@@ -206,7 +206,7 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
   out_type = (jax.ShapeDtypeStruct((m, n, padded_f), dtype),
               jax.ShapeDtypeStruct((m, padded_f), dtype))
   call = hopper.kernel_call(body, out_type, num_sms or hopper.num_sms_here(),
-                            config.cluster(n_iters))
+                            config.cluster(n_iters), name="activation_matmul")
   hidden, act = call(tile_group, *tables, lhs, rhs, *([row_weights] if weighted else []))
   return hidden[:, :, :ffn].reshape(m, n * ffn), act[:, :ffn]
 
@@ -385,7 +385,7 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
   if weighted:
     out_type.append(jax.ShapeDtypeStruct((2 * n_iters, m), jnp.float32))
   call = hopper.kernel_call(body, tuple(out_type), num_sms or hopper.num_sms_here(),
-                            config.cluster(n_iters))
+                            config.cluster(n_iters), name="activation_grad_matmul")
   outs = call(tile_group, *tables, out_grad, w_out, hidden,
               *([row_weights] if weighted else []))
   d_hidden = outs[0][:, :, :ffn].reshape(m, n * ffn)
