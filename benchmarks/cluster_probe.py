@@ -26,7 +26,7 @@ def one(pass_name: str, contraction: int, columns: int) -> None:
   import jax.numpy as jnp
   import numpy as np
   from moe_ep.capacity import round_up
-  from moe_ep.experts import grouped, hopper
+  from moe_ep.experts import grouped, hopper, hopper_wgrad
   from moe_ep.experts.grouped import ROW_TILE
   hopper.CLUSTER_COLUMNS = 2
   rng = np.random.default_rng(0)
@@ -41,7 +41,7 @@ def one(pass_name: str, contraction: int, columns: int) -> None:
                                 tiles.tile_group, transpose_rhs=True)
   else:
     steps = tiles.group_rows // hopper.TileConfig().tile_k  # as moe_ep.experts.grouped._wgrad
-    out = hopper.grouped_matmul_wgrad(bf16(num_rows, contraction), bf16(num_rows, columns),
+    out = hopper_wgrad.grouped_matmul_wgrad(bf16(num_rows, contraction), bf16(num_rows, columns),
                                       tiles.group_start, steps, len(SIZES))
   jax.block_until_ready(out)
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_ep import row_groups, sharding
-from moe_ep.experts import hopper, hopper_fused
+from moe_ep.experts import hopper, hopper_fused, hopper_wgrad
 from moe_ep.experts.slabs import Namer, _no_name, activate
 from moe_ep.row_groups import ROW_TILE, group_of_rows, group_starts
 
@@ -218,7 +218,7 @@ def _wgrad(implementation, lhs, rhs, tiles):
     rows_per_step = hopper.TileConfig().tile_k  # divides GROUP_ALIGN
     return jax.lax.platform_dependent(
         lhs, rhs, tiles,
-        cuda=lambda a, b, t: sharding.vary_like(hopper.grouped_matmul_wgrad(
+        cuda=lambda a, b, t: sharding.vary_like(hopper_wgrad.grouped_matmul_wgrad(
             a, b, t.group_start, t.group_rows // rows_per_step, t.group_start.shape[0]), a, b),
         default=_wgrad_xla)
   return _wgrad_xla(lhs, rhs, tiles)

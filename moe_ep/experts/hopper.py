@@ -12,9 +12,9 @@ three products of a linear layer's forward and backward:
   ``@ rhs[g].T``), the forward and the input gradient; ``tile_group [M /
   ROW_TILE]`` names each tile's group, -1 for a tile of no group, whose
   output rows are stored as zeros.
-* :func:`grouped_matmul_wgrad`: ``out[g] = lhs[rows_g].T @ rhs[rows_g]``, the
-  weight gradient, contracting over the group's rows only (zero for an empty
-  group).
+* :func:`moe_ep.experts.hopper_wgrad.grouped_matmul_wgrad`: ``out[g] =
+  lhs[rows_g].T @ rhs[rows_g]``, the weight gradient, contracting over the
+  group's rows only (zero for an empty group).
 
 Both are persistent, warp-specialized kernels after JAX's Hopper matmul
 (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``): one memory
@@ -410,94 +410,3 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
                      config.cluster(n_iters),
                      name="grouped_matmul_t" if transpose_rhs else "grouped_matmul")
   return call(tile_group, *tables, lhs, rhs)[:, :n]
-
-
-def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
-                         group_steps: jax.Array, num_groups: int, *,
-                         config: TileConfig = TileConfig(),
-                         num_sms: int | None = None) -> jax.Array:
-  """``out[g] = lhs[rows_g].T @ rhs[rows_g]``: the weight gradient.
-
-  Args:
-    lhs: ``[M, K]`` (the layer's input rows), ``K % ROW_TILE == 0``.
-    rhs: ``[M, N]`` (the output gradient rows).
-    group_start: ``[G]`` int32 first row of each group, a multiple of ``ROW_TILE``.
-    group_steps: ``[G]`` int32 ``tile_k``-row blocks of each group (0: empty).
-    num_groups: ``G``.
-
-  Returns:
-    ``[G, K, N]`` in ``lhs.dtype``, zero for an empty group.
-  """
-  unpadded_k, unpadded_n = lhs.shape[1], rhs.shape[1]
-  lhs, rhs = pad_minor(lhs, 1), pad_minor(rhs, 1)
-  m, k = lhs.shape
-  n = rhs.shape[1]
-  tile_m, tile_n, tile_c = ROW_TILE, config.tile_n, config.tile_k
-  cta_tile_n = 2 * tile_n
-  k_iters, n_iters = pl.cdiv(k, tile_m), pl.cdiv(n, cta_tile_n)
-  cluster = config.cluster(n_iters)
-  dtype = lhs.dtype
-  # One swizzle for both wgmma operands, whose minor sizes are K and N.
-  lhs_transforms = rhs_transforms = smem_transforms(dtype, tile_m, k, cta_tile_n, n)
-  epi = config.epi_tile
-  out_transforms = smem_transforms(dtype, epi, n)
-
-  def pipeline(body, compute_context, steps, first_block):
-    return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(steps,), memory_registers=40,
-        in_specs=[
-            plgpu.BlockSpec((tile_c, tile_m), lambda ci: (first_block + ci, 0),
-                            transforms=lhs_transforms, memory_space=plgpu.SMEM,
-                            delay_release=config.delay_release,
-                            collective_axes=rows_collective(cluster)),
-            plgpu.BlockSpec((tile_c, cta_tile_n), lambda ci: (first_block + ci, 0),
-                            transforms=rhs_transforms, memory_space=plgpu.SMEM,
-                            delay_release=config.delay_release)],
-        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
-        compute_context=compute_context)
-
-  def body(group_start_gmem, group_steps_gmem, lhs_gmem, rhs_gmem, out_gmem):
-    ignore = lambda *_, **__: None
-    # A traced step count, as in the loop: a static one would shrink the stages.
-    dynamic_one = jnp.int32(1)
-
-    @functools.partial(
-        pl.run_scoped,
-        allocs=pipeline(ignore, ignore, dynamic_one, dynamic_one).get_allocations(lhs_gmem,
-                                                                                rhs_gmem),
-        out_smem=plgpu.SMEM((2, 2, epi, epi), dtype, transforms=out_transforms),
-        collective_axes="wg")
-    def scope(allocs, out_smem):
-      wg_idx = lax.axis_index("wg")
-
-      @plgpu.nd_loop((num_groups, k_iters * n_iters // cluster), collective_axes="sm")
-      def tile_loop(loop_info):
-        group, index = loop_info.index
-        # A cluster's CTAs share the lhs block (the contraction's rows).
-        k_idx, n_idx = snake_tile(index, k_iters, n_iters, config)
-        steps = group_steps_gmem[group]
-        first_block = group_start_gmem[group] // tile_c
-        k_slice = pl.ds(k_idx * tile_m, tile_m)
-        n_slice = pl.ds(n_idx * cta_tile_n, cta_tile_n)
-        wg_n_slice = pl.ds(wg_idx * tile_n, tile_n)
-
-        def compute_context(eval_pipeline):
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-          def _(acc_ref):
-            eval_pipeline(acc_ref)
-            store_tile(acc_ref[...], out_smem,
-                        out_gmem.at[group].at[k_slice, n_slice].at[:, wg_n_slice], wg_idx, epi)
-
-        def mma(_, lhs_smem, rhs_smem, acc_ref):
-          plgpu.wgmma(acc_ref, transposed(lhs_smem), rhs_smem.at[:, wg_n_slice])
-          plgpu.wgmma_wait(config.delay_release)
-          return acc_ref
-
-        pipeline(mma, compute_context, steps, first_block)(
-            lhs_gmem.at[:, k_slice], rhs_gmem.at[:, n_slice], allocations=allocs)
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-  call = kernel_call(body, jax.ShapeDtypeStruct((num_groups, k, n), dtype),
-                      num_sms or num_sms_here(), cluster, name="grouped_matmul_wgrad")
-  return call(group_start, group_steps, lhs, rhs)[:, :unpadded_k, :unpadded_n]

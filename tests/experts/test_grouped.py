@@ -215,7 +215,7 @@ def test_hopper_kernels_lower_for_sizes_off_the_tiles(hidden, columns, cluster_c
   tests check their values); alone and in clusters of two CTAs, each with
   and without its tiles chained (where the contraction allows: not 2880 or
   1408)."""
-  from moe_ep.experts import hopper
+  from moe_ep.experts import hopper, hopper_wgrad
   monkeypatch.setattr(hopper, "CLUSTER_COLUMNS", cluster_columns)
   monkeypatch.setattr(hopper, "CHAIN_TILES", chain_tiles)
   groups, rows = 3, 4 * ROW_TILE
@@ -227,7 +227,7 @@ def test_hopper_kernels_lower_for_sizes_off_the_tiles(hidden, columns, cluster_c
        (lhs, jax.ShapeDtypeStruct((groups, hidden, columns), jnp.bfloat16), tile_group)),
       (lambda a, b, t: hopper.grouped_matmul(a, b, t, transpose_rhs=True, num_sms=132),
        (lhs, jax.ShapeDtypeStruct((groups, columns, hidden), jnp.bfloat16), tile_group)),
-      (lambda a, b, s, n: hopper.grouped_matmul_wgrad(a, b, s, n, groups, num_sms=132),
+      (lambda a, b, s, n: hopper_wgrad.grouped_matmul_wgrad(a, b, s, n, groups, num_sms=132),
        (lhs, jax.ShapeDtypeStruct((rows, columns), jnp.bfloat16), per_group, per_group)),
   ]
   for fn, args in calls:
@@ -243,7 +243,7 @@ def test_hopper_branch_traces_inside_shard_map_with_the_types_of_the_jax_branch(
 
   from conftest import make_mesh
   from moe_ep import ExpertParallelMoE, MoEConfig
-  from moe_ep.experts import hopper
+  from moe_ep.experts import hopper, hopper_wgrad
   monkeypatch.setattr(grouped, "hopper_available", lambda: True)
   monkeypatch.setattr(hopper, "num_sms_here", lambda: 132)
   cfg = MoEConfig(hidden_size=256, ffn_size=256, num_experts=8, top_k=2, dtype="bfloat16",

@@ -12,7 +12,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from moe_ep.experts import grouped, hopper, hopper_fused
+from moe_ep.experts import grouped, hopper, hopper_fused, hopper_wgrad
 
 try:
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -113,3 +113,42 @@ def test_activation_matmul_interpreted_matches_float64(interpreted, align, activ
   # value once rounded, and the gate's float32 rounding through f (|f'| < 1.2).
   np.testing.assert_allclose(act, want_act, rtol=2 ** -7, atol=1e-4)
   assert not hidden[group_of_row < 0].any() and not act[group_of_row < 0].any()
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_weight_gradient_ring_interpreted_equals_tile_by_tile(interpreted, stages, monkeypatch):
+  """The weight gradient's chained ring (one ring of stages for all of a
+  CTA's tiles, groups of 0 to 3 blocks: the stages are whole rounds of no
+  tile's blocks) against float64 and bit for bit against JAX's pipeline per
+  tile. The interpreter knows no transposed operand, so both run the
+  product untransposed, on square ``[128, 128]`` row blocks: each block
+  ``j`` adds ``lhs[rows_j, k_tile] @ rhs[rows_j]`` to its group's tile, the
+  same blocks in the same stages and order as ``lhs[rows_j, k_tile].T``."""
+  monkeypatch.setattr(hopper, "transposed", lambda ref: ref)
+  block, sizes, contraction, columns = 128, [256, 0, 128, 384, 128], 256, 512
+  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int32)
+  rng = np.random.default_rng(stages)
+  num_rows = sum(sizes) + block  # and a block of no group
+  lhs = jnp.asarray(rng.normal(size=(num_rows, contraction)), jnp.bfloat16)
+  rhs = jnp.asarray(rng.normal(size=(num_rows, columns)), jnp.bfloat16)
+  outs = []
+  for chain_tiles in (True, False):
+    config = hopper.TileConfig(tile_k=block, max_concurrent_steps=stages,
+                               chain_tiles=chain_tiles)
+    assert hopper_wgrad.chains(config, columns // 256) == chain_tiles
+    out = hopper_wgrad.grouped_matmul_wgrad(
+        lhs, rhs, jnp.asarray(starts), jnp.asarray(sizes, jnp.int32) // block, len(sizes),
+        config=config, num_sms=3)
+    outs.append(np.asarray(out.astype(jnp.float32), np.float64))
+  np.testing.assert_array_equal(outs[0], outs[1])
+  lhs64, rhs64 = (np.asarray(v.astype(jnp.float32), np.float64) for v in (lhs, rhs))
+  want = np.zeros((len(sizes), contraction, columns))
+  for g, (start, size) in enumerate(zip(starts, sizes)):
+    for first in range(start, start + size, block):
+      rows = slice(first, first + block)
+      for k in range(0, contraction, block):
+        want[g, k:k + block] += lhs64[rows, k:k + block] @ rhs64[rows]
+  # float32 sums of at most 384 products rounded once to bf16 (2^-8), the
+  # sums' own error far below it.
+  np.testing.assert_allclose(outs[0], want, rtol=2 ** -8, atol=2 ** -8 * np.abs(want).max())
+  assert not outs[0][1].any()  # the empty group: exactly zero
