@@ -26,11 +26,15 @@ import jax
 import jax.numpy as jnp
 
 from moe_ep import row_groups, sharding
+from moe_ep.capacity import round_up
 from moe_ep.experts import hopper, hopper_fused, hopper_wgrad
 from moe_ep.experts.slabs import Namer, _no_name, activate
 from moe_ep.row_groups import ROW_TILE, group_of_rows, group_starts
 
 IMPLEMENTATIONS = ("auto", "hopper", "xla")
+# Rows of a step of the Hopper weight gradient (its tile_k): it divides
+# GROUP_ALIGN, so a group's blocks start and end within its rows.
+WGRAD_BLOCK = hopper.TileConfig().tile_k
 
 
 class GroupTiles(NamedTuple):
@@ -52,6 +56,10 @@ class GroupTiles(NamedTuple):
       tile's first row.
     tile_rows: None, or ``[W]`` each tile's rows: ``ROW_TILE``, half of it,
       or 0 for the spare entries at the end of the list.
+    group_blocks: None, or ``[G]`` the ``WGRAD_BLOCK``-row blocks that hold
+      each group's rows (within ``group_rows``): all that the weight
+      gradient contracts over, the rest of ``group_rows`` being zeros (None:
+      all of ``group_rows``).
   """
 
   group_start: jax.Array
@@ -59,6 +67,7 @@ class GroupTiles(NamedTuple):
   tile_group: jax.Array
   tile_start: jax.Array | None = None
   tile_rows: jax.Array | None = None
+  group_blocks: jax.Array | None = None
 
 
 def group_tiles(counts: jax.Array, num_rows: int, align: int | None = None) -> GroupTiles:
@@ -68,13 +77,15 @@ def group_tiles(counts: jax.Array, num_rows: int, align: int | None = None) -> G
   :data:`moe_ep.row_groups.GROUP_ALIGN`)."""
   align = align or row_groups.GROUP_ALIGN
   starts, rows = group_starts(counts, num_rows, align)
+  blocks = jnp.minimum(round_up(counts.astype(jnp.int32), WGRAD_BLOCK), rows) // WGRAD_BLOCK
   if align == ROW_TILE:
     tile_firsts = jnp.arange(num_rows // ROW_TILE, dtype=jnp.int32) * ROW_TILE
-    return GroupTiles(starts, rows, group_of_rows(starts, rows, tile_firsts))
+    return GroupTiles(starts, rows, group_of_rows(starts, rows, tile_firsts),
+                      group_blocks=blocks)
   if align != ROW_TILE // 2:
     raise ValueError(f"align={align}: groups start on whole tiles ({ROW_TILE}) or half tiles "
                      f"({ROW_TILE // 2})")
-  return GroupTiles(starts, rows, *_half_tile_list(starts, rows, num_rows))
+  return GroupTiles(starts, rows, *_half_tile_list(starts, rows, num_rows), group_blocks=blocks)
 
 
 def _half_tile_list(starts, rows, num_rows: int):
@@ -215,13 +226,20 @@ def _forward(implementation, lhs, rhs, tiles, transpose_rhs):
 
 def _wgrad(implementation, lhs, rhs, tiles):
   if _uses_hopper(implementation, lhs.dtype, lhs.shape[0], lhs.shape[1], rhs.shape[1]):
-    rows_per_step = hopper.TileConfig().tile_k  # divides GROUP_ALIGN
     return jax.lax.platform_dependent(
         lhs, rhs, tiles,
         cuda=lambda a, b, t: sharding.vary_like(hopper_wgrad.grouped_matmul_wgrad(
-            a, b, t.group_start, t.group_rows // rows_per_step, t.group_start.shape[0]), a, b),
+            a, b, t.group_start, _wgrad_blocks(t), t.group_start.shape[0]), a, b),
         default=_wgrad_xla)
   return _wgrad_xla(lhs, rhs, tiles)
+
+
+def _wgrad_blocks(tiles: GroupTiles) -> jax.Array:
+  """``[G]`` the ``WGRAD_BLOCK``-row blocks the weight gradient contracts
+  over in each group."""
+  if tiles.group_blocks is None:
+    return tiles.group_rows // WGRAD_BLOCK
+  return tiles.group_blocks
 
 
 def _no_gradient(tiles: GroupTiles) -> GroupTiles:

@@ -112,6 +112,8 @@ def test_group_tiles_places_groups_on_whole_tiles():
   tiles = grouped.group_tiles(sizes, 10 * ROW_TILE, align=ROW_TILE)
   np.testing.assert_array_equal(tiles.group_start, [0, 384, 384, 512])
   np.testing.assert_array_equal(tiles.group_rows, [384, 0, 128, 256])
+  # The weight gradient's 64-row blocks: each group's rows, not its padding.
+  np.testing.assert_array_equal(tiles.group_blocks, [5, 0, 1, 3])
   np.testing.assert_array_equal(tiles.tile_group, [0, 0, 0, 2, 3, 3, -1, -1, -1, -1])
 
 
