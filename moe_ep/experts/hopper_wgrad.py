@@ -159,8 +159,8 @@ def _chained(lhs, rhs, group_start, group_steps, num_groups, config, num_sms):
             return acc_ref[...]
 
           acc = pl.run_scoped(accumulate, plgpu.ACC((ROW_TILE, tile_n), jnp.float32))
-          hopper.store_tile(acc, out_smem, out_gmem.at[group].at[k_slice, n_slice].at[:, wg_n_slice],
-                            wg_idx, epi)
+          out_view = out_gmem.at[group].at[k_slice, n_slice].at[:, wg_n_slice]
+          hopper.store_tile(acc, out_smem, out_view, wg_idx, epi)
           return carry + steps
 
     pl.run_scoped(
