@@ -12,8 +12,10 @@ For each model shape ``(T, K, H, F, E)``, timed side by side in one run:
   (``_unfused``); with its groups on half tiles (``_align64``,
   :data:`moe_ep.row_groups.GROUP_ALIGN`), in clusters of two CTAs sharing
   their rows (``_cluster2``, :data:`moe_ep.experts.hopper.CLUSTER_COLUMNS`)
-  and both, and with each kernel's tiles' pipelines run one by one rather
-  than as one chain (``_tile_by_tile``, :data:`moe_ep.experts.hopper.CHAIN_TILES`);
+  and both, with each kernel's tiles' pipelines run one by one rather
+  than as one chain (``_tile_by_tile``, :data:`moe_ep.experts.hopper.CHAIN_TILES`),
+  and with the weight gradient's tiles chained on its ring (``_wgrad_chained``,
+  :data:`moe_ep.experts.hopper_wgrad.CHAIN_TILES`);
 * the whole layer (P4) dropless with ``expert_layout="auto"`` (an untrained
   router, near balanced) and at capacity 1.0 on slabs, each with the input's
   gradient.
@@ -33,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_ep.bench import common, experts, layer
-from moe_ep.experts import bank_layout, grouped_expert_mlp, hopper
+from moe_ep.experts import bank_layout, grouped_expert_mlp, hopper, hopper_wgrad
 from moe_ep.experts.grouped import fuses_activation_by_default
 from moe_ep.row_groups import grouped_rows_for
 
@@ -54,10 +56,11 @@ LOADS = ("zipf", "skewed")
 # 256 experts: 45 GB each).
 NO_LAYER = ("deepseek_v3",)
 # The bank also with these options against the defaults in the same rounds:
-# half tiles, clusters of two CTAs along the columns, tiles not chained.
+# half tiles, clusters of two CTAs along the columns, tiles not chained, the
+# weight gradient chained.
 BANK_OPTIONS = {"_align64": dict(group_align=64), "_cluster2": dict(cluster_columns=2),
                 "_align64_cluster2": dict(group_align=64, cluster_columns=2),
-                "_tile_by_tile": dict(chain_tiles=False)}
+                "_tile_by_tile": dict(chain_tiles=False), "_wgrad_chained": dict(chain_wgrad=True)}
 
 
 def dense_call(rows: int, hidden: int, ffn: int) -> tuple:
@@ -78,12 +81,14 @@ def dense_call(rows: int, hidden: int, ffn: int) -> tuple:
 def bank_call(tokens: int, top_k: int, num_experts: int, load: str, w_in: jax.Array,
               w_out: jax.Array, fuse_activation: bool | None = None,
               group_align: int | None = None, cluster_columns: int | None = None,
-              chain_tiles: bool | None = None) -> tuple[tuple, dict]:
+              chain_tiles: bool | None = None,
+              chain_wgrad: bool | None = None) -> tuple[tuple, dict]:
   """The grouped bank over groups of ``load`` sizes, its activation fused
   into the GEMMs or not, its groups on whole or half tiles (``group_align``,
   default the layout's), its kernels in clusters of ``cluster_columns``
-  (default :data:`hopper.CLUSTER_COLUMNS`) and their tiles chained or not
-  (default :data:`hopper.CHAIN_TILES`): ``(fn, args)`` and its facts."""
+  (default :data:`hopper.CLUSTER_COLUMNS`), their tiles chained or not
+  (default :data:`hopper.CHAIN_TILES`) and the weight gradient's too
+  (default :data:`hopper_wgrad.CHAIN_TILES`): ``(fn, args)`` and its facts."""
   routed, hidden = tokens * top_k, w_in.shape[1]
   sizes = experts.group_sizes(routed, num_experts, load)
   counts = jnp.asarray(sizes)
@@ -91,28 +96,28 @@ def bank_call(tokens: int, top_k: int, num_experts: int, load: str, w_in: jax.Ar
                               seed=3, align=group_align)
   mlp = experts.fwd_bwd(lambda x, a, b: grouped_expert_mlp(
       x, counts, a, b, "swiglu", fuse_activation=fuse_activation, group_align=group_align))
-  chosen = dict(CLUSTER_COLUMNS=cluster_columns, CHAIN_TILES=chain_tiles)
-  mlp = _traced_with(mlp, **{k: v for k, v in chosen.items() if v is not None})
+  chosen = {(hopper, "CLUSTER_COLUMNS"): cluster_columns, (hopper, "CHAIN_TILES"): chain_tiles,
+            (hopper_wgrad, "CHAIN_TILES"): chain_wgrad}
+  mlp = _traced_with(mlp, {k: v for k, v in chosen.items() if v is not None})
   return (mlp, (rows, w_in, w_out)), {"largest_over_mean": float(sizes.max() * num_experts
                                                                   / routed)}
 
 
-def _traced_with(fn, **settings):
-  """``fn``, whose kernels are traced (at its first call) with the
-  :mod:`moe_ep.experts.hopper` settings ``settings`` (``CLUSTER_COLUMNS``,
-  ``CHAIN_TILES``)."""
+def _traced_with(fn, settings: dict):
+  """``fn``, whose kernels are traced (at its first call) with
+  ``settings`` (``{(module, name): value}``, e.g. ``hopper.CHAIN_TILES``)."""
   if not settings:
     return fn
 
   def call(*args):
-    defaults = {name: getattr(hopper, name) for name in settings}
-    for name, value in settings.items():
-      setattr(hopper, name, value)
+    defaults = {(module, name): getattr(module, name) for module, name in settings}
+    for (module, name), value in settings.items():
+      setattr(module, name, value)
     try:
       return fn(*args)
     finally:
-      for name, value in defaults.items():
-        setattr(hopper, name, value)
+      for (module, name), value in defaults.items():
+        setattr(module, name, value)
   return call
 
 

@@ -8,7 +8,7 @@ experts a few (256 rows of an expert are four blocks), so each tile's own
 pipeline would begin with a full load latency and end with its stages
 drained. Two implementations behind :func:`grouped_matmul_wgrad`:
 
-* chained (:data:`moe_ep.experts.hopper.CHAIN_TILES`, no clusters): one ring
+* chained (:data:`CHAIN_TILES`, no clusters): one ring
   of shared-memory stages for all of a CTA's tiles, written directly on
   barriers and TMA; the memory warpgroup counts blocks across tiles, so it
   loads the next tile's first blocks while the compute warpgroups multiply
@@ -34,6 +34,11 @@ from moe_ep.experts import hopper
 from moe_ep.experts.hopper import TileConfig
 from moe_ep.row_groups import ROW_TILE
 
+# Whether the weight gradient runs its tiles as one chain where
+# :func:`chains` allows (TileConfig.chain_tiles unless a config sets it). Off
+# until measured on a GPU: the other kernels chain by
+# :data:`moe_ep.experts.hopper.CHAIN_TILES`. Read when a kernel is traced.
+CHAIN_TILES = False
 # Registers per thread of the memory warpgroup, as JAX's pipeline sets them;
 # the compute warpgroups share the rest of the 64K-register file.
 _MEMORY_REGISTERS = 40
@@ -70,10 +75,9 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
 
 def chains(config: TileConfig, column_tiles: int) -> bool:
   """Whether the kernel of ``column_tiles`` column tiles runs its tiles as
-  one chain: ``config``'s choice (or :data:`hopper.CHAIN_TILES`), without
-  clusters (their shared row blocks need cluster-wide barriers) or delayed
-  release."""
-  chained = config.chain_tiles if config.chain_tiles is not None else hopper.CHAIN_TILES
+  one chain: ``config``'s choice (or :data:`CHAIN_TILES`), without clusters
+  (their shared row blocks need cluster-wide barriers) or delayed release."""
+  chained = config.chain_tiles if config.chain_tiles is not None else CHAIN_TILES
   return chained and config.cluster(column_tiles) == 1 and config.delay_release == 0
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 import pytest
 
-from moe_ep.experts import grouped, hopper, hopper_fused
+from moe_ep.experts import grouped, hopper, hopper_fused, hopper_wgrad
 from moe_ep.experts.grouped import ROW_TILE
 
 SIZES = [300, 0, 1, 129, 128]  # an empty group, one row, one tile exactly, more
@@ -235,7 +235,8 @@ def test_chained_tiles_change_no_bit(hidden, ffn, group_align, monkeypatch):
   each output tile in the same order as tile by tile: the fused and the
   unfused bank's outputs and every gradient equal bit for bit. Every kernel
   over row tiles chains at both shapes (H, F and 2F whole rounds of four
-  stages), but the fused input gradient's three stages at H = 2048."""
+  stages), but the fused input gradient's three stages at H = 2048; the
+  weight gradient chains on its own ring (``hopper_wgrad.CHAIN_TILES``)."""
   if not grouped.hopper_available():
     pytest.skip("needs a GPU of compute capability 9.0")
   chained = hopper.TileConfig(chain_tiles=True)
@@ -250,6 +251,7 @@ def test_chained_tiles_change_no_bit(hidden, ffn, group_align, monkeypatch):
     results = []
     for chain in (False, True):
       monkeypatch.setattr(hopper, "CHAIN_TILES", chain)
+      monkeypatch.setattr(hopper_wgrad, "CHAIN_TILES", chain)  # the weight gradient's ring
       results.append(_loss_and_grads(bank, "swiglu", True, fuse, cotangent))
     for alone, chained_result in zip(*results):
       np.testing.assert_array_equal(np.asarray(chained_result, np.float32),

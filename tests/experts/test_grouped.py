@@ -220,6 +220,7 @@ def test_hopper_kernels_lower_for_sizes_off_the_tiles(hidden, columns, cluster_c
   from moe_ep.experts import hopper, hopper_wgrad
   monkeypatch.setattr(hopper, "CLUSTER_COLUMNS", cluster_columns)
   monkeypatch.setattr(hopper, "CHAIN_TILES", chain_tiles)
+  monkeypatch.setattr(hopper_wgrad, "CHAIN_TILES", chain_tiles)
   groups, rows = 3, 4 * ROW_TILE
   lhs = jax.ShapeDtypeStruct((rows, hidden), jnp.bfloat16)
   tile_group = jax.ShapeDtypeStruct((rows // ROW_TILE,), jnp.int32)
