@@ -40,7 +40,7 @@ def one(pass_name: str, contraction: int, columns: int) -> None:
     out = hopper.grouped_matmul(bf16(num_rows, columns), bf16(len(SIZES), contraction, columns),
                                 tiles.tile_group, transpose_rhs=True)
   else:
-    steps = grouped._wgrad_blocks(tiles)  # as moe_ep.experts.grouped._wgrad
+    steps = tiles.group_blocks  # as moe_ep.experts.grouped._wgrad
     out = hopper_wgrad.grouped_matmul_wgrad(bf16(num_rows, contraction), bf16(num_rows, columns),
                                       tiles.group_start, steps, len(SIZES))
   jax.block_until_ready(out)

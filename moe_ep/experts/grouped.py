@@ -51,23 +51,22 @@ class GroupTiles(NamedTuple):
     group_rows: ``[G]`` the group's rows rounded up to ``GROUP_ALIGN`` (its
       padding rows are zero); a group that would run past the buffer is cut
       at its end.
+    group_blocks: ``[G]`` the ``WGRAD_BLOCK``-row blocks that hold each
+      group's rows (within ``group_rows``): all that the weight gradient
+      contracts over, the rest of ``group_rows`` being zeros.
     tile_group: ``[W]`` the group of each row tile, -1 for none.
     tile_start: None (whole tiles: ``W = M // ROW_TILE``), or ``[W]`` each
       tile's first row.
     tile_rows: None, or ``[W]`` each tile's rows: ``ROW_TILE``, half of it,
       or 0 for the spare entries at the end of the list.
-    group_blocks: None, or ``[G]`` the ``WGRAD_BLOCK``-row blocks that hold
-      each group's rows (within ``group_rows``): all that the weight
-      gradient contracts over, the rest of ``group_rows`` being zeros (None:
-      all of ``group_rows``).
   """
 
   group_start: jax.Array
   group_rows: jax.Array
+  group_blocks: jax.Array
   tile_group: jax.Array
   tile_start: jax.Array | None = None
   tile_rows: jax.Array | None = None
-  group_blocks: jax.Array | None = None
 
 
 def group_tiles(counts: jax.Array, num_rows: int, align: int | None = None) -> GroupTiles:
@@ -80,12 +79,11 @@ def group_tiles(counts: jax.Array, num_rows: int, align: int | None = None) -> G
   blocks = jnp.minimum(round_up(counts.astype(jnp.int32), WGRAD_BLOCK), rows) // WGRAD_BLOCK
   if align == ROW_TILE:
     tile_firsts = jnp.arange(num_rows // ROW_TILE, dtype=jnp.int32) * ROW_TILE
-    return GroupTiles(starts, rows, group_of_rows(starts, rows, tile_firsts),
-                      group_blocks=blocks)
+    return GroupTiles(starts, rows, blocks, group_of_rows(starts, rows, tile_firsts))
   if align != ROW_TILE // 2:
     raise ValueError(f"align={align}: groups start on whole tiles ({ROW_TILE}) or half tiles "
                      f"({ROW_TILE // 2})")
-  return GroupTiles(starts, rows, *_half_tile_list(starts, rows, num_rows), group_blocks=blocks)
+  return GroupTiles(starts, rows, blocks, *_half_tile_list(starts, rows, num_rows))
 
 
 def _half_tile_list(starts, rows, num_rows: int):
@@ -229,17 +227,9 @@ def _wgrad(implementation, lhs, rhs, tiles):
     return jax.lax.platform_dependent(
         lhs, rhs, tiles,
         cuda=lambda a, b, t: sharding.vary_like(hopper_wgrad.grouped_matmul_wgrad(
-            a, b, t.group_start, _wgrad_blocks(t), t.group_start.shape[0]), a, b),
+            a, b, t.group_start, t.group_blocks, t.group_start.shape[0]), a, b),
         default=_wgrad_xla)
   return _wgrad_xla(lhs, rhs, tiles)
-
-
-def _wgrad_blocks(tiles: GroupTiles) -> jax.Array:
-  """``[G]`` the ``WGRAD_BLOCK``-row blocks the weight gradient contracts
-  over in each group."""
-  if tiles.group_blocks is None:
-    return tiles.group_rows // WGRAD_BLOCK
-  return tiles.group_blocks
 
 
 def _no_gradient(tiles: GroupTiles) -> GroupTiles:
