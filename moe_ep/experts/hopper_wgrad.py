@@ -83,8 +83,7 @@ def chains(config: TileConfig, column_tiles: int) -> bool:
 
 def _operands(lhs, rhs, config: TileConfig):
   """The sizes and shared-memory transforms both implementations share."""
-  m, k = lhs.shape
-  n = rhs.shape[1]
+  k, n = lhs.shape[1], rhs.shape[1]
   cta_tile_n = 2 * config.tile_n
   k_iters, n_iters = pl.cdiv(k, ROW_TILE), pl.cdiv(n, cta_tile_n)
   # One swizzle for both wgmma operands, whose minor sizes are K and N.
