@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
-# Chained tiles (moe_ep.experts.hopper.CHAIN_TILES, the default: each CTA's
-# tiles' pipelines as one chain) on the GPU, from the repository root on the
-# device machine: what docs/grouped.md measured. STEPS picks
-# the steps (default tests and models):
+# Chained tiles on the GPU, from the repository root on the device machine:
+# what docs/grouped.md measured. SETTING names the switch measured, with the
+# models bench's BANK_OPTION that times the bank the other way beside the
+# defaults (default moe_ep.experts.hopper.CHAIN_TILES, the default: each CTA's
+# row tiles' pipelines as one chain, against _tile_by_tile; for the weight
+# gradient's ring, SETTING=moe_ep.experts.hopper_wgrad.CHAIN_TILES
+# BANK_OPTION=_wgrad_chained). STEPS picks the steps (default tests and models):
 #   tests      the chained kernels against tile-by-tile ones bit for bit, and
 #              every kernel's lowering with them
 #   memcheck   the sanitizer workload chained, each buffer its own allocation
 #   racecheck  the same, kernels only
-#   models     the banks chained against tile by tile, beside the dense chain,
-#              on MODELS (default the Qwen3 and OLMoE shapes)
+#   models     the banks with BANK_OPTION against the defaults, beside the dense
+#              chain, on MODELS (default the Qwen3 and OLMoE shapes)
 #   pretrain   configs/h200.yaml at batch 12 and configs/h200_fine.yaml at
-#              batch 6 trained tile by tile, then chained (two results of
+#              batch 6 with SETTING False, then True (two results of
 #              benchmarks/gpu_pretrain.sh, one after the other)
 # Logs go to $OUT, JSON to $OUT/results.
 source benchmarks/gpu_setup.sh
 SANITIZE=(compute-sanitizer --target-processes application-only --error-exitcode 7)
 WORKLOAD=(python tests/experts/hopper_sanitizer_workload.py)
+SETTING=${SETTING:-moe_ep.experts.hopper.CHAIN_TILES}
+BANK_OPTION=${BANK_OPTION:-_tile_by_tile}
 MODEL_ARGS=()
 for model in ${MODELS:-qwen3_30b_a3b olmoe_1b_7b}; do MODEL_ARGS+=(--model "$model"); done
 for name in ${STEPS:-tests models}; do
@@ -27,13 +32,13 @@ for name in ${STEPS:-tests models}; do
     racecheck) step racecheck 200 "${SANITIZE[@]}" --tool racecheck "${WORKLOAD[@]}" \
                  --no-reference ;;
     models) step models ${MODELS_SECONDS:-330} python -m moe_ep.bench models "${MODEL_ARGS[@]}" \
-              --bank-option _tile_by_tile --out "$OUT/results" ;;
+              --bank-option "$BANK_OPTION" --out "$OUT/results" ;;
     pretrain)
       for chained in False True; do
         RUNS="h200_b12_chain$chained configs/h200.yaml train.batch_size=12
 fine_b6_chain$chained configs/h200_fine.yaml train.batch_size=6" STEPS=${PRETRAIN_STEPS:-20} \
         RUN_TIMEOUT=${RUN_TIMEOUT:-120} PRETRAIN_CMD="python benchmarks/run_with.py \
-          moe_ep.experts.hopper.CHAIN_TILES=$chained -m examples.pretrain" \
+          $SETTING=$chained -m examples.pretrain" \
           bash benchmarks/gpu_pretrain.sh | tail -3
       done ;;
     *) echo "unknown step $name (tests, memcheck, racecheck, models, pretrain)"; exit 2 ;;
