@@ -42,7 +42,7 @@ def one(pass_name: str, contraction: int, columns: int) -> None:
   else:
     steps = tiles.group_blocks  # as moe_ep.experts.grouped._wgrad
     out = hopper_wgrad.grouped_matmul_wgrad(bf16(num_rows, contraction), bf16(num_rows, columns),
-                                      tiles.group_start, steps, len(SIZES))
+                                            tiles.group_start, steps, len(SIZES))
   jax.block_until_ready(out)
 
 
