@@ -5,7 +5,7 @@
 # defaults (default moe_ep.experts.hopper.CHAIN_TILES, the default: each CTA's
 # row tiles' pipelines as one chain, against _tile_by_tile; for the weight
 # gradient's ring, SETTING=moe_ep.experts.hopper_wgrad.CHAIN_TILES
-# BANK_OPTION=_wgrad_chained). STEPS picks the steps (default tests and models):
+# BANK_OPTION=_wgrad_tile_by_tile). STEPS picks the steps (default tests and models):
 #   tests      the chained kernels against tile-by-tile ones bit for bit, and
 #              every kernel's lowering with them
 #   memcheck   the sanitizer workload chained, each buffer its own allocation

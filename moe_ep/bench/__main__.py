@@ -87,7 +87,7 @@ def main(argv=None) -> None:
   parser.add_argument("--bank-option", action="append", default=None, metavar="SUFFIX",
                       help="models: time the banks with only these of their options beside the "
                            "defaults (repeatable; default all: _align64, _cluster2, "
-                           "_align64_cluster2, _tile_by_tile, _wgrad_chained; none: no option)")
+                           "_align64_cluster2, _tile_by_tile, _wgrad_tile_by_tile; none: no option)")
   args = parser.parse_args(argv)
   distributed.initialize_from_env()  # a no-op unless started by moe_ep.launch
   unknown = sorted(set(args.names) - set(BENCHMARKS) - {"all"})

@@ -14,8 +14,8 @@ For each model shape ``(T, K, H, F, E)``, timed side by side in one run:
   their rows (``_cluster2``, :data:`moe_ep.experts.hopper.CLUSTER_COLUMNS`)
   and both, with each kernel's tiles' pipelines run one by one rather
   than as one chain (``_tile_by_tile``, :data:`moe_ep.experts.hopper.CHAIN_TILES`),
-  and with the weight gradient's tiles chained on its ring (``_wgrad_chained``,
-  :data:`moe_ep.experts.hopper_wgrad.CHAIN_TILES`);
+  and with the weight gradient's tiles run one by one rather than on one
+  ring (``_wgrad_tile_by_tile``, :data:`moe_ep.experts.hopper_wgrad.CHAIN_TILES`);
 * the whole layer (P4) dropless with ``expert_layout="auto"`` (an untrained
   router, near balanced) and at capacity 1.0 on slabs, each with the input's
   gradient.
@@ -57,10 +57,11 @@ LOADS = ("zipf", "skewed")
 NO_LAYER = ("deepseek_v3",)
 # The bank also with these options against the defaults in the same rounds:
 # half tiles, clusters of two CTAs along the columns, tiles not chained, the
-# weight gradient chained.
+# weight gradient's tiles not chained.
 BANK_OPTIONS = {"_align64": dict(group_align=64), "_cluster2": dict(cluster_columns=2),
                 "_align64_cluster2": dict(group_align=64, cluster_columns=2),
-                "_tile_by_tile": dict(chain_tiles=False), "_wgrad_chained": dict(chain_wgrad=True)}
+                "_tile_by_tile": dict(chain_tiles=False),
+                "_wgrad_tile_by_tile": dict(chain_wgrad=False)}
 
 
 def dense_call(rows: int, hidden: int, ffn: int) -> tuple:

@@ -13,9 +13,8 @@ for memcheck, not inside XLA's pool):
     tiles, ``moe_ep.row_groups.GROUP_ALIGN`` set to 64; ``--cluster 2``:
     the kernels in clusters of two CTAs, ``moe_ep.experts.hopper.CLUSTER_COLUMNS``;
     ``--no-chain``: each CTA's tiles' pipelines one by one, not chained,
-    ``moe_ep.experts.hopper.CHAIN_TILES``, the weight gradient's too; without
-    it the weight gradient runs on its chained ring,
-    ``moe_ep.experts.hopper_wgrad.CHAIN_TILES``)
+    ``moe_ep.experts.hopper.CHAIN_TILES``, and the weight gradient's tiles
+    too, not on its ring, ``moe_ep.experts.hopper_wgrad.CHAIN_TILES``)
 
 It runs the forward, the input gradient and the weight gradient of
 ``grouped_matmul`` on the edge cases of the layout: empty groups, a group of
@@ -175,7 +174,6 @@ if __name__ == "__main__":
   from moe_ep.experts import hopper, hopper_wgrad
   if "--cluster" in sys.argv[1:]:
     hopper.CLUSTER_COLUMNS = int(sys.argv[sys.argv.index("--cluster") + 1])
-  hopper_wgrad.CHAIN_TILES = "--no-chain" not in sys.argv[1:]
   if "--no-chain" in sys.argv[1:]:
-    hopper.CHAIN_TILES = False
+    hopper.CHAIN_TILES = hopper_wgrad.CHAIN_TILES = False
   main(check_reference="--no-reference" not in sys.argv[1:])
