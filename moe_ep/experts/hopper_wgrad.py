@@ -37,8 +37,8 @@ from moe_ep.row_groups import ROW_TILE
 # Whether the weight gradient runs its tiles as one chain where
 # :func:`chains` allows (TileConfig.chain_tiles unless a config sets it); the
 # other kernels chain by :data:`moe_ep.experts.hopper.CHAIN_TILES`. On one
-# H200 the bank with it was 0.4-5% faster (docs/grouped.md). Read when a
-# kernel is traced.
+# H200 it made the bank 3-5% faster in three of four runs and no slower in
+# the fourth (docs/grouped.md). Read when a kernel is traced.
 CHAIN_TILES = True
 # Registers per thread of the memory warpgroup, as JAX's pipeline sets them;
 # the compute warpgroups share the rest of the 64K-register file.
