@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Chained tiles on the GPU, from the repository root on the device machine:
-# what docs/grouped.md measured. SETTING names the switch measured, with the
-# models bench's BANK_OPTION that times the bank the other way beside the
-# defaults (default moe_ep.experts.hopper.CHAIN_TILES, the default: each CTA's
-# row tiles' pipelines as one chain, against _tile_by_tile; for the weight
-# gradient's ring, SETTING=moe_ep.experts.hopper_wgrad.CHAIN_TILES
-# BANK_OPTION=_wgrad_tile_by_tile). STEPS picks the steps (default tests and models):
+# what docs/grouped.md measured. Two switches, each on by default:
+#   SETTING=moe_ep.experts.hopper.CHAIN_TILES BANK_OPTION=_tile_by_tile
+#     each CTA's row tiles' pipelines as one chain (the default here);
+#   SETTING=moe_ep.experts.hopper_wgrad.CHAIN_TILES BANK_OPTION=_wgrad_tile_by_tile
+#     the weight gradient's ring.
+# BANK_OPTION is the models bench's option that times the bank with SETTING
+# off beside the defaults. STEPS picks the steps (default tests and models):
 #   tests      the chained kernels against tile-by-tile ones bit for bit, and
 #              every kernel's lowering with them
 #   memcheck   the sanitizer workload chained, each buffer its own allocation
