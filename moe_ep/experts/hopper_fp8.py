@@ -1,0 +1,323 @@
+"""Block-scaled FP8 grouped GEMMs on Hopper tensor cores (Pallas Mosaic GPU).
+
+The scaling is DeepSeek-V3's: float8_e4m3fn codes with one float32 scale per
+128 consecutive elements of the contraction for each row of an operand
+(activations, ``[rows, ceil(K / 128)]`` scales) or per 128x128 block (weights,
+``[ceil(N / 128), ceil(K / 128)]`` scales). FP8 wgmma accumulates with fewer
+bits than float32, so each 128-deep step's products go into a fresh
+accumulator that is then scaled and added to the tile's float32 sum (the
+"promotion" of DeepSeek-V3's section 3.3.2): over any K the sum is float32.
+
+wgmma reads 8-bit operands only K-major (the contraction contiguous in
+shared memory), so both operands are ``[rows, K]``: the weights of the
+forward product come transposed (``[G, N, K]``), those of the input gradient
+as they are stored (``[G, K, N]`` is K-major for a contraction over ``N``),
+and the weight gradient reads both of its operands quantized along the rows
+(``[channels, M]``), the transposed quantization of the rows.
+
+* :func:`grouped_matmul_fp8`: ``out[rows_g] = A[rows_g] @ B[g].T``, the
+  forward and the input gradient; rows of tiles of no group are zeros.
+* :func:`grouped_matmul_fp8_wgrad`: ``out[g] = A[:, rows_g] @ B[:, rows_g].T``
+  over each group's 128-row blocks, the weight gradient; zero for an empty
+  group.
+
+Both are persistent, warp-specialized kernels like
+:mod:`moe_ep.experts.hopper`'s (one memory warpgroup streaming 128-deep
+blocks by TMA, two compute warpgroups of ``[128, tile_n]`` tiles), on groups
+of whole 128-row tiles (``row_groups.GROUP_ALIGN == ROW_TILE``). Scales
+travel with the blocks: each stage also holds the step's ``[128]`` row scales
+and the weights' scales for the CTA's columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from moe_ep.capacity import round_up
+from moe_ep.experts import hopper
+from moe_ep.row_groups import ROW_TILE
+
+BLOCK = 128  # elements of the contraction per scale (and per pipeline step)
+CODE_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+# A shared-memory row of codes must fill at least a 32-byte swizzle (wgmma
+# has no unswizzled mode): minor sizes are padded to it, a copy of at most
+# 31 columns.
+_CODE_MULTIPLE = 32
+# The column scales of a CTA (two warpgroups) padded to 16 bytes, a TMA box's least.
+_CTA_SCALES = 4
+_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
+_COLUMN_LAYOUT = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8TileConfig:
+  """Tiles and schedule of the FP8 kernels.
+
+  Attributes:
+    tile_n: output columns per compute warpgroup: one 128-column block of
+      the weights' scales (the CTA's are ``2 * tile_n``).
+    max_concurrent_steps: shared-memory pipeline stages of 128-deep blocks.
+    grid_tile_width, grid_minor_dim: the snake order over output tiles.
+    epi_tile: side of the square pieces the epilogue stores.
+  """
+
+  tile_n: int = BLOCK
+  max_concurrent_steps: int = 3
+  grid_tile_width: int = 8
+  grid_minor_dim: int = 0
+  epi_tile: int = 64
+
+  def __post_init__(self):
+    if self.tile_n != BLOCK:
+      raise ValueError(f"FP8TileConfig.tile_n={self.tile_n} must be {BLOCK}: a warpgroup's "
+                       "columns are one block of the weights' scales")
+
+  def snake(self) -> hopper.TileConfig:
+    """The bf16 kernels' config of the same snake order (no clusters)."""
+    return hopper.TileConfig(tile_n=self.tile_n, tile_k=BLOCK, grid_tile_width=self.grid_tile_width,
+                             grid_minor_dim=self.grid_minor_dim, epi_tile=self.epi_tile,
+                             cluster_columns=1, chain_tiles=False)
+
+
+def supports(*, contraction: int, columns: int) -> bool:
+  """Whether the kernels take these sizes: multiples of 16 (a 16-byte row of
+  codes, what TMA needs; the kernels pad further themselves)."""
+  return contraction > 0 and columns > 0 and contraction % 16 == 0 and columns % 16 == 0
+
+
+def _pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+  extra = round_up(x.shape[axis], multiple) - x.shape[axis]
+  if not extra:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
+def _load(ref, layout):
+  try:  # newer JAX takes the reference indexed already (a separate index is deprecated)
+    return plgpu.load(ref, layout=layout)
+  except TypeError:  # older JAX needs the index argument
+    return plgpu.load(ref, (), layout=layout)
+
+
+def _scaled_product(acc, a_smem, b_smem, scale):
+  """``acc + (a_smem @ b_smem.T) * scale``: one 128-deep step's wgmma into a
+  fresh float32 accumulator, promoted into ``acc`` (``[128, tile_n]``,
+  float32) with ``scale`` broadcast to its shape."""
+  def product(part_ref):
+    plgpu.wgmma(part_ref, a_smem, hopper.transposed(b_smem))
+    return part_ref[...]
+
+  part = pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+  return acc + part * scale
+
+
+def _zero_accumulator(shape):
+  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _column_block_scales(b_scales: jax.Array, n_iters: int) -> jax.Array:
+  """``[G, Nb, Kb]`` -> ``[G, n_iters, Kb, 4]``: for each CTA column tile the
+  two warpgroups' block scales of each step, side by side (zeros past Nb)."""
+  groups, _, k_blocks = b_scales.shape
+  scales = _pad_axis(b_scales, 1, 2 * n_iters)[:, :2 * n_iters]
+  scales = scales.reshape(groups, n_iters, 2, k_blocks).transpose(0, 1, 3, 2)
+  return _pad_axis(scales, 3, _CTA_SCALES)
+
+
+def grouped_matmul_fp8(a_codes: jax.Array, a_scales: jax.Array, b_codes: jax.Array,
+                       b_scales: jax.Array, tile_group: jax.Array, *,
+                       config: FP8TileConfig = FP8TileConfig(), num_sms: int | None = None,
+                       out_dtype=jnp.bfloat16) -> jax.Array:
+  """``out[rows of tile t] = (a * a_scales) @ (b[g] * b_scales[g]).T``, ``g = tile_group[t]``.
+
+  Args:
+    a_codes: ``[M, K]`` float8_e4m3fn, ``M % ROW_TILE == 0``.
+    a_scales: ``[M, ceil(K / 128)]`` float32, each row's scale per 128 of K.
+    b_codes: ``[G, N, K]`` float8_e4m3fn (K-major: the forward's weights transposed).
+    b_scales: ``[G, ceil(N / 128), ceil(K / 128)]`` float32, per 128x128 block.
+    tile_group: ``[M // ROW_TILE]`` int32 group of each row tile, -1 for none.
+    config: tiles and schedule.
+    num_sms: persistent CTAs (default: the device's multiprocessor count).
+    out_dtype: of the output, rounded once from the float32 sums.
+
+  Returns:
+    ``[M, N]`` in ``out_dtype``, zero on rows of tiles of no group.
+  """
+  n = b_codes.shape[1]
+  a_codes = _pad_axis(a_codes, 1, _CODE_MULTIPLE)
+  b_codes = _pad_axis(_pad_axis(b_codes, 2, _CODE_MULTIPLE), 1, 16)
+  m, k = a_codes.shape
+  padded_n = b_codes.shape[1]
+  tile_n, epi = config.tile_n, config.epi_tile
+  cta_tile_n = 2 * tile_n
+  m_iters, n_iters, k_iters = tile_group.shape[0], pl.cdiv(padded_n, cta_tile_n), pl.cdiv(k, BLOCK)
+  if a_scales.shape != (m, k_iters) or b_scales.shape[2] != k_iters:
+    raise ValueError(f"grouped_matmul_fp8: scales {a_scales.shape}, {b_scales.shape} do not "
+                     f"match codes {a_codes.shape}, {b_codes.shape} in blocks of {BLOCK}")
+  row_scales = a_scales.astype(jnp.float32).T  # [Kb, M]: a step's rows contiguous
+  column_scales = _column_block_scales(b_scales.astype(jnp.float32), n_iters)
+  transforms = hopper.smem_transforms(CODE_DTYPE, BLOCK, k)
+  out_transforms = hopper.smem_transforms(out_dtype, epi, padded_n)
+  snake = config.snake()
+
+  def pipeline(body, compute_context, state=None):
+    codes = lambda shape: plgpu.BlockSpec(shape, lambda ki: (0, ki), transforms=transforms,
+                                          memory_space=plgpu.SMEM)
+    scales = lambda shape: plgpu.BlockSpec(shape, lambda ki: (ki, 0), memory_space=plgpu.SMEM)
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_iters,), memory_registers=40,
+        in_specs=[codes((ROW_TILE, BLOCK)), codes((cta_tile_n, BLOCK)),
+                  scales((1, ROW_TILE)), scales((1, _CTA_SCALES))],
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
+        compute_context=compute_context, pipeline_state=state)
+
+  def body(tile_group_gmem, a_gmem, b_gmem, row_scales_gmem, column_scales_gmem, out_gmem):
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(
+            a_gmem, b_gmem.at[0], row_scales_gmem, column_scales_gmem.at[0, 0]),
+        out_smem=plgpu.SMEM((2, 2, epi, epi), out_dtype, transforms=out_transforms),
+        collective_axes="wg")
+    def scope(allocs, out_smem):
+      wg_idx = lax.axis_index("wg")
+
+      def tile_body(tile, height, state):
+        group, n_slice, wg_n_slice = tile.group, tile.columns, tile.wg_columns
+        out_view = tile.row_view(out_gmem, height).at[:, n_slice].at[:, wg_n_slice]
+
+        @pl.when((group < 0) & (wg_idx < 2))
+        def _():
+          hopper.store_tile(jnp.zeros((height, tile_n), jnp.float32), out_smem, out_view,
+                            wg_idx, epi)
+
+        @pl.when(group >= 0)
+        def _():
+          def compute_context(eval_pipeline):
+            acc = eval_pipeline(_zero_accumulator((ROW_TILE, tile_n)))
+            hopper.store_tile(acc, out_smem, out_view, wg_idx, epi)
+
+          def mma(_, a_smem, b_smem, row_scale_smem, column_scale_smem, acc):
+            column_scale = jnp.where(wg_idx == 0, column_scale_smem[0, 0],
+                                     column_scale_smem[0, 1])
+            scale = _load(row_scale_smem.at[0], _ROW_LAYOUT) * column_scale
+            return _scaled_product(acc, a_smem, b_smem.at[wg_n_slice, :],
+                                   lax.broadcast_in_dim(scale, acc.shape, (0,)))
+
+          pipeline(mma, compute_context, state)(
+              a_gmem.at[tile.rows, :], b_gmem.at[group].at[n_slice, :],
+              row_scales_gmem.at[:, tile.rows], column_scales_gmem.at[group, tile.column_tile],
+              allocations=allocs)
+
+      hopper.for_each_tile(tile_body, tile_group_gmem, wg_idx, m_iters=m_iters, n_iters=n_iters,
+                           wg_columns=tile_n, config=snake, tables=(), tile_rows=None)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  call = hopper.kernel_call(body, jax.ShapeDtypeStruct((m, padded_n), out_dtype),
+                            num_sms or hopper.num_sms_here(), name="grouped_matmul_fp8")
+  return call(tile_group, a_codes, b_codes, row_scales, column_scales)[:, :n]
+
+
+def grouped_matmul_fp8_wgrad(a_codes: jax.Array, a_scales: jax.Array, b_codes: jax.Array,
+                             b_scales: jax.Array, group_start: jax.Array,
+                             group_blocks: jax.Array, num_groups: int, *,
+                             config: FP8TileConfig = FP8TileConfig(),
+                             num_sms: int | None = None, out_dtype=jnp.bfloat16) -> jax.Array:
+  """``out[g] = (a * a_scales)[:, rows_g] @ ((b * b_scales)[:, rows_g]).T``.
+
+  Args:
+    a_codes: ``[P, M]`` float8_e4m3fn (the layer's input rows quantized along
+      the rows, transposed), ``M % ROW_TILE == 0``.
+    a_scales: ``[P, M // 128]`` float32, per channel and 128-row block.
+    b_codes: ``[Q, M]`` float8_e4m3fn (the output gradient likewise).
+    b_scales: ``[Q, M // 128]`` float32.
+    group_start: ``[G]`` int32 first row of each group, a multiple of 128.
+    group_blocks: ``[G]`` int32 128-row blocks of each group (0: empty).
+    num_groups: ``G``.
+
+  Returns:
+    ``[G, P, Q]`` in ``out_dtype``, zero for an empty group.
+  """
+  p, q = a_codes.shape[0], b_codes.shape[0]
+  a_codes, b_codes = _pad_axis(a_codes, 0, 16), _pad_axis(b_codes, 0, 16)
+  padded_p, padded_q = a_codes.shape[0], b_codes.shape[0]
+  tile_n, epi = config.tile_n, config.epi_tile
+  cta_tile_n = 2 * tile_n
+  p_iters, q_iters = pl.cdiv(padded_p, ROW_TILE), pl.cdiv(padded_q, cta_tile_n)
+  # [Mb, channels]: a step's scales of a tile's channels contiguous.
+  row_scales = _pad_axis(a_scales.astype(jnp.float32), 0, 16).T
+  column_scales = _pad_axis(b_scales.astype(jnp.float32), 0, 16).T
+  transforms = hopper.smem_transforms(CODE_DTYPE, BLOCK, a_codes.shape[1])
+  out_transforms = hopper.smem_transforms(out_dtype, epi, padded_q)
+  snake = config.snake()
+
+  def pipeline(body, compute_context, steps, first_block):
+    codes = lambda shape: plgpu.BlockSpec(shape, lambda ci: (0, first_block + ci),
+                                          transforms=transforms, memory_space=plgpu.SMEM)
+    scales = lambda shape: plgpu.BlockSpec(shape, lambda ci: (first_block + ci, 0),
+                                           memory_space=plgpu.SMEM)
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(steps,), memory_registers=40,
+        in_specs=[codes((ROW_TILE, BLOCK)), codes((cta_tile_n, BLOCK)),
+                  scales((1, ROW_TILE)), scales((1, cta_tile_n))],
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
+        compute_context=compute_context)
+
+  def body(group_start_gmem, group_blocks_gmem, a_gmem, b_gmem, row_scales_gmem,
+           column_scales_gmem, out_gmem):
+    ignore = lambda *_, **__: None
+    dynamic_one = jnp.int32(1)  # a traced step count, as in the loop
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore, dynamic_one, dynamic_one).get_allocations(
+            a_gmem, b_gmem, row_scales_gmem, column_scales_gmem),
+        out_smem=plgpu.SMEM((2, 2, epi, epi), out_dtype, transforms=out_transforms),
+        collective_axes="wg")
+    def scope(allocs, out_smem):
+      wg_idx = lax.axis_index("wg")
+
+      @plgpu.nd_loop((num_groups, p_iters * q_iters), collective_axes="sm")
+      def _(loop_info):
+        group, index = loop_info.index
+        p_idx, q_idx = hopper.snake_tile(index, p_iters, q_iters, snake)
+        steps = group_blocks_gmem[group]
+        first_block = group_start_gmem[group] // BLOCK
+        p_slice = pl.ds(p_idx * ROW_TILE, ROW_TILE)
+        q_slice = pl.ds(q_idx * cta_tile_n, cta_tile_n)
+        wg_q_slice = pl.ds(wg_idx * tile_n, tile_n)
+        out_view = out_gmem.at[group].at[p_slice, q_slice].at[:, wg_q_slice]
+
+        def compute_context(eval_pipeline):
+          acc = eval_pipeline(_zero_accumulator((ROW_TILE, tile_n)))
+          hopper.store_tile(acc, out_smem, out_view, wg_idx, epi)
+
+        def mma(_, a_smem, b_smem, row_scale_smem, column_scale_smem, acc):
+          rows = _load(row_scale_smem.at[0], _ROW_LAYOUT)
+          columns = _load(column_scale_smem.at[0, wg_q_slice], _COLUMN_LAYOUT)
+          scale = (lax.broadcast_in_dim(rows, acc.shape, (0,))
+                   * lax.broadcast_in_dim(columns, acc.shape, (1,)))
+          return _scaled_product(acc, a_smem, b_smem.at[wg_q_slice, :], scale)
+
+        pipeline(mma, compute_context, steps, first_block)(
+            a_gmem.at[p_slice, :], b_gmem.at[q_slice, :], row_scales_gmem.at[:, p_slice],
+            column_scales_gmem.at[:, q_slice], allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  call = hopper.kernel_call(body, jax.ShapeDtypeStruct((num_groups, padded_p, padded_q),
+                                                       out_dtype),
+                            num_sms or hopper.num_sms_here(), name="grouped_matmul_fp8_wgrad")
+  out = call(group_start, group_blocks, a_codes, b_codes, row_scales, column_scales)
+  return out[:, :p, :q]
