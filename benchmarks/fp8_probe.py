@@ -31,6 +31,10 @@ def timed(fn, *args, iters=20):
   return float(np.median(times))
 
 
+CONFIGS = {"rows4": hopper_fp8.FP8TileConfig(), "rows5": hopper_fp8.FP8TileConfig(max_concurrent_steps=5),
+           "cols3": hopper_fp8.FP8TileConfig(split_rows=False, max_concurrent_steps=3)}
+
+
 def main(out_dir="."):
   rng = np.random.default_rng(0)
   results = []
@@ -44,28 +48,30 @@ def main(out_dir="."):
     sa, sb = jnp.ones((m, kb), jnp.float32), jnp.ones((groups, nb, kb), jnp.float32)
     flops = 2 * m * k * n
     bf16 = jax.jit(lambda a, b, t: hopper.grouped_matmul(a, b, t))
-    fp8 = jax.jit(lambda *x: hopper_fp8.grouped_matmul_fp8(*x))
     t_bf16 = timed(bf16, a, b, tile_group)
-    t_fp8 = timed(fp8, a8, sa, b8t, sb, tile_group)
+    t_fp8s = {name: timed(jax.jit(lambda *x, c=c: hopper_fp8.grouped_matmul_fp8(*x, config=c)),
+                          a8, sa, b8t, sb, tile_group) for name, c in CONFIGS.items()}
+    fp8 = jax.jit(lambda *x: hopper_fp8.grouped_matmul_fp8(*x))
     # wgrad: out[g] [K, N] over the group's rows
     starts = jnp.arange(groups, dtype=jnp.int32) * per_group
     g = jnp.asarray(rng.normal(size=(m, n)), jnp.bfloat16)
     wgrad = jax.jit(lambda a, g, s, c: hopper_wgrad.grouped_matmul_wgrad(a, g, s, c, groups))
     t_wgrad = timed(wgrad, a, g, starts, jnp.full((groups,), per_group // 64, jnp.int32))
     a8t, g8t = a.T.astype(F8), g.T.astype(F8)
-    wgrad8 = jax.jit(lambda *x: hopper_fp8.grouped_matmul_fp8_wgrad(*x, groups))
-    t_wgrad8 = timed(wgrad8, a8t, jnp.ones((k, m // 128), jnp.float32), g8t,
-                     jnp.ones((n, m // 128), jnp.float32), starts,
-                     jnp.full((groups,), per_group // 128, jnp.int32))
+    t_wgrad8s = {name: timed(
+        jax.jit(lambda *x, c=c: hopper_fp8.grouped_matmul_fp8_wgrad(*x, groups, config=c)),
+        a8t, jnp.ones((k, m // 128), jnp.float32), g8t, jnp.ones((n, m // 128), jnp.float32),
+        starts, jnp.full((groups,), per_group // 128, jnp.int32)) for name, c in CONFIGS.items()}
     # Agreement: the same quantized inputs, unit scales, fwd.
     ref = bf16(a8.astype(jnp.bfloat16), jnp.swapaxes(b8t, 1, 2).astype(jnp.bfloat16), tile_group)
     got = fp8(a8, sa, b8t, sb, tile_group)
     err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32)))
                 / jnp.max(jnp.abs(ref.astype(jnp.float32))))
     row = dict(name=name, m=m, k=k, n=n, groups=groups,
-               bf16_ms=t_bf16 * 1e3, fp8_ms=t_fp8 * 1e3,
-               bf16_tflops=flops / t_bf16 / 1e12, fp8_tflops=flops / t_fp8 / 1e12,
-               wgrad_bf16_tflops=flops / t_wgrad / 1e12, wgrad_fp8_tflops=flops / t_wgrad8 / 1e12,
+               bf16_tflops=flops / t_bf16 / 1e12,
+               fp8_tflops={c: flops / t / 1e12 for c, t in t_fp8s.items()},
+               wgrad_bf16_tflops=flops / t_wgrad / 1e12,
+               wgrad_fp8_tflops={c: flops / t / 1e12 for c, t in t_wgrad8s.items()},
                fwd_rel_err_vs_bf16=err)
     print(json.dumps(row), flush=True)
     results.append(row)

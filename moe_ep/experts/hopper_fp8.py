@@ -50,8 +50,10 @@ CODE_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 # has no unswizzled mode): minor sizes are padded to it, a copy of at most
 # 31 columns.
 _CODE_MULTIPLE = 32
-# The column scales of a CTA (two warpgroups) padded to 16 bytes, a TMA box's least.
-_CTA_SCALES = 4
+# The column scales of a CTA (two warpgroups) padded to 128 bytes: each stage
+# of them is a TMA destination, which must start at a multiple of 128 bytes
+# (16-byte stages ran into CUDA_ERROR_MISALIGNED_ADDRESS).
+_CTA_SCALES = 32
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 _COLUMN_LAYOUT = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
@@ -60,28 +62,44 @@ _COLUMN_LAYOUT = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 class FP8TileConfig:
   """Tiles and schedule of the FP8 kernels.
 
+  Each compute warpgroup holds two float32 accumulators of its tile (the sum
+  and the step's fresh products), so its tile is half the bf16 kernels'
+  register budget: ``[128, 128]`` (each accumulator 128 registers a thread)
+  or, with ``split_rows``, ``[64, 128]``.
+
   Attributes:
-    tile_n: output columns per compute warpgroup: one 128-column block of
-      the weights' scales (the CTA's are ``2 * tile_n``).
+    split_rows: the two compute warpgroups take the CTA's rows in halves
+      (a ``[128, 128]`` CTA tile, one block of the weights' scales) rather
+      than its columns (a ``[128, 256]`` CTA tile, two).
     max_concurrent_steps: shared-memory pipeline stages of 128-deep blocks.
     grid_tile_width, grid_minor_dim: the snake order over output tiles.
     epi_tile: side of the square pieces the epilogue stores.
   """
 
-  tile_n: int = BLOCK
-  max_concurrent_steps: int = 3
+  split_rows: bool = True
+  max_concurrent_steps: int = 4
   grid_tile_width: int = 8
   grid_minor_dim: int = 0
   epi_tile: int = 64
 
-  def __post_init__(self):
-    if self.tile_n != BLOCK:
-      raise ValueError(f"FP8TileConfig.tile_n={self.tile_n} must be {BLOCK}: a warpgroup's "
-                       "columns are one block of the weights' scales")
+  @property
+  def wg_rows(self) -> int:
+    return ROW_TILE // 2 if self.split_rows else ROW_TILE
+
+  @property
+  def cta_columns(self) -> int:
+    return BLOCK if self.split_rows else 2 * BLOCK
+
+  def wg_slices(self, wg_idx):
+    """This warpgroup's rows and columns of the CTA's ``[128, cta_columns]`` tile."""
+    if self.split_rows:
+      return pl.ds(wg_idx * self.wg_rows, self.wg_rows), pl.ds(0, BLOCK)
+    return pl.ds(0, ROW_TILE), pl.ds(wg_idx * BLOCK, BLOCK)
 
   def snake(self) -> hopper.TileConfig:
     """The bf16 kernels' config of the same snake order (no clusters)."""
-    return hopper.TileConfig(tile_n=self.tile_n, tile_k=BLOCK, grid_tile_width=self.grid_tile_width,
+    return hopper.TileConfig(tile_n=self.cta_columns // 2, tile_k=BLOCK,
+                             grid_tile_width=self.grid_tile_width,
                              grid_minor_dim=self.grid_minor_dim, epi_tile=self.epi_tile,
                              cluster_columns=1, chain_tiles=False)
 
@@ -110,7 +128,7 @@ def _load(ref, layout):
 
 def _scaled_product(acc, a_smem, b_smem, scale):
   """``acc + (a_smem @ b_smem.T) * scale``: one 128-deep step's wgmma into a
-  fresh float32 accumulator, promoted into ``acc`` (``[128, tile_n]``,
+  fresh float32 accumulator, promoted into ``acc`` (the warpgroup's tile,
   float32) with ``scale`` broadcast to its shape."""
   def product(part_ref):
     plgpu.wgmma(part_ref, a_smem, hopper.transposed(b_smem))
@@ -124,12 +142,13 @@ def _zero_accumulator(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def _column_block_scales(b_scales: jax.Array, n_iters: int) -> jax.Array:
-  """``[G, Nb, Kb]`` -> ``[G, n_iters, Kb, 4]``: for each CTA column tile the
-  two warpgroups' block scales of each step, side by side (zeros past Nb)."""
+def _column_block_scales(b_scales: jax.Array, n_iters: int, per_cta: int) -> jax.Array:
+  """``[G, Nb, Kb]`` -> ``[G, n_iters, Kb, 32]``: for each CTA column tile the
+  ``per_cta`` block scales of its columns at each step, side by side (zeros
+  past Nb and after them)."""
   groups, _, k_blocks = b_scales.shape
-  scales = _pad_axis(b_scales, 1, 2 * n_iters)[:, :2 * n_iters]
-  scales = scales.reshape(groups, n_iters, 2, k_blocks).transpose(0, 1, 3, 2)
+  scales = _pad_axis(b_scales, 1, per_cta * n_iters)[:, :per_cta * n_iters]
+  scales = scales.reshape(groups, n_iters, per_cta, k_blocks).transpose(0, 1, 3, 2)
   return _pad_axis(scales, 3, _CTA_SCALES)
 
 
@@ -157,14 +176,14 @@ def grouped_matmul_fp8(a_codes: jax.Array, a_scales: jax.Array, b_codes: jax.Arr
   b_codes = _pad_axis(_pad_axis(b_codes, 2, _CODE_MULTIPLE), 1, 16)
   m, k = a_codes.shape
   padded_n = b_codes.shape[1]
-  tile_n, epi = config.tile_n, config.epi_tile
-  cta_tile_n = 2 * tile_n
-  m_iters, n_iters, k_iters = tile_group.shape[0], pl.cdiv(padded_n, cta_tile_n), pl.cdiv(k, BLOCK)
+  epi, wg_rows, cta_columns = config.epi_tile, config.wg_rows, config.cta_columns
+  m_iters, n_iters, k_iters = tile_group.shape[0], pl.cdiv(padded_n, cta_columns), pl.cdiv(k, BLOCK)
   if a_scales.shape != (m, k_iters) or b_scales.shape[2] != k_iters:
     raise ValueError(f"grouped_matmul_fp8: scales {a_scales.shape}, {b_scales.shape} do not "
                      f"match codes {a_codes.shape}, {b_codes.shape} in blocks of {BLOCK}")
   row_scales = a_scales.astype(jnp.float32).T  # [Kb, M]: a step's rows contiguous
-  column_scales = _column_block_scales(b_scales.astype(jnp.float32), n_iters)
+  column_scales = _column_block_scales(b_scales.astype(jnp.float32), n_iters,
+                                       cta_columns // BLOCK)
   transforms = hopper.smem_transforms(CODE_DTYPE, BLOCK, k)
   out_transforms = hopper.smem_transforms(out_dtype, epi, padded_n)
   snake = config.snake()
@@ -175,7 +194,7 @@ def grouped_matmul_fp8(a_codes: jax.Array, a_scales: jax.Array, b_codes: jax.Arr
     scales = lambda shape: plgpu.BlockSpec(shape, lambda ki: (ki, 0), memory_space=plgpu.SMEM)
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_iters,), memory_registers=40,
-        in_specs=[codes((ROW_TILE, BLOCK)), codes((cta_tile_n, BLOCK)),
+        in_specs=[codes((ROW_TILE, BLOCK)), codes((cta_columns, BLOCK)),
                   scales((1, ROW_TILE)), scales((1, _CTA_SCALES))],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context, pipeline_state=state)
@@ -191,36 +210,41 @@ def grouped_matmul_fp8(a_codes: jax.Array, a_scales: jax.Array, b_codes: jax.Arr
         collective_axes="wg")
     def scope(allocs, out_smem):
       wg_idx = lax.axis_index("wg")
+      wg_row_slice, wg_column_slice = config.wg_slices(wg_idx)
 
       def tile_body(tile, height, state):
-        group, n_slice, wg_n_slice = tile.group, tile.columns, tile.wg_columns
-        out_view = tile.row_view(out_gmem, height).at[:, n_slice].at[:, wg_n_slice]
+        group = tile.group
+        out_view = (tile.row_view(out_gmem, ROW_TILE).at[:, tile.columns]
+                    .at[wg_row_slice, wg_column_slice])
 
         @pl.when((group < 0) & (wg_idx < 2))
         def _():
-          hopper.store_tile(jnp.zeros((height, tile_n), jnp.float32), out_smem, out_view,
+          hopper.store_tile(jnp.zeros((wg_rows, BLOCK), jnp.float32), out_smem, out_view,
                             wg_idx, epi)
 
         @pl.when(group >= 0)
         def _():
           def compute_context(eval_pipeline):
-            acc = eval_pipeline(_zero_accumulator((ROW_TILE, tile_n)))
+            acc = eval_pipeline(_zero_accumulator((wg_rows, BLOCK)))
             hopper.store_tile(acc, out_smem, out_view, wg_idx, epi)
 
           def mma(_, a_smem, b_smem, row_scale_smem, column_scale_smem, acc):
-            column_scale = jnp.where(wg_idx == 0, column_scale_smem[0, 0],
-                                     column_scale_smem[0, 1])
-            scale = _load(row_scale_smem.at[0], _ROW_LAYOUT) * column_scale
-            return _scaled_product(acc, a_smem, b_smem.at[wg_n_slice, :],
+            column_scale = (column_scale_smem[0, 0] if config.split_rows else
+                            jnp.where(wg_idx == 0, column_scale_smem[0, 0],
+                                      column_scale_smem[0, 1]))
+            scale = _load(row_scale_smem.at[0, wg_row_slice], _ROW_LAYOUT) * column_scale
+            return _scaled_product(acc, a_smem.at[wg_row_slice, :],
+                                   b_smem.at[wg_column_slice, :],
                                    lax.broadcast_in_dim(scale, acc.shape, (0,)))
 
           pipeline(mma, compute_context, state)(
-              a_gmem.at[tile.rows, :], b_gmem.at[group].at[n_slice, :],
+              a_gmem.at[tile.rows, :], b_gmem.at[group].at[tile.columns, :],
               row_scales_gmem.at[:, tile.rows], column_scales_gmem.at[group, tile.column_tile],
               allocations=allocs)
 
       hopper.for_each_tile(tile_body, tile_group_gmem, wg_idx, m_iters=m_iters, n_iters=n_iters,
-                           wg_columns=tile_n, config=snake, tables=(), tile_rows=None)
+                           wg_columns=cta_columns // 2, config=snake, tables=(),
+                           tile_rows=None)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -252,9 +276,8 @@ def grouped_matmul_fp8_wgrad(a_codes: jax.Array, a_scales: jax.Array, b_codes: j
   p, q = a_codes.shape[0], b_codes.shape[0]
   a_codes, b_codes = _pad_axis(a_codes, 0, 16), _pad_axis(b_codes, 0, 16)
   padded_p, padded_q = a_codes.shape[0], b_codes.shape[0]
-  tile_n, epi = config.tile_n, config.epi_tile
-  cta_tile_n = 2 * tile_n
-  p_iters, q_iters = pl.cdiv(padded_p, ROW_TILE), pl.cdiv(padded_q, cta_tile_n)
+  epi, wg_rows, cta_columns = config.epi_tile, config.wg_rows, config.cta_columns
+  p_iters, q_iters = pl.cdiv(padded_p, ROW_TILE), pl.cdiv(padded_q, cta_columns)
   # [Mb, channels]: a step's scales of a tile's channels contiguous.
   row_scales = _pad_axis(a_scales.astype(jnp.float32), 0, 16).T
   column_scales = _pad_axis(b_scales.astype(jnp.float32), 0, 16).T
@@ -269,8 +292,8 @@ def grouped_matmul_fp8_wgrad(a_codes: jax.Array, a_scales: jax.Array, b_codes: j
                                            memory_space=plgpu.SMEM)
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(steps,), memory_registers=40,
-        in_specs=[codes((ROW_TILE, BLOCK)), codes((cta_tile_n, BLOCK)),
-                  scales((1, ROW_TILE)), scales((1, cta_tile_n))],
+        in_specs=[codes((ROW_TILE, BLOCK)), codes((cta_columns, BLOCK)),
+                  scales((1, ROW_TILE)), scales((1, cta_columns))],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context)
 
@@ -287,6 +310,7 @@ def grouped_matmul_fp8_wgrad(a_codes: jax.Array, a_scales: jax.Array, b_codes: j
         collective_axes="wg")
     def scope(allocs, out_smem):
       wg_idx = lax.axis_index("wg")
+      wg_row_slice, wg_column_slice = config.wg_slices(wg_idx)
 
       @plgpu.nd_loop((num_groups, p_iters * q_iters), collective_axes="sm")
       def _(loop_info):
@@ -295,20 +319,20 @@ def grouped_matmul_fp8_wgrad(a_codes: jax.Array, a_scales: jax.Array, b_codes: j
         steps = group_blocks_gmem[group]
         first_block = group_start_gmem[group] // BLOCK
         p_slice = pl.ds(p_idx * ROW_TILE, ROW_TILE)
-        q_slice = pl.ds(q_idx * cta_tile_n, cta_tile_n)
-        wg_q_slice = pl.ds(wg_idx * tile_n, tile_n)
-        out_view = out_gmem.at[group].at[p_slice, q_slice].at[:, wg_q_slice]
+        q_slice = pl.ds(q_idx * cta_columns, cta_columns)
+        out_view = out_gmem.at[group].at[p_slice, q_slice].at[wg_row_slice, wg_column_slice]
 
         def compute_context(eval_pipeline):
-          acc = eval_pipeline(_zero_accumulator((ROW_TILE, tile_n)))
+          acc = eval_pipeline(_zero_accumulator((wg_rows, BLOCK)))
           hopper.store_tile(acc, out_smem, out_view, wg_idx, epi)
 
         def mma(_, a_smem, b_smem, row_scale_smem, column_scale_smem, acc):
-          rows = _load(row_scale_smem.at[0], _ROW_LAYOUT)
-          columns = _load(column_scale_smem.at[0, wg_q_slice], _COLUMN_LAYOUT)
+          rows = _load(row_scale_smem.at[0, wg_row_slice], _ROW_LAYOUT)
+          columns = _load(column_scale_smem.at[0, wg_column_slice], _COLUMN_LAYOUT)
           scale = (lax.broadcast_in_dim(rows, acc.shape, (0,))
                    * lax.broadcast_in_dim(columns, acc.shape, (1,)))
-          return _scaled_product(acc, a_smem, b_smem.at[wg_q_slice, :], scale)
+          return _scaled_product(acc, a_smem.at[wg_row_slice, :],
+                                 b_smem.at[wg_column_slice, :], scale)
 
         pipeline(mma, compute_context, steps, first_block)(
             a_gmem.at[p_slice, :], b_gmem.at[q_slice, :], row_scales_gmem.at[:, p_slice],

@@ -74,13 +74,15 @@ def test_fp8_kernels_lower_for_sizes_off_the_blocks():
   """Both kernels lower to Mosaic GPU, their shared memory within Hopper's,
   for whole and partial blocks (the GPU tests check their values)."""
   S = jax.ShapeDtypeStruct
-  for k, n in SHAPES:
+  for (k, n), split_rows in zip(SHAPES, (True, False, True)):
+    config = hopper_fp8.FP8TileConfig(split_rows=split_rows,
+                                      max_concurrent_steps=4 if split_rows else 3)
     kb, nb, m, g = -(-k // BLOCK), -(-n // BLOCK), 4 * ROW_TILE, 3
     calls = [
-        (lambda *x: hopper_fp8.grouped_matmul_fp8(*x, num_sms=132),
+        (lambda *x: hopper_fp8.grouped_matmul_fp8(*x, num_sms=132, config=config),
          (S((m, k), F8), S((m, kb), jnp.float32), S((g, n, k), F8),
           S((g, nb, kb), jnp.float32), S((m // ROW_TILE,), jnp.int32))),
-        (lambda *x: hopper_fp8.grouped_matmul_fp8_wgrad(*x, g, num_sms=132),
+        (lambda *x: hopper_fp8.grouped_matmul_fp8_wgrad(*x, g, num_sms=132, config=config),
          (S((k, m), F8), S((k, m // BLOCK), jnp.float32), S((n, m), F8),
           S((n, m // BLOCK), jnp.float32), S((g,), jnp.int32), S((g,), jnp.int32))),
     ]
@@ -89,21 +91,22 @@ def test_fp8_kernels_lower_for_sizes_off_the_blocks():
       assert "mosaic_gpu" in text
 
 
-def test_fp8_tile_config_refuses_columns_off_the_scale_blocks():
-  with pytest.raises(ValueError, match="tile_n=64 must be 128"):
-    hopper_fp8.FP8TileConfig(tile_n=64)
-
-
+# The warpgroups splitting the CTA's rows (the default) or its columns.
+CONFIGS = pytest.mark.parametrize(
+    "config", [hopper_fp8.FP8TileConfig(),
+               hopper_fp8.FP8TileConfig(split_rows=False, max_concurrent_steps=3)],
+    ids=["split_rows", "split_columns"])
 needs_hopper = pytest.mark.skipif(not grouped.hopper_available(),
                                   reason="needs a GPU of compute capability 9.0")
 
 
 @pytest.mark.gpu
 @needs_hopper
+@CONFIGS
 @pytest.mark.parametrize("k, n", SHAPES, ids=[f"{k}x{n}" for k, n in SHAPES])
-def test_grouped_matmul_fp8_matches_float64(k, n):
+def test_grouped_matmul_fp8_matches_float64(k, n, config):
   a, sa, b, sb, starts, tile_group = _forward_case(k, n)
-  out = hopper_fp8.grouped_matmul_fp8(a, sa, b, sb, jnp.asarray(tile_group))
+  out = hopper_fp8.grouped_matmul_fp8(a, sa, b, sb, jnp.asarray(tile_group), config=config)
   assert out.shape == (a.shape[0], n) and out.dtype == jnp.bfloat16
   a64 = _as64(a) * _expand(np.asarray(sa), 1, k)
   b64 = _as64(b) * _expand(_expand(np.asarray(sb), 1, n), 2, k)
@@ -120,15 +123,16 @@ def test_grouped_matmul_fp8_matches_float64(k, n):
 
 @pytest.mark.gpu
 @needs_hopper
+@CONFIGS
 @pytest.mark.parametrize("k, n", SHAPES, ids=[f"{k}x{n}" for k, n in SHAPES])
-def test_grouped_matmul_fp8_wgrad_matches_float64(k, n):
+def test_grouped_matmul_fp8_wgrad_matches_float64(k, n, config):
   rng = np.random.default_rng(1)
   starts, tile_group, rows = _layout(SIZES)
   blocks = np.asarray([-(-s // BLOCK) for s in SIZES], np.int32)
   a, sa = _codes(rng, (k, rows)), _scales(rng, (k, rows // BLOCK))
   b, sb = _codes(rng, (n, rows)), _scales(rng, (n, rows // BLOCK))
   out = hopper_fp8.grouped_matmul_fp8_wgrad(a, sa, b, sb, jnp.asarray(starts, jnp.int32),
-                                            jnp.asarray(blocks), len(SIZES))
+                                            jnp.asarray(blocks), len(SIZES), config=config)
   assert out.shape == (len(SIZES), k, n)
   a64 = _as64(a) * _expand(np.asarray(sa), 1, rows)
   b64 = _as64(b) * _expand(np.asarray(sb), 1, rows)
