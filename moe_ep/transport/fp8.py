@@ -50,7 +50,11 @@ pick the faster: ``docs/benchmarks.md``, "Tuning"). The kernels take W from
 An all-zero wire row dequantizes to an all-zero row (codes 0, scales 0), so
 ``expand_rows`` zero fill on the wire is a zero row after unpacking.
 
-These pure-JAX functions run on every platform and are the reference. The
+The scale rule and the quantization in blocks live in :mod:`moe_ep.fp8_blocks`,
+shared with the FP8 expert bank (:mod:`moe_ep.experts.fp8`), which reads the
+codes and scales of the grouped rows straight from the wire rows
+(:func:`unpack_filled_wire`). These pure-JAX functions run on every platform
+and are the reference. The
 CUDA kernels of the same format (``kernels/fp8.cu``, launched by
 :mod:`moe_ep.transport.cupy_backend`, and the peer dispatch that quantizes as it
 sends, ``peer_dispatch_fp8_*``) give the same bytes and values and need
@@ -62,25 +66,22 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from moe_ep import fp8_blocks
 from moe_ep.capacity import round_up
+from moe_ep.fp8_blocks import BLOCK, E4M3_MAX, MIN_SCALE_EXPONENT, NAN_CODE  # noqa: F401
 
-BLOCK = 128
-E4M3_MAX = 448.0
-MIN_SCALE_EXPONENT = -116  # scale floor 2**-116
-NAN_CODE = 0x7F
 INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
 _CODE_ALIGN = 16
 _WIRE_ALIGN = 128  # whole cache lines (see the wire row above)
 _WIRE_LINES_COST = 16  # ... where the padding is under 1/16 of the row
-_MANTISSA_BITS = 3
-_MIN_NORMAL_EXPONENT = -6  # e4m3fn: smallest normal 2**-6, subnormal step 2**-9
+_ROW_BLOCKS = (1, BLOCK)  # one scale per row and 128 channels
 
 
 def num_blocks(hidden: int) -> int:
   """``B = ceil(H / 128)`` scale blocks per row."""
-  return -(-hidden // BLOCK)
+  return fp8_blocks.num_blocks(hidden)
 
 
 def code_bytes(hidden: int) -> int:
@@ -128,33 +129,6 @@ def check_filled(filled: jax.Array, wire: jax.Array) -> None:
                      f"got {filled.dtype} {filled.shape}")
 
 
-def _f32_bits(value: jax.Array) -> jax.Array:
-  return jax.lax.bitcast_convert_type(value, jnp.int32)
-
-
-def _pow2(exponent: jax.Array) -> jax.Array:
-  """``2.0 ** exponent`` in float32 for int32 exponents in [-126, 127], exactly."""
-  return jax.lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)
-
-
-def _scale_exponent(amax: jax.Array) -> jax.Array:
-  """int32 ``max(ceil(log2(amax / 448)), -116)`` of finite ``amax >= 0``, from
-  its bits: with ``amax = m * 2**E``, ``m`` in [1, 2), it is ``E - 8``, plus one
-  where ``m > 1.75`` (448 = 1.75 * 2**8)."""
-  bits = _f32_bits(amax)
-  exponent = (bits >> 23) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
-  return jnp.maximum(exponent, MIN_SCALE_EXPONENT)
-
-
-def _round_to_e4m3_grid(y: jax.Array) -> jax.Array:
-  """Rounds finite float32 ``|y| <= 448`` to the nearest e4m3fn value, ties to
-  even, in float32 arithmetic; the cast to float8 afterwards is exact, so the
-  bits do not depend on how a platform implements that conversion."""
-  exponent = ((_f32_bits(y) >> 23) & 0xFF) - 127
-  ulp_exponent = jnp.maximum(exponent, _MIN_NORMAL_EXPONENT) - _MANTISSA_BITS
-  return jnp.round(y * _pow2(-ulp_exponent)) * _pow2(ulp_exponent)
-
-
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Per-row, per-128-channel FP8 quantization (see the module docstring).
 
@@ -165,18 +139,7 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     ``(codes [N, H] float8_e4m3fn, scales [N, B] float32)``.
   """
   check_rows("x", x)
-  rows, hidden = x.shape
-  blocks = num_blocks(hidden)
-  padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, blocks * BLOCK - hidden)))
-  padded = padded.reshape(rows, blocks, BLOCK)
-  finite = jnp.isfinite(padded).all(axis=2)
-  amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(padded), padded, 0.0)), axis=2)
-  exponent = _scale_exponent(amax)
-  scales = jnp.where(finite, _pow2(exponent), np.float32(np.nan))
-  y = jnp.clip(padded * _pow2(-exponent)[:, :, None], -E4M3_MAX, E4M3_MAX)  # exact
-  grid = jnp.where(finite[:, :, None], _round_to_e4m3_grid(y), np.float32(np.nan))
-  codes = grid.astype(jnp.float8_e4m3fn).reshape(rows, blocks * BLOCK)[:, :hidden]
-  return codes, scales
+  return fp8_blocks.quantize(x, _ROW_BLOCKS)
 
 
 def dequantize_rows(codes: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
@@ -195,8 +158,7 @@ def dequantize_rows(codes: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> 
   if scales.shape != (rows, blocks) or scales.dtype != jnp.float32:
     raise ValueError(f"scales must be [{rows}, {blocks}] float32 for codes {codes.shape}; "
                      f"got {scales.dtype} {scales.shape}")
-  per_channel = jnp.repeat(scales, BLOCK, axis=1, total_repeat_length=blocks * BLOCK)
-  return (codes.astype(jnp.float32) * per_channel[:, :hidden]).astype(dtype)
+  return fp8_blocks.dequantize(codes, scales, _ROW_BLOCKS, dtype)
 
 
 def pack_wire(codes: jax.Array, scales: jax.Array) -> jax.Array:
@@ -229,6 +191,19 @@ def dequantize_wire_rows(wire: jax.Array, hidden: int, dtype, filled: jax.Array)
   check_filled(filled, wire)
   rows = dequantize_rows(*unpack_wire(wire, hidden), dtype)
   return jnp.where(filled[:, None], rows, jnp.zeros((), rows.dtype))
+
+
+def unpack_filled_wire(wire: jax.Array, hidden: int,
+                       filled: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(codes [N, H] float8_e4m3fn, scales [N, B] float32)`` of wire rows
+  (:func:`unpack_wire`), both zero wherever ``filled [N]`` (bool) is False
+  whatever those rows' bytes hold (as :func:`dequantize_wire_rows`): a byte
+  copy, no dequantize, for the FP8 expert bank's first GEMM."""
+  check_filled(filled, wire)
+  codes, scales = unpack_wire(wire, hidden)
+  zero_code = jnp.zeros((), codes.dtype)
+  return (jnp.where(filled[:, None], codes, zero_code),
+          jnp.where(filled[:, None], scales, jnp.zeros((), scales.dtype)))
 
 
 def quantize_pack(x: jax.Array) -> jax.Array:
