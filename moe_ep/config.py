@@ -27,6 +27,10 @@ ACTIVATIONS = ("swiglu", "geglu", "gelu")
 DTYPES = TOKEN_DTYPES  # the layer computes in what the transport moves exactly
 # Where the expert bank's rows sit (MoEConfig.expert_layout).
 EXPERT_LAYOUTS = ("auto", "slabs", "grouped")
+# The expert GEMMs' precision (MoEConfig.expert_precision): None, the compute dtype.
+EXPERT_PRECISIONS = (None, "fp8")
+# Sizes the FP8 bank takes: multiples of 16 (16-byte FP8 rows for the kernels' bulk copies).
+FP8_SIZE_MULTIPLE = 16
 
 # Checkpoint-name groups of RematConfig.save, each expanding to named values.
 REMAT_GROUPS = {
@@ -36,6 +40,7 @@ REMAT_GROUPS = {
     "expert_hidden": ("expert_hidden",),
     "expert_output": ("expert_output",),
     "expert_weights": ("expert_weights",),
+    "expert_fp8": ("expert_fp8.input", "expert_fp8.hidden"),
 }
 REMAT_NAMES = tuple(name for group in REMAT_GROUPS.values() for name in group)
 
@@ -142,7 +147,7 @@ class RematConfig:
   Names are always attached with ``jax.ad_checkpoint.checkpoint_name`` as
   ``f"{prefix}.{name}"``. ``save`` lists groups (``"router"``,
   ``"dispatch"``, ``"combine"``, ``"expert_hidden"``, ``"expert_output"``,
-  ``"expert_weights"``)
+  ``"expert_weights"``, ``"expert_fp8"``)
   or single names (``"dispatch.tokens"``, ``"dispatch.weights"``,
   ``"dispatch.handle"``, ``"dispatch.counts"``, ``"router.scores"``, ...).
   With ``apply=True`` the layer checkpoints its own body with :meth:`policy`;
@@ -160,6 +165,17 @@ class RematConfig:
   copy of this shard's ``w_in`` and ``w_out``, 2 bytes a parameter in bf16)
   spares backward's recomputation the cast from ``param_dtype``, a pass over
   the float32 expert weights per layer.
+
+  With ``MoEConfig.expert_precision="fp8"`` (:mod:`moe_ep.experts.fp8`),
+  ``"expert_weights"`` names the weights quantized once per step (e4m3 codes,
+  their transpose and the 128x128 block scales: 2 bytes a parameter), and
+  ``"expert_fp8"`` the weight gradients' residuals, the column-wise FP8 codes
+  and scales of each GEMM's input (``"expert_fp8.input"``, ``H`` bytes a
+  routed row, and ``"expert_fp8.hidden"``, ``F``: half the bf16 rows).
+  Saving ``"expert_hidden"`` still spares backward both GEMMs;
+  ``"expert_fp8"`` with it also the quantization of the activation, and with
+  ``"dispatch"`` (whose ``"dispatch.tokens"`` is then the FP8 wire rows
+  under an FP8 dispatch) that of the expert input.
 
   >>> RematConfig(save=("dispatch",)).names
   ('moe.dispatch.tokens', 'moe.dispatch.weights', 'moe.dispatch.handle', 'moe.dispatch.counts')
@@ -267,6 +283,17 @@ class MoEConfig:
       ``receive_factor * T * K`` rows (the balanced load times the factor),
       whose overflow is dropped and counted in ``MoEAux.dropped_fraction``.
       One rank always holds every routed row.
+    expert_precision: None (the expert GEMMs run in ``dtype``) or ``"fp8"``:
+      the grouped bank's three GEMMs in block-scaled float8_e4m3fn as
+      DeepSeek-V3 trains them (activations per row and 128 channels,
+      weights per 128x128 block, power-of-two float32 scales, float32
+      accumulation, bf16 outputs; master weights keep ``param_dtype``,
+      quantized once per step): :mod:`moe_ep.experts.fp8`, docs/fp8.md.
+      Needs the grouped layout (``"auto"`` then means grouped),
+      ``dtype="bfloat16"`` (or None with bfloat16 inputs), ``hidden_size``
+      and ``ffn_size`` multiples of 16, and on a GPU compute capability 9.0;
+      CPUs run its pure-JAX reference. With ``dispatch_dtype="float8_e4m3fn"``
+      the dispatched codes and scales feed the first GEMM as they crossed.
   """
 
   hidden_size: int
@@ -297,6 +324,7 @@ class MoEConfig:
   dispatch_dtype: str | None = None
   expert_layout: str = "auto"
   receive_factor: float | None = None
+  expert_precision: str | None = None
 
   def __post_init__(self):
     cls = type(self)
@@ -336,6 +364,22 @@ class MoEConfig:
       fail(self, "remat", "must be a RematConfig")
     object.__setattr__(self, "dispatch_dtype",
                        check_wire_dtype(self.dispatch_dtype, f"{cls.__name__}.dispatch_dtype"))
+    self._check_expert_precision()
+
+  def _check_expert_precision(self):
+    check_choice(self, "expert_precision", EXPERT_PRECISIONS)
+    if self.expert_precision is None:
+      return
+    if self.expert_layout == "slabs":
+      fail(self, "expert_precision", "runs the grouped bank's GEMMs: it needs "
+           "expert_layout='grouped' or 'auto' (then grouped), not expert_layout='slabs'")
+    if self.dtype not in (None, "bfloat16"):
+      fail(self, "expert_precision", f"computes in bfloat16: it needs dtype='bfloat16' or None "
+           f"(bfloat16 inputs), not dtype={self.dtype!r}")
+    for field in ("hidden_size", "ffn_size"):
+      if getattr(self, field) % FP8_SIZE_MULTIPLE:
+        fail(self, "expert_precision", f"needs {field} a multiple of {FP8_SIZE_MULTIPLE} "
+             f"(16-byte FP8 rows); got {field}={getattr(self, field)}")
 
   def _check_groups(self):
     if (self.num_groups is None) != (self.group_top_k is None):

@@ -22,6 +22,7 @@ from moe_ep import router
 from moe_ep import sharding
 from moe_ep.config import DTYPES, MoEConfig
 from moe_ep.experts import bank_layout, expert_mlp, grouped_expert_mlp
+from moe_ep.experts import fp8 as fp8_experts
 from moe_ep.transport import (combine, dispatch, expert_capacity_for, grouped_rows_for,
                               send_capacity_for)
 
@@ -166,21 +167,24 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, mesh, dtype, num_valid: 
       send_capacity=send_capacity_for(*capacity_args, config.capacity_factor),
       checkpoint_name=remat.name("dispatch"), backend=config.transport,
       exchange=config.exchange, mesh=mesh, wire_dtype=config.dispatch_dtype,
-      grouped_rows=grouped_rows)
+      grouped_rows=grouped_rows, fp8_rows=_fp8_dispatch_feed(config))
 
   # Experts, their outputs weighted in float32 for the unweighted combine:
   # through the activation [M, F] where that costs less than a pass over the
   # output [M, H] (moe_ep.experts.activate), else on the output.
   with jax.named_scope(NAMED_SCOPES["experts"]):
     weights = dispatched.weights if _weights_on_activation(config) else None
-    # Cast once here, named: a remat saving "expert_weights" keeps the cast.
-    w_in, w_out = (name("expert_weights", params[key].astype(dtype)) for key in ("w_in", "w_out"))
-    if grouped_rows is None:
-      out = expert_mlp(dispatched.tokens, w_in, w_out, config.activation, name,
-                       row_weights=weights)
+    if config.expert_precision == "fp8":
+      # Quantized once here from the master weights, named: a remat saving
+      # "expert_weights" keeps the codes; the gradient reaches the masters.
+      w_in_fp8, w_out_fp8 = (name("expert_weights", fp8_experts.quantize_weights(params[key]))
+                             for key in ("w_in", "w_out"))
+      out = fp8_experts.fp8_grouped_expert_mlp(
+          dispatched.tokens, dispatched.counts, params["w_in"], params["w_out"], w_in_fp8,
+          w_out_fp8, config.activation, name, row_weights=weights,
+          rows_fp8=dispatched.fp8_tokens)
     else:
-      out = grouped_expert_mlp(dispatched.tokens, dispatched.counts, w_in, w_out,
-                               config.activation, name, row_weights=weights)
+      out = _expert_mlp(config, dtype, name, dispatched, params, grouped_rows, weights)
     if weights is None:
       out = (out.astype(jnp.float32) * dispatched.weights[..., None]).astype(dtype)
 
@@ -198,10 +202,43 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, mesh, dtype, num_valid: 
   return y, aux
 
 
+def _expert_mlp(config: MoEConfig, dtype, name, dispatched, params: dict,
+                grouped_rows: int | None, weights: jax.Array | None) -> jax.Array:
+  """The bank in the compute dtype: on slabs, or on the grouped layout."""
+  # Cast once here, named: a remat saving "expert_weights" keeps the cast.
+  w_in, w_out = (name("expert_weights", params[key].astype(dtype)) for key in ("w_in", "w_out"))
+  if grouped_rows is None:
+    return expert_mlp(dispatched.tokens, w_in, w_out, config.activation, name,
+                      row_weights=weights)
+  return grouped_expert_mlp(dispatched.tokens, dispatched.counts, w_in, w_out,
+                            config.activation, name, row_weights=weights)
+
+
 def _grouped_layout(config: MoEConfig, dtype) -> bool:
-  """Whether the expert bank runs on the grouped layout (``expert_layout``)."""
+  """Whether the expert bank runs on the grouped layout (``expert_layout``;
+  always with FP8 GEMMs)."""
+  if config.expert_precision is not None:
+    return True
   return bank_layout(config.expert_layout, dtype, config.hidden_size,
                      config.ffn_size) == "grouped"
+
+
+def _fp8_dispatch_feed(config: MoEConfig) -> bool:
+  """Whether the FP8 dispatch's codes and scales feed the FP8 bank's first GEMM."""
+  return config.expert_precision == "fp8" and config.dispatch_dtype is not None
+
+
+def _check_expert_precision(config: MoEConfig, dtype) -> None:
+  """The FP8 bank's call-time rules: bfloat16 compute, a GPU of compute
+  capability 9.0 where there is a GPU."""
+  if config.expert_precision is None:
+    return
+  if jnp.dtype(dtype) != jnp.bfloat16:
+    raise ValueError(
+        f"MoEConfig.expert_precision={config.expert_precision!r} computes in bfloat16, but "
+        f"MoEConfig.dtype=None computes in the input's dtype {jnp.dtype(dtype).name}: cast x "
+        f"to bfloat16 or set MoEConfig.dtype='bfloat16'")
+  fp8_experts.check_device()
 
 
 def _real_rows(layout: _ShardLayout, num_tokens: int, num_valid: int) -> jax.Array | None:
@@ -445,6 +482,7 @@ class ExpertParallelMoE(nnx.Module):
     if x.ndim < 1 or x.shape[-1] != config.hidden_size:
       raise ValueError(f"x must be [..., hidden_size={config.hidden_size}]; got shape {x.shape}")
     dtype = _compute_dtype(config, x)
+    _check_expert_precision(config, dtype)
     num_valid = math.prod(x.shape[:-1])
     if num_valid == 0:  # nothing routed, nothing to exchange
       return self._output(jnp.zeros(x.shape, x.dtype), _zero_aux(config.num_experts))

@@ -77,6 +77,11 @@ class Dispatched(NamedTuple):
     counts: ``[L]`` int32 rows kept per local expert.
     demand: ``[L]`` int32 rows routed to each local expert before any drop,
       across all source ranks.
+    fp8_tokens: None, or (a dispatch asked for them: ``fp8_rows``) the
+      grouped rows as they crossed on the FP8 wire, ``(codes [M, H]
+      float8_e4m3fn, scales [M, ceil(H / 128)] float32)``, zero on rows no
+      member fills: ``tokens`` is their dequantization. Not differentiable
+      (the gradient reaches the tokens through ``tokens``).
   """
 
   tokens: jax.Array
@@ -84,3 +89,4 @@ class Dispatched(NamedTuple):
   handle: RoutingHandle
   counts: jax.Array
   demand: jax.Array
+  fp8_tokens: tuple[jax.Array, jax.Array] | None = None

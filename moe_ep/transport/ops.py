@@ -36,10 +36,14 @@ def _dispatch_forward(plan: DispatchPlan, tokens, topk_idx, topk_weights) -> Dis
     if plan.dispatch_row_path == "one_launch":
       handle, slab_values, slab_weights, counts, demand = row_paths.dispatch_in_one_launch(
           plan, tokens, topk_idx, topk_weights)
+      fp8_tokens = None
     else:
       handle, slab_weights, counts, demand = row_paths.routing(plan, topk_idx, topk_weights)
-      to_slabs = row_paths.rows_to_slabs_fp8 if plan.wire_dtype else row_paths.rows_to_slabs
-      slab_values = to_slabs(plan, tokens, handle)
+      if plan.fp8_rows:
+        slab_values, fp8_tokens = row_paths.rows_to_grouped_fp8(plan, tokens, handle)
+      else:
+        to_slabs = row_paths.rows_to_slabs_fp8 if plan.wire_dtype else row_paths.rows_to_slabs
+        slab_values, fp8_tokens = to_slabs(plan, tokens, handle), None
   # Names go on the outputs here, inside the forward rule, so they also mark
   # the residual (the handle) that the backward rule reads.
   # The FP8 path names its FP8 slabs (the smaller residual) itself.
@@ -49,6 +53,7 @@ def _dispatch_forward(plan: DispatchPlan, tokens, topk_idx, topk_weights) -> Dis
       handle=plan.name("handle", handle),
       counts=plan.name("counts", counts),
       demand=demand,
+      fp8_tokens=fp8_tokens,
   )
 
 
@@ -140,7 +145,8 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
              num_experts: int, expert_capacity: int, axis_name=None,
              send_capacity: int | None = None, checkpoint_name: str | None = None,
              backend: str = "auto", exchange: str = "auto", mesh=None,
-             wire_dtype: str | None = None, grouped_rows: int | None = None) -> Dispatched:
+             wire_dtype: str | None = None, grouped_rows: int | None = None,
+             fp8_rows: bool = False) -> Dispatched:
   """Sends each token's rows to the experts it is routed to.
 
   Call it per rank inside ``shard_map`` over the EP mesh axis ``axis_name``
@@ -197,6 +203,12 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
       contiguous from a multiple of ``ROW_TILE`` on
       (:mod:`~moe_ep.transport.receive_grouped`); ``expert_capacity`` still caps each
       expert, and rows past ``M`` are dropped and counted like capacity drops.
+    fp8_rows: with ``wire_dtype="float8_e4m3fn"`` and ``grouped_rows``, also
+      return the grouped rows as they crossed, e4m3 codes and their scales
+      (``Dispatched.fp8_tokens``), for a consumer that multiplies FP8 rows
+      (:mod:`moe_ep.experts.fp8`) without a dequantize and a requantize; the
+      FP8 rows land as FP8 slabs then, named ``"tokens"`` (see
+      ``wire_dtype``), also without ``checkpoint_name``.
 
   Returns:
     :class:`Dispatched`: ``tokens [L, C, H]`` (grouped ``[M, H]``), ``weights
@@ -231,6 +243,12 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
   if grouped_rows is not None and positive_int("grouped_rows", grouped_rows) % ROW_TILE:
     raise ValueError(f"grouped_rows={grouped_rows} must be a multiple of {ROW_TILE} "
                      "(the grouped GEMM's row tile); see grouped_rows_for")
+  if not isinstance(fp8_rows, bool):
+    raise ValueError(f"fp8_rows={fp8_rows!r} must be a bool")
+  if fp8_rows and (wire_dtype is None or grouped_rows is None):
+    raise ValueError(f"fp8_rows=True returns the FP8 wire's grouped rows: it needs "
+                     f"wire_dtype='float8_e4m3fn' and grouped_rows; got wire_dtype={wire_dtype!r}, "
+                     f"grouped_rows={grouped_rows!r}")
   topk_idx, topk_weights = merge_duplicate_routes(valid_ids(topk_idx, num_experts),
                                                    topk_weights)
   plan = plan_dispatch(num_experts=num_experts, ep_size=ep_size,
@@ -240,7 +258,7 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
                        wire_dtype=wire_dtype,
                        grouped_rows=None if grouped_rows is None else int(grouped_rows),
                        checkpoint_name=checkpoint_name,
-                       weight_dtype=jnp.dtype(topk_weights.dtype).name)
+                       weight_dtype=jnp.dtype(topk_weights.dtype).name, fp8_rows=fp8_rows)
   return _dispatch(plan, tokens, topk_idx, topk_weights)
 
 

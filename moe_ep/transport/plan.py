@@ -78,6 +78,8 @@ class DispatchPlan:
     weight_dtype: the dtype name of dispatch's routing weights (the weight
       gradient's).
     checkpoint_name: the prefix of the names remat policies see, or None.
+    fp8_rows: an FP8 dispatch into the grouped layout that also returns the
+      rows' codes and scales as they crossed (:attr:`fp8_slabs` then holds).
   """
 
   num_experts: int
@@ -98,6 +100,7 @@ class DispatchPlan:
   wire_dtype: str | None = None
   weight_dtype: str = "float32"
   checkpoint_name: str | None = None
+  fp8_rows: bool = False
 
   def __post_init__(self):
     for field, value, allowed in (("exchange", self.exchange, ("all_to_all", "peer")),
@@ -122,8 +125,9 @@ class DispatchPlan:
   def fp8_slabs(self) -> bool:
     """Whether dispatch lands FP8 slabs ``[L, C, W]`` (named
     ``"{checkpoint_name}.tokens"``, so remat saves them) and dequantizes
-    them after, rather than dequantizing each received row into its slabs."""
-    return self.wire_dtype is not None and self.checkpoint_name is not None
+    them after, rather than dequantizing each received row into its slabs
+    (also where they are returned as codes and scales, :attr:`fp8_rows`)."""
+    return self.wire_dtype is not None and (self.checkpoint_name is not None or self.fp8_rows)
 
   def on_all_to_all(self) -> "DispatchPlan":
     """This plan (``R > 1``) on XLA's ``all_to_all``: a fused peer launch's
@@ -235,7 +239,7 @@ def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_
                   top_k: int, hidden: int, row_dtype, axis_name, backend: str = "auto",
                   exchange: str = "auto", mesh=None, wire_dtype: str | None = None,
                   grouped_rows: int | None = None, checkpoint_name: str | None = None,
-                  weight_dtype: str = "float32") -> DispatchPlan:
+                  weight_dtype: str = "float32", fp8_rows: bool = False) -> DispatchPlan:
   """The plan of one dispatch (and of its backward) at these sizes, as
   :func:`~moe_ep.transport.dispatch` resolves it: every path chosen here,
   the backend resolved now (a missing CuPy fails at trace time).
@@ -250,6 +254,7 @@ def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_
       (``exchange="auto"`` resolved by :func:`resolve_exchange`).
     weight_dtype: the dtype of the routing weights dispatch differentiates
       (float32 after :func:`~moe_ep.transport.ops.merge_duplicate_routes`).
+    fp8_rows: as for :func:`~moe_ep.transport.dispatch`.
 
   Returns:
     :class:`DispatchPlan`.
@@ -260,7 +265,7 @@ def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_
   on_peer = resolved == "peer"
   dtype = jnp.dtype(row_dtype)
   local_experts = num_experts // ep_size
-  fp8_slabs = wire_dtype is not None and checkpoint_name is not None
+  fp8_slabs = wire_dtype is not None and (checkpoint_name is not None or fp8_rows)
   if _one_launch(on_peer, dtype, hidden, ep_size, send_capacity, top_k, local_experts,
                  expert_capacity, wire_dtype, grouped_rows):
     dispatch_row_path = "one_launch"
@@ -276,7 +281,7 @@ def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_
       dispatch_row_path=dispatch_row_path,
       combine_row_path=_combine_row_path(on_peer, dtype, hidden, ep_size, top_k),
       mesh=mesh, grouped_rows=grouped_rows, wire_dtype=wire_dtype, weight_dtype=weight_dtype,
-      checkpoint_name=checkpoint_name)
+      checkpoint_name=checkpoint_name, fp8_rows=fp8_rows)
   plan.ops
   return plan
 

@@ -203,6 +203,31 @@ def rows_to_slabs_fp8(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle
                                       dtype=rows.dtype).reshape(shape)
 
 
+def rows_to_grouped_fp8(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle):
+  """An FP8 dispatch into the grouped layout that also returns the rows as
+  they crossed (``plan.fp8_rows``): ``rows [T, H]`` -> ``(grouped [M, H] in
+  rows.dtype, (codes [M, H] float8_e4m3fn, scales [M, B] float32))``.
+
+  The wire rows land as FP8 slabs (:func:`rows_to_fp8_slabs`, named
+  ``"{checkpoint_name}.tokens"`` where the plan has a name); the codes and
+  scales are their bytes unpacked (a copy, on every backend and exchange:
+  no kernel), zero on rows no member fills, for the FP8 expert bank's first
+  GEMM; the grouped rows are the backend's ``dequantize_filled_rows`` of
+  them (bitwise those of :func:`rows_to_slabs_fp8`), which carry the
+  tokens' gradient and which a consumer of the codes alone leaves unread
+  (XLA drops the pass)."""
+  if not plan.fp8_rows:
+    raise ValueError("rows_to_grouped_fp8 needs the plan of an FP8 dispatch into the grouped "
+                     "layout with fp8_rows=True (plan_dispatch)")
+  hidden = rows.shape[-1]
+  fp8_slabs = plan.name("tokens", rows_to_fp8_slabs(plan, rows, handle))
+  wire = fp8_slabs.reshape(-1, fp8_slabs.shape[-1])
+  filled = receive_slabs.filled(handle)
+  grouped = plan.ops.dequantize_filled_rows(wire, filled, hidden=hidden, dtype=rows.dtype)
+  return (grouped.reshape(receive_slabs.output_shape(handle, hidden)),
+          fp8.unpack_filled_wire(wire, hidden, filled))
+
+
 def rows_to_fp8_slabs(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
   """``rows [T, H]`` -> FP8 slabs ``[L, C, W]`` uint8 (the wire rows of the
   slab rows; padding rows all-zero bytes, or unwritten where the peer kernel
