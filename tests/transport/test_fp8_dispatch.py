@@ -189,6 +189,69 @@ def test_named_fp8_slabs_dequantize_to_the_fused_receive_bitwise(ep_size, dtype)
     np.testing.assert_array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))
 
 
+@functools.cache
+def grouped_dispatch(ep_size: int, wire_dtype, fp8_rows: bool):
+  """jit of ``(tokens, idx, weights, cotangent [R * M, H]) -> (Dispatched,
+  token_grad)`` into the grouped layout on a 1 x ``ep_size`` CPU mesh."""
+  from moe_ep.row_groups import grouped_rows_for  # noqa: PLC0415
+  mesh = make_mesh((1, ep_size), ("dp", "ep"))
+  axis = "ep" if ep_size > 1 else None
+  rows = grouped_rows_for(TOKENS, TOP_K, NUM_EXPERTS, ep_size)
+
+  def body(tokens, idx, weights):
+    return dispatch(tokens, idx, weights, num_experts=NUM_EXPERTS,
+                    expert_capacity=slab_shape(ep_size)[1], axis_name=axis, backend="xla",
+                    exchange="all_to_all", wire_dtype=wire_dtype, grouped_rows=rows,
+                    fp8_rows=fp8_rows)
+
+  sharded = jax.shard_map(body, mesh=mesh, in_specs=P(("dp", "ep")), out_specs=P(("dp", "ep")))
+
+  def loss(tokens, idx, weights, cotangent):
+    out = sharded(tokens, idx, weights)
+    return jnp.vdot(out.tokens.astype(jnp.float32), cotangent), out
+
+  return jax.jit(lambda t, i, w, c: jax.grad(loss, has_aux=True)(t, i, w, c)[::-1]), rows
+
+
+@pytest.mark.parametrize("ep_size", [1, 4])
+def test_grouped_fp8_rows_are_the_wire_codes_and_scales(ep_size):
+  """``fp8_rows=True``: the grouped rows come back as they crossed, the
+  codes and scales of each plain grouped row quantized (NumPy reference),
+  zero on rows no member fills; the dequantized rows, their gradient and
+  everything else are bit for bit the FP8 dispatch's without them."""
+  tokens, idx, weights = problem(3, ep_size, jnp.bfloat16)
+  plain_run, rows = grouped_dispatch(ep_size, None, False)
+  cotangent = np.random.default_rng(4).normal(size=(ep_size * rows, HIDDEN)).astype(np.float32)
+  (plain, _), (fp8_out, fp8_grad), (fed, fed_grad) = (
+      grouped_dispatch(ep_size, wire, fed)[0](tokens, idx, weights, cotangent)
+      for wire, fed in ((None, False), (FP8, False), (FP8, True)))
+  assert fp8_out.fp8_tokens is None
+  for a, b in zip(jax.tree.leaves((fed.tokens, fed.weights, fed.handle, fed.counts, fed_grad)),
+                  jax.tree.leaves((fp8_out.tokens, fp8_out.weights, fp8_out.handle,
+                                   fp8_out.counts, fp8_grad))):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  codes, scales = fed.fp8_tokens
+  assert codes.dtype == jnp.float8_e4m3fn and codes.shape == (ep_size * rows, HIDDEN)
+  assert scales.dtype == jnp.float32 and scales.shape == (ep_size * rows, 2)
+  want_codes, want_scales = reference_quantize(np.asarray(plain.tokens, np.float32))
+  filled = np.asarray(plain.handle.slab_row) >= 0
+  np.testing.assert_array_equal(np.asarray(codes).view(np.uint8)[filled], want_codes[filled])
+  np.testing.assert_array_equal(np.asarray(scales)[filled], want_scales[filled])
+  assert not np.asarray(codes).view(np.uint8)[~filled].any()
+  assert not np.asarray(scales)[~filled].any() and (~filled).any()
+
+
+def test_fp8_rows_need_an_fp8_wire_into_the_grouped_layout():
+  tokens, idx, weights = problem(0, 1, jnp.bfloat16)
+  call = functools.partial(dispatch, tokens, idx, weights, num_experts=NUM_EXPERTS,
+                           expert_capacity=8, fp8_rows=True)
+  with pytest.raises(ValueError, match=r"fp8_rows=True .* needs wire_dtype='float8_e4m3fn' "
+                                       r"and grouped_rows"):
+    call(grouped_rows=256)
+  with pytest.raises(ValueError, match=r"grouped_rows=None"):
+    call(wire_dtype=FP8)
+
+
 def test_bad_wire_dtype_and_tokens_are_named():
   tokens, idx, weights = problem(0, 1, jnp.float32)
   call = functools.partial(dispatch, num_experts=NUM_EXPERTS, expert_capacity=8)
