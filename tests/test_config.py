@@ -62,6 +62,17 @@ BASE = dict(hidden_size=8, ffn_size=16, num_experts=8, top_k=2)
     (dict(ep_axis=""), r"MoEConfig.ep_axis='' must be a non-empty string"),
     (dict(batch_axes=("dp", 3)), r"MoEConfig.batch_axes=\('dp', 3\) must be a string or a "
      r"sequence of strings"),
+    # FP8 expert GEMMs: the grouped bank, bf16, sizes of 16.
+    (dict(expert_precision="fp16"), r"MoEConfig.expert_precision='fp16' must be one of "
+     r"\(None, 'fp8'\)"),
+    (dict(expert_precision="fp8", expert_layout="slabs"),
+     r"MoEConfig.expert_precision='fp8' .* not expert_layout='slabs'"),
+    (dict(expert_precision="fp8", dtype="float32"),
+     r"MoEConfig.expert_precision='fp8' computes in bfloat16: it needs dtype='bfloat16' or None"),
+    (dict(expert_precision="fp8", hidden_size=24),
+     r"MoEConfig.expert_precision='fp8' needs hidden_size a multiple of 16"),
+    (dict(expert_precision="fp8", hidden_size=16, ffn_size=24),
+     r"MoEConfig.expert_precision='fp8' needs ffn_size a multiple of 16"),
 ])
 def test_bad_moe_config_names_field_and_rule(overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -172,3 +183,13 @@ return_aux: false
     assert from_dict(MoEConfig, {**data, "dtype": name}).dtype == name
   with pytest.raises(ValueError, match=r"MoEConfig.return_aux='no' must be a bool"):
     from_dict(MoEConfig, {**data, "return_aux": "no"})
+
+
+def test_expert_precision_is_appended_and_round_trips():
+  """Appended after the fields before it, so positional construction keeps
+  them; None by default."""
+  names = [f.name for f in dataclasses.fields(MoEConfig)]
+  assert names.index("expert_precision") > names.index("receive_factor")
+  assert MoEConfig(**BASE).expert_precision is None
+  config = MoEConfig(**{**BASE, "hidden_size": 16}, expert_precision="fp8", dtype="bfloat16")
+  assert from_dict(MoEConfig, to_dict(config)) == config
