@@ -46,18 +46,11 @@ import jax
 import jax.numpy as jnp
 
 from moe_ep import fp8_blocks, row_groups, sharding
-from moe_ep.experts import grouped
+from moe_ep.experts import grouped, hopper_fp8
 from moe_ep.experts.grouped import GroupTiles, check_implementation, group_tiles
 from moe_ep.experts.slabs import Namer, _no_name, activate
 from moe_ep.fp8_blocks import BLOCK
 from moe_ep.row_groups import ROW_TILE
-
-try:  # the Hopper kernels come from another branch; the merge makes this a plain import
-  import moe_ep.experts.hopper_fp8 as hopper_fp8
-except ModuleNotFoundError as error:
-  if error.name != "moe_ep.experts.hopper_fp8":
-    raise
-  hopper_fp8 = None
 
 # FP8 rows must start on 16 bytes for the kernels' bulk copies (TMA).
 SIZE_MULTIPLE = 16
@@ -180,11 +173,6 @@ def grouped_matmul_fp8_wgrad(a_codes: jax.Array, a_scales: jax.Array, b_codes: j
 # --- which implementation runs ------------------------------------------------
 
 
-def kernels_available() -> bool:
-  """Whether the Hopper FP8 kernels run here (a GPU of compute capability 9.0)."""
-  return hopper_fp8 is not None and grouped.hopper_available()
-
-
 def check_device() -> None:
   """ValueError on a GPU that is not of compute capability 9.0: the FP8
   bank never falls back to bf16 there. CPUs run the pure-JAX path."""
@@ -205,12 +193,9 @@ def _uses_kernels(implementation: str) -> bool:
     if not grouped.hopper_available():
       raise ValueError("implementation='hopper' needs a CUDA GPU of compute capability 9.0 "
                        "(H100, H200); use 'auto' or 'xla'")
-    if hopper_fp8 is None:
-      raise ValueError("implementation='hopper': the Hopper FP8 kernels "
-                       "(moe_ep.experts.hopper_fp8) are not in this build; use 'xla'")
     return True
   check_device()
-  return kernels_available()
+  return grouped.hopper_available()
 
 
 def _forward(implementation, a_codes, a_scales, b_codes, b_scales, tile_group):
@@ -231,7 +216,8 @@ def _wgrad(implementation, a_codes, a_scales, b_codes, b_scales, tiles: GroupTil
     return jax.lax.platform_dependent(
         a_codes, a_scales, b_codes, b_scales, tiles.group_start, group_blocks,
         cuda=lambda a, sa, b, sb, start, blocks: sharding.vary_like(
-            hopper_fp8.grouped_matmul_fp8_wgrad(a, sa, b, sb, start, blocks, num_groups), a, b),
+            hopper_fp8.grouped_matmul_fp8_wgrad(a, sa, b, sb, start, blocks, num_groups,
+                                                out_dtype=jnp.float32), a, b),
         default=lambda *args: grouped_matmul_fp8_wgrad(*args, num_groups))
   return grouped_matmul_fp8_wgrad(a_codes, a_scales, b_codes, b_scales, tiles.group_start,
                                   group_blocks, num_groups)

@@ -4,6 +4,7 @@ math, the custom rule's gradients, the bank against the bf16 bank, rows fed
 as FP8, remat and the refusals."""
 
 import itertools
+import re
 import types
 
 import jax
@@ -14,7 +15,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 from moe_ep import row_groups
-from moe_ep.experts import fp8, grouped
+from moe_ep.experts import fp8, grouped, hopper
 from moe_ep.row_groups import ROW_TILE
 
 # Empty groups, a group of one row, sizes off and on the row tile.
@@ -368,3 +369,27 @@ def test_a_gpu_other_than_hopper_is_refused_not_run_in_bf16(monkeypatch):
     fp8.fp8_grouped_expert_mlp(rows, counts, w_in, w_out, fp8.quantize_weights(w_in),
                                fp8.quantize_weights(w_out), "swiglu", row_weights=weights)
   assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("hidden, ffn", [(144, 208), (2880, 1408)])
+def test_bank_and_its_gradients_lower_to_the_hopper_kernels(hidden, ffn, monkeypatch):
+  """Lowered for CUDA where the kernels apply ("auto" on a GPU of compute
+  capability 9.0), the bank's two forward GEMMs, two input gradients and
+  two weight gradients are Mosaic GPU kernels (partial 128-blocks
+  included); none runs as a ragged dot."""
+  monkeypatch.setattr(grouped, "hopper_available", lambda: True)
+  monkeypatch.setattr(hopper, "num_sms_here", lambda: 132)
+  rows, groups = 4 * ROW_TILE, 3
+  S = jax.ShapeDtypeStruct
+  counts = jnp.asarray([130, 0, 200], jnp.int32)
+
+  def loss(r, a, b):
+    out = fp8.fp8_grouped_expert_mlp(r, counts, a, b, fp8.quantize_weights(a),
+                                     fp8.quantize_weights(b), "swiglu")
+    return jnp.sum(out.astype(jnp.float32))
+
+  args = (S((rows, hidden), jnp.bfloat16), S((groups, hidden, 2 * ffn), jnp.float32),
+          S((groups, ffn, hidden), jnp.float32))
+  text = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 6 and "ragged_dot" not in text
