@@ -32,7 +32,7 @@ SMOKE = {
                     grouped_shapes=(((256, 2, 64, 32, 4), {}),)),
     "layer": dict(hidden=64, ffn=32, num_experts=4, top_k=2, tokens=256, seq=64,
                   backend="xla", iters=2, matmul_size=128),
-    "models": dict(shapes={"tiny": (256, 2, 64, 40, 4)}, iters=2, rounds=2, backend="xla"),
+    "models": dict(shapes={"tiny": (256, 2, 64, 48, 4)}, iters=2, rounds=2, backend="xla"),
     "ep": dict(token_counts=(64,), expert_counts=(8,), hidden=32, backend="xla", iters=2),
     "remat": dict(hidden=64, ffn=64, num_experts=8, batch=8, seq=16, num_layers=2, backend="xla",
                   iters=2),
@@ -82,12 +82,13 @@ def main(argv=None) -> None:
   parser.add_argument("--model", action="append", default=[], metavar="SHAPE",
                       help="models: time only this model's shape (repeatable; default all: "
                            "qwen3_30b_a3b, olmoe_1b_7b, mixtral_8x7b, mixtral_8x22b, "
-                           "deepseek_v2_lite, gpt_oss_20b, deepseek_v3), so that a run fits "
+                           "deepseek_v2_lite, gpt_oss_20b, phi_3_5_moe, deepseek_v3), so that a run fits "
                            "a time limit")
   parser.add_argument("--bank-option", action="append", default=None, metavar="SUFFIX",
                       help="models: time the banks with only these of their options beside the "
                            "defaults (repeatable; default all: _align64, _cluster2, "
-                           "_align64_cluster2, _tile_by_tile, _wgrad_tile_by_tile; none: no option)")
+                           "_align64_cluster2, _tile_by_tile, _wgrad_tile_by_tile, _fp8; none: no "
+                           "option)")
   args = parser.parse_args(argv)
   distributed.initialize_from_env()  # a no-op unless started by moe_ep.launch
   unknown = sorted(set(args.names) - set(BENCHMARKS) - {"all"})

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_ep.bench import common, experts, layer
-from moe_ep.experts import bank_layout, grouped_expert_mlp, hopper, hopper_wgrad
+from moe_ep.experts import bank_layout, fp8, grouped_expert_mlp, hopper, hopper_wgrad
 from moe_ep.experts.grouped import fuses_activation_by_default
 from moe_ep.row_groups import grouped_rows_for
 
@@ -48,6 +48,7 @@ SHAPES = {
     "mixtral_8x22b": (16384, 2, 6144, 16384, 8),
     "deepseek_v2_lite": (16384, 6, 2048, 1408, 64),
     "gpt_oss_20b": (16384, 4, 2880, 2880, 32),
+    "phi_3_5_moe": (16384, 2, 4096, 6400, 16),
     "deepseek_v3": (8192, 8, 7168, 2048, 256),
 }
 LOADS = ("zipf", "skewed")
@@ -57,11 +58,14 @@ LOADS = ("zipf", "skewed")
 NO_LAYER = ("deepseek_v3",)
 # The bank also with these options against the defaults in the same rounds:
 # half tiles, clusters of two CTAs along the columns, tiles not chained, the
-# weight gradient's tiles not chained.
+# weight gradient's tiles not chained, and the three GEMMs in block-scaled FP8
+# (MoEConfig.expert_precision="fp8": the weights quantized once per step,
+# inside the timed step, as the layer does).
 BANK_OPTIONS = {"_align64": dict(group_align=64), "_cluster2": dict(cluster_columns=2),
                 "_align64_cluster2": dict(group_align=64, cluster_columns=2),
                 "_tile_by_tile": dict(chain_tiles=False),
-                "_wgrad_tile_by_tile": dict(chain_wgrad=False)}
+                "_wgrad_tile_by_tile": dict(chain_wgrad=False),
+                "_fp8": dict(precision="fp8")}
 
 
 def dense_call(rows: int, hidden: int, ffn: int) -> tuple:
@@ -83,20 +87,26 @@ def bank_call(tokens: int, top_k: int, num_experts: int, load: str, w_in: jax.Ar
               w_out: jax.Array, fuse_activation: bool | None = None,
               group_align: int | None = None, cluster_columns: int | None = None,
               chain_tiles: bool | None = None,
-              chain_wgrad: bool | None = None) -> tuple[tuple, dict]:
+              chain_wgrad: bool | None = None,
+              precision: str | None = None) -> tuple[tuple, dict]:
   """The grouped bank over groups of ``load`` sizes, its activation fused
   into the GEMMs or not, its groups on whole or half tiles (``group_align``,
   default the layout's), its kernels in clusters of ``cluster_columns``
   (default :data:`hopper.CLUSTER_COLUMNS`), their tiles chained or not
   (default :data:`hopper.CHAIN_TILES`) and the weight gradient's too
-  (default :data:`hopper_wgrad.CHAIN_TILES`): ``(fn, args)`` and its facts."""
+  (default :data:`hopper_wgrad.CHAIN_TILES`), its GEMMs in FP8 with
+  ``precision="fp8"`` (:mod:`moe_ep.experts.fp8`): ``(fn, args)`` and its facts."""
   routed, hidden = tokens * top_k, w_in.shape[1]
   sizes = experts.group_sizes(routed, num_experts, load)
   counts = jnp.asarray(sizes)
   rows = experts.grouped_rows(sizes, grouped_rows_for(tokens, top_k, num_experts, 1), hidden,
                               seed=3, align=group_align)
-  mlp = experts.fwd_bwd(lambda x, a, b: grouped_expert_mlp(
-      x, counts, a, b, "swiglu", fuse_activation=fuse_activation, group_align=group_align))
+  if precision == "fp8":
+    mlp = experts.fwd_bwd(lambda x, a, b: fp8.fp8_grouped_expert_mlp(
+        x, counts, a, b, fp8.quantize_weights(a), fp8.quantize_weights(b), "swiglu"))
+  else:
+    mlp = experts.fwd_bwd(lambda x, a, b: grouped_expert_mlp(
+        x, counts, a, b, "swiglu", fuse_activation=fuse_activation, group_align=group_align))
   chosen = {(hopper, "CLUSTER_COLUMNS"): cluster_columns, (hopper, "CHAIN_TILES"): chain_tiles,
             (hopper_wgrad, "CHAIN_TILES"): chain_wgrad}
   mlp = _traced_with(mlp, {k: v for k, v in chosen.items() if v is not None})

@@ -137,7 +137,7 @@ def test_model_shapes_take_each_bank_ratio_round_by_round_beside_the_chain(smoke
   assert sorted(banks) == sorted(f"grouped_{load}{suffix}" for load in ("zipf", "skewed")
                                  for suffix in ("", "_unfused", "_align64", "_cluster2",
                                                 "_align64_cluster2", "_tile_by_tile",
-                                                "_wgrad_tile_by_tile"))  # F < 2H: fused
+                                                "_wgrad_tile_by_tile", "_fp8"))  # F < 2H: fused
   layers = ["layer_dropless", "layer_cf1.0_slabs"]
   for name in ["dense", *banks, *layers]:
     method = methods[name]
