@@ -27,6 +27,9 @@ ACTIVATIONS = ("swiglu", "geglu", "gelu")
 DTYPES = TOKEN_DTYPES  # the layer computes in what the transport moves exactly
 # Where the expert bank's rows sit (MoEConfig.expert_layout).
 EXPERT_LAYOUTS = ("auto", "slabs", "grouped")
+# How group-limited routing scores a group (MoEConfig.group_score): DeepSeek-V3's
+# sum of its two best experts, or DeepSeek-V2's best expert.
+GROUP_SCORES = ("top2_sum", "max")
 
 # Checkpoint-name groups of RematConfig.save, each expanding to named values.
 REMAT_GROUPS = {
@@ -225,7 +228,7 @@ class MoEConfig:
     z_loss_coeff: router z-loss coefficient.
     activation: ``"swiglu"``, ``"geglu"`` or ``"gelu"``.
     num_shared_experts: always-on experts, one dense MLP of width
-      ``num_shared_experts * ffn_size``.
+      ``num_shared_experts * ffn_size`` (or ``shared_ffn_size``).
     capacity_factor: None = dropless; a float sizes both the expert slabs and
       the per-destination send chunks (see ``expert_capacity_for``).
     expert_capacity: rows per expert slab; overrides the factor's slab size.
@@ -267,6 +270,16 @@ class MoEConfig:
       ``receive_factor * T * K`` rows (the balanced load times the factor),
       whose overflow is dropped and counted in ``MoEAux.dropped_fraction``.
       One rank always holds every routed row.
+    group_score: how group-limited routing scores a group: ``"top2_sum"``
+      (the default, DeepSeek-V3's ``noaux_tc``: the sum of its two best
+      selection scores) or ``"max"`` (DeepSeek-V2's
+      ``group_limited_greedy``: its best one).
+    shared_ffn_size: the shared experts' MLP width; None (the default) means
+      ``num_shared_experts * ffn_size``. Needs ``num_shared_experts >= 1``
+      (Qwen2-MoE's ``shared_expert_intermediate_size``).
+    shared_expert_gate: scale the shared experts' output per token by
+      ``sigmoid(x @ shared_gate)``, a learned ``[H, 1]`` parameter
+      (Qwen2-MoE). Needs ``num_shared_experts >= 1``.
   """
 
   hidden_size: int
@@ -297,6 +310,9 @@ class MoEConfig:
   dispatch_dtype: str | None = None
   expert_layout: str = "auto"
   receive_factor: float | None = None
+  group_score: str = "top2_sum"
+  shared_ffn_size: int | None = None
+  shared_expert_gate: bool = False
 
   def __post_init__(self):
     cls = type(self)
@@ -322,6 +338,7 @@ class MoEConfig:
     if self.receive_factor is not None:
       check_number(self, "receive_factor", 0.0, strict=True)
     self._check_groups()
+    self._check_shared()
     if not isinstance(self.ep_axis, str) or not self.ep_axis:
       fail(self, "ep_axis", "must be a non-empty string")
     _as_tuple_of_str(self, "batch_axes")
@@ -338,6 +355,7 @@ class MoEConfig:
                        check_wire_dtype(self.dispatch_dtype, f"{cls.__name__}.dispatch_dtype"))
 
   def _check_groups(self):
+    check_choice(self, "group_score", GROUP_SCORES)
     if (self.num_groups is None) != (self.group_top_k is None):
       fail(self, "num_groups",
            f"and group_top_k={self.group_top_k!r} must both be set or both be None")
@@ -352,6 +370,20 @@ class MoEConfig:
     selectable = self.group_top_k * (self.num_experts // self.num_groups)
     if self.top_k > selectable:
       fail(self, "top_k", f"must be <= group_top_k * experts per group = {selectable}")
+
+  def _check_shared(self):
+    check_int(self, "shared_ffn_size", 1, optional=True)
+    check_bool(self, "shared_expert_gate")
+    for field in ("shared_ffn_size", "shared_expert_gate"):
+      if getattr(self, field) not in (None, False) and not self.num_shared_experts:
+        fail(self, field, "needs num_shared_experts >= 1 (it shapes the shared experts)")
+
+  @property
+  def shared_width(self) -> int:
+    """``F_s``, the shared experts' MLP width (0 without shared experts)."""
+    if self.shared_ffn_size is not None:
+      return self.shared_ffn_size
+    return self.num_shared_experts * self.ffn_size
 
   @property
   def num_input_projections(self) -> int:
