@@ -105,10 +105,10 @@ def v2_group_rules_disagree(model, reference) -> bool:
   return False
 
 
-def write(out: pathlib.Path, model_type: str) -> pathlib.Path:
-  """Writes ``out/<model_type>/`` (see the module docstring); returns it.
-  DeepSeek-V2's seed is the first whose tokens tell its group rule from V3's."""
-  seed = 0
+def write(out: pathlib.Path, model_type: str, seed: int = 0) -> pathlib.Path:
+  """Writes ``out/<model_type>/`` (see the module docstring) from ``seed``;
+  returns it. DeepSeek-V2's seed is the first from ``seed`` on whose tokens
+  tell its group rule from V3's."""
   model, reference = build(model_type, seed)
   while model_type == "deepseek_v2" and not v2_group_rules_disagree(model, reference):
     seed += 1
