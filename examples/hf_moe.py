@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
   from moe_ep.interop import HFInteropError  # noqa: PLC0415
   try:
     lines = run(args)
-  except (HFInteropError, ValueError) as error:
+  except (HFInteropError, ValueError, OSError) as error:  # HFInteropError: input; OSError: files
     print(f"hf_moe: error: {error}", file=sys.stderr, flush=True)
     return 2
   for line in lines:

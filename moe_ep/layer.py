@@ -131,9 +131,9 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, mesh, dtype, num_valid: 
 
   ``params`` holds this shard's slices: ``router [H, E]``, ``w_in [L, H, n*F]``,
   ``w_out [L, F, H]``, optionally ``expert_bias [E]``, ``shared_w_in [H, n*F_s]``,
-  ``shared_w_out [F_s, H]``, ``shared_gate [H, 1]``. The global rows from ``num_valid`` on are padding:
-  routed nowhere and counted nowhere. ``mesh`` is the layer's (for the peer
-  exchange).
+  ``shared_w_out [F_s, H]``, ``shared_gate [H, 1]``. The global rows from
+  ``num_valid`` on are padding: routed nowhere and counted nowhere. ``mesh``
+  is the layer's (for the peer exchange).
   """
   num_tokens = tokens.shape[0]
   remat = config.remat

@@ -47,6 +47,11 @@ SUPPORTED = tuple(FAMILIES)
 # Families with a router that is no softmax/sigmoid top-k (PhiMoE's
 # sparsemixer) or experts laid out otherwise (GraniteMoE's input_linear):
 # refused, not approximated.
+# The MoEConfig fields a family's config decides: overrides may not set them.
+FAMILY_FIELDS = ("hidden_size", "ffn_size", "num_experts", "top_k", "score_function",
+                 "normalize_top_k", "routed_scaling", "num_groups", "group_top_k", "group_score",
+                 "use_expert_bias", "activation", "num_shared_experts", "shared_ffn_size",
+                 "shared_expert_gate")
 _REFUSED = {"phimoe": "its sparsemixer router is not a top-k of softmax or sigmoid scores",
             "granitemoe": "its experts (input_linear/output_linear) are not mapped yet"}
 
@@ -118,10 +123,10 @@ def config_from_hf(hf_config: dict, **overrides) -> MoEConfig:
       fields.update(num_shared_experts=1, shared_ffn_size=shared, shared_expert_gate=True)
   else:
     fields.update(_deepseek_fields(hf_config))
-  unknown = set(overrides) & set(fields) - {"activation"}
-  if unknown:
-    raise HFInteropError(f"overrides {sorted(unknown)} would change the {model_type} layer's "
-                         "math; they come from the config")
+  fixed = sorted(set(overrides) & set(FAMILY_FIELDS))
+  if fixed:
+    raise HFInteropError(f"overrides {fixed} would change the {model_type} layer's routing or "
+                         "shapes, which come from its config.json")
   try:
     return MoEConfig(**fields, **overrides)
   except (TypeError, ValueError) as error:

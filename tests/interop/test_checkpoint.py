@@ -20,7 +20,7 @@ from conftest import make_mesh
 from hf_fixtures import (FIXTURES, block_prefix, checkpoint_tensors, fused_tensors, hf_config,
                          reference)
 from hf_worker import experts_read
-from moe_ep.interop import HFInteropError, layer_params, load_checkpoint
+from moe_ep.interop import HFInteropError, layer_params, load_checkpoint, to_hf
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # float32 on both sides (see test_convert.py's REL_TOL).
@@ -83,9 +83,13 @@ def test_stacked_layers_get_the_leading_axis_and_match_one_by_one(tmp_path):
   stacked = loaded.layers
   assert stacked.w_in[...].shape == (2, 4, 16, 24)
   assert stacked.w_in[...].sharding.spec == jax.sharding.PartitionSpec(None, "ep", None, None)
-  for position, i in enumerate(loaded.moe_layers):
+  config = hf_config("mixtral")
+  for position, (i, prefix) in enumerate(zip(loaded.moe_layers, loaded.prefixes)):
     for key, value in layer_params(one_each.layers[i]).items():
       np.testing.assert_array_equal(layer_params(stacked, position)[key], value, err_msg=key)
+    written = to_hf(stacked, config, prefix, index=position)
+    for name, value in to_hf(one_each.layers[i], config, prefix).items():
+      np.testing.assert_array_equal(written[name], value, err_msg=name)
 
   @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
   def run(layer, h):

@@ -85,8 +85,9 @@ def test_a_missing_size_is_named():
 def test_overrides_reach_moeconfig_but_not_the_family_math():
   config = config_from_hf(fixture_config("olmoe"), param_dtype="bfloat16", capacity_factor=2.0)
   assert (config.param_dtype, config.capacity_factor) == ("bfloat16", 2.0)
-  with pytest.raises(HFInteropError, match="normalize_top_k"):
-    config_from_hf(fixture_config("olmoe"), normalize_top_k=True)
+  for field in ("normalize_top_k", "num_groups", "group_score", "shared_expert_gate"):
+    with pytest.raises(HFInteropError, match=f"overrides \\['{field}'\\] would change"):
+      config_from_hf(fixture_config("olmoe"), **{field: None})
 
 
 @pytest.mark.parametrize("config, moe, dense", [
