@@ -92,7 +92,8 @@ def matmul_params_per_token(config: Config) -> dict[str, int]:
       "dense_mlp": (model.num_layers - moe_layers) * 3 * width * model.mlp_size,
       "router": moe_layers * width * moe.num_experts,
       "experts": moe_layers * moe.top_k * expert_matrices,
-      "shared_experts": moe_layers * moe.num_shared_experts * expert_matrices,
+      "shared_experts": (moe_layers * (moe.num_input_projections + 1) * width * moe.shared_width
+                         + moe_layers * width * moe.shared_expert_gate),
       "unembed": width * model.vocab_size,
   }
 

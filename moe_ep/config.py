@@ -31,6 +31,9 @@ EXPERT_LAYOUTS = ("auto", "slabs", "grouped")
 EXPERT_PRECISIONS = (None, "fp8")
 # Sizes the FP8 bank takes: multiples of 16 (16-byte FP8 rows for the kernels' bulk copies).
 FP8_SIZE_MULTIPLE = 16
+# How group-limited routing scores a group (MoEConfig.group_score): DeepSeek-V3's
+# sum of its two best experts, or DeepSeek-V2's best expert.
+GROUP_SCORES = ("top2_sum", "max")
 
 # Checkpoint-name groups of RematConfig.save, each expanding to named values.
 REMAT_GROUPS = {
@@ -241,7 +244,7 @@ class MoEConfig:
     z_loss_coeff: router z-loss coefficient.
     activation: ``"swiglu"``, ``"geglu"`` or ``"gelu"``.
     num_shared_experts: always-on experts, one dense MLP of width
-      ``num_shared_experts * ffn_size``.
+      ``num_shared_experts * ffn_size`` (or ``shared_ffn_size``).
     capacity_factor: None = dropless; a float sizes both the expert slabs and
       the per-destination send chunks (see ``expert_capacity_for``).
     expert_capacity: rows per expert slab; overrides the factor's slab size.
@@ -294,6 +297,16 @@ class MoEConfig:
       and ``ffn_size`` multiples of 16, and on a GPU compute capability 9.0;
       CPUs run its pure-JAX reference. With ``dispatch_dtype="float8_e4m3fn"``
       the dispatched codes and scales feed the first GEMM as they crossed.
+    group_score: how group-limited routing scores a group: ``"top2_sum"``
+      (the default, DeepSeek-V3's ``noaux_tc``: the sum of its two best
+      selection scores) or ``"max"`` (DeepSeek-V2's
+      ``group_limited_greedy``: its best one).
+    shared_ffn_size: the shared experts' MLP width; None (the default) means
+      ``num_shared_experts * ffn_size``. Needs ``num_shared_experts >= 1``
+      (Qwen2-MoE's ``shared_expert_intermediate_size``).
+    shared_expert_gate: scale the shared experts' output per token by
+      ``sigmoid(x @ shared_gate)``, a learned ``[H, 1]`` parameter
+      (Qwen2-MoE). Needs ``num_shared_experts >= 1``.
   """
 
   hidden_size: int
@@ -325,6 +338,9 @@ class MoEConfig:
   expert_layout: str = "auto"
   receive_factor: float | None = None
   expert_precision: str | None = None
+  group_score: str = "top2_sum"
+  shared_ffn_size: int | None = None
+  shared_expert_gate: bool = False
 
   def __post_init__(self):
     cls = type(self)
@@ -350,6 +366,7 @@ class MoEConfig:
     if self.receive_factor is not None:
       check_number(self, "receive_factor", 0.0, strict=True)
     self._check_groups()
+    self._check_shared()
     if not isinstance(self.ep_axis, str) or not self.ep_axis:
       fail(self, "ep_axis", "must be a non-empty string")
     _as_tuple_of_str(self, "batch_axes")
@@ -382,6 +399,7 @@ class MoEConfig:
              f"(16-byte FP8 rows); got {field}={getattr(self, field)}")
 
   def _check_groups(self):
+    check_choice(self, "group_score", GROUP_SCORES)
     if (self.num_groups is None) != (self.group_top_k is None):
       fail(self, "num_groups",
            f"and group_top_k={self.group_top_k!r} must both be set or both be None")
@@ -396,6 +414,20 @@ class MoEConfig:
     selectable = self.group_top_k * (self.num_experts // self.num_groups)
     if self.top_k > selectable:
       fail(self, "top_k", f"must be <= group_top_k * experts per group = {selectable}")
+
+  def _check_shared(self):
+    check_int(self, "shared_ffn_size", 1, optional=True)
+    check_bool(self, "shared_expert_gate")
+    for field in ("shared_ffn_size", "shared_expert_gate"):
+      if getattr(self, field) not in (None, False) and not self.num_shared_experts:
+        fail(self, field, "needs num_shared_experts >= 1 (it shapes the shared experts)")
+
+  @property
+  def shared_width(self) -> int:
+    """``F_s``, the shared experts' MLP width (0 without shared experts)."""
+    if self.shared_ffn_size is not None:
+      return self.shared_ffn_size
+    return self.num_shared_experts * self.ffn_size
 
   @property
   def num_input_projections(self) -> int:

@@ -132,9 +132,9 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, mesh, dtype, num_valid: 
 
   ``params`` holds this shard's slices: ``router [H, E]``, ``w_in [L, H, n*F]``,
   ``w_out [L, F, H]``, optionally ``expert_bias [E]``, ``shared_w_in [H, n*F_s]``,
-  ``shared_w_out [F_s, H]``. The global rows from ``num_valid`` on are padding:
-  routed nowhere and counted nowhere. ``mesh`` is the layer's (for the peer
-  exchange).
+  ``shared_w_out [F_s, H]``, ``shared_gate [H, 1]``. The global rows from
+  ``num_valid`` on are padding: routed nowhere and counted nowhere. ``mesh``
+  is the layer's (for the peer exchange).
   """
   num_tokens = tokens.shape[0]
   remat = config.remat
@@ -149,7 +149,7 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, mesh, dtype, num_valid: 
         logits, top_k=config.top_k, score_function=config.score_function,
         normalize_top_k=config.normalize_top_k, routed_scaling=config.routed_scaling,
         num_groups=config.num_groups, group_top_k=config.group_top_k,
-        expert_bias=params.get("expert_bias"), name=name)
+        group_score=config.group_score, expert_bias=params.get("expert_bias"), name=name)
   if real is not None:
     routing = routing._replace(
         topk_idx=jnp.where(real[:, None], routing.topk_idx, -1),
@@ -194,8 +194,12 @@ def _moe_shard(config: MoEConfig, layout: _ShardLayout, mesh, dtype, num_valid: 
                                      exchange=config.exchange, mesh=mesh))
   if "shared_w_in" in params:
     with jax.named_scope(NAMED_SCOPES["shared_experts"]):
-      y = y + expert_mlp(tokens[None], params["shared_w_in"][None],
-                         params["shared_w_out"][None], config.activation)[0]
+      shared = expert_mlp(tokens[None], params["shared_w_in"][None],
+                          params["shared_w_out"][None], config.activation)[0]
+      if "shared_gate" in params:  # Qwen2-MoE: a per-token sigmoid gate on the shared output
+        gate = jax.nn.sigmoid(tokens @ params["shared_gate"].astype(dtype))
+        shared = shared * gate
+      y = y + shared
 
   aux = _aux(config, layout, routing, logits, kept=dispatched.counts.sum(), real=real,
              num_valid=num_valid)
@@ -409,10 +413,12 @@ class ExpertParallelMoE(nnx.Module):
       self.expert_bias = ExpertBias(
           sharding.replicated(jnp.zeros((experts,), jnp.float32), self.mesh))
     if config.num_shared_experts:
-      shared = config.num_shared_experts * ffn
+      shared = config.shared_width
       self.shared_w_in = self._param(rngs, _scaled_init(0), (hidden, n_in * shared),
                                      (None, None))
       self.shared_w_out = self._param(rngs, _scaled_init(0), (shared, hidden), (None, None))
+    if config.shared_expert_gate:
+      self.shared_gate = self._param(rngs, _scaled_init(0), (hidden, 1), (None, None))
     if not config.return_aux:
       self.latest_aux = LatestAux()  # empty: the first call sows into it
 
@@ -466,6 +472,8 @@ class ExpertParallelMoE(nnx.Module):
     if self.config.num_shared_experts:
       params["shared_w_in"] = self.shared_w_in[...]
       params["shared_w_out"] = self.shared_w_out[...]
+    if self.config.shared_expert_gate:
+      params["shared_gate"] = self.shared_gate[...]
     return params
 
   def __call__(self, x: jax.Array, *, rngs: nnx.Rngs | None = None,

@@ -10,8 +10,9 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-# DeepSeek-V3 scores a group by the sum of its best two experts.
-_EXPERTS_PER_GROUP_SCORE = 2
+# DeepSeek-V3 scores a group by the sum of its best two experts
+# (MoEConfig.group_score "top2_sum"), DeepSeek-V2 by its best one ("max").
+_EXPERTS_PER_GROUP_SCORE = {"top2_sum": 2, "max": 1}
 
 
 class Routing(NamedTuple):
@@ -38,15 +39,20 @@ def scores_from_logits(logits: jax.Array, score_function: str) -> jax.Array:
   raise ValueError(f"score_function={score_function!r} must be 'softmax' or 'sigmoid'")
 
 
-def group_limited_mask(selection: jax.Array, num_groups: int, group_top_k: int) -> jax.Array:
+def group_limited_mask(selection: jax.Array, num_groups: int, group_top_k: int,
+                       group_score: str = "top2_sum") -> jax.Array:
   """``[T, E]`` bool: experts inside each token's best ``group_top_k`` groups.
 
   A group's score is the sum of its two best selection scores (its best one
-  when a group holds a single expert).
+  when a group holds a single expert) with ``group_score="top2_sum"``, its
+  best one with ``"max"``.
   """
+  if group_score not in _EXPERTS_PER_GROUP_SCORE:
+    raise ValueError(f"group_score={group_score!r} must be one of "
+                     f"{tuple(_EXPERTS_PER_GROUP_SCORE)}")
   num_tokens, num_experts = selection.shape
   grouped = selection.reshape(num_tokens, num_groups, num_experts // num_groups)
-  best = jax.lax.top_k(grouped, min(_EXPERTS_PER_GROUP_SCORE, grouped.shape[-1]))[0]
+  best = jax.lax.top_k(grouped, min(_EXPERTS_PER_GROUP_SCORE[group_score], grouped.shape[-1]))[0]
   _, top_groups = jax.lax.top_k(best.sum(axis=-1), group_top_k)  # [T, group_top_k]
   group_chosen = jnp.zeros((num_tokens, num_groups), bool).at[
       jnp.arange(num_tokens)[:, None], top_groups].set(True)
@@ -60,7 +66,7 @@ def _no_name(_: str, value):
 def route(logits: jax.Array, *, top_k: int, score_function: str = "softmax",
           normalize_top_k: bool = True, routed_scaling: float = 1.0,
           num_groups: int | None = None, group_top_k: int | None = None,
-          expert_bias: jax.Array | None = None,
+          group_score: str = "top2_sum", expert_bias: jax.Array | None = None,
           name: Callable[[str, jax.Array], jax.Array] = _no_name) -> Routing:
   """Selects ``top_k`` experts per token.
 
@@ -69,6 +75,7 @@ def route(logits: jax.Array, *, top_k: int, score_function: str = "softmax",
 
   Args:
     logits: ``[T, E]`` router logits.
+    group_score: how a group is scored (see :func:`group_limited_mask`).
     expert_bias: ``[E]`` or None.
     name: attaches checkpoint names ``router.scores``, ``router.topk_idx``,
       ``router.topk_weights``.
@@ -82,7 +89,7 @@ def route(logits: jax.Array, *, top_k: int, score_function: str = "softmax",
     selection = selection + jax.lax.stop_gradient(expert_bias.astype(jnp.float32))
   selection = jax.lax.stop_gradient(selection)
   if num_groups is not None:
-    mask = group_limited_mask(selection, num_groups, group_top_k)
+    mask = group_limited_mask(selection, num_groups, group_top_k, group_score)
     selection = jnp.where(mask, selection, -jnp.inf)
   _, topk_idx = jax.lax.top_k(selection, top_k)
   topk_idx = name("router.topk_idx", topk_idx.astype(jnp.int32))

@@ -21,8 +21,10 @@ import numpy as np
 
 from reference import kept_routes
 
-# DeepSeek-V3: a group scores the sum of its best two experts' selection scores.
+# DeepSeek-V3: a group scores the sum of its best two experts' selection
+# scores (MoEConfig.group_score "top2_sum"); DeepSeek-V2 its best one ("max").
 GROUP_SCORE_EXPERTS = 2
+GROUP_SCORE_EXPERTS_OF = {"top2_sum": 2, "max": 1}
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -171,7 +173,7 @@ def reference_layer(config, params: dict, x, *, num_shards: int, ep_size: int,
     config: a ``MoEConfig`` (read field by field).
     params: global arrays ``router [H, E]``, ``w_in [E, H, n*F]`` (gate then
       up), ``w_out [E, F, H]``, and where configured ``expert_bias [E]``,
-      ``shared_w_in [H, n*F_s]``, ``shared_w_out [F_s, H]``.
+      ``shared_w_in [H, n*F_s]``, ``shared_w_out [F_s, H]``, ``shared_gate [H, 1]``.
     num_shards: shards of the batch (product of the batch axes' sizes and the
       EP axis size); ep_size: ``R``.
     send_capacity_override: replay the drop with another ``S`` (tests use it
@@ -192,7 +194,8 @@ def reference_layer(config, params: dict, x, *, num_shards: int, ep_size: int,
   selection = scores.copy()
   if config.use_expert_bias:
     selection = selection + _rounded(params["expert_bias"], np.float32)
-  topk_idx, margin = select_experts(selection, top_k, config.num_groups, config.group_top_k)
+  topk_idx, margin = select_experts(selection, top_k, config.num_groups, config.group_top_k,
+                                    GROUP_SCORE_EXPERTS_OF[config.group_score])
   weights = np.take_along_axis(scores, topk_idx, axis=1)
   if config.normalize_top_k:
     weights = weights / weights.sum(axis=1, keepdims=True)
@@ -228,8 +231,11 @@ def reference_layer(config, params: dict, x, *, num_shards: int, ep_size: int,
         expert = topk_idx[t, k]
         y[t] += weights[t, k] * _mlp(tokens[t], w_in[expert], w_out[expert], config.activation)
   if config.num_shared_experts:
-    y += _mlp(tokens, _rounded(params["shared_w_in"], compute_dtype),
-              _rounded(params["shared_w_out"], compute_dtype), config.activation)
+    shared = _mlp(tokens, _rounded(params["shared_w_in"], compute_dtype),
+                  _rounded(params["shared_w_out"], compute_dtype), config.activation)
+    if config.shared_expert_gate:  # Qwen2-MoE: sigmoid(x @ gate) scales each token's share
+      shared = shared / (1.0 + np.exp(-(tokens @ _rounded(params["shared_gate"], compute_dtype))))
+    y += shared
 
   # Batch-global statistics and losses (Switch style, over the real tokens).
   routes = num_valid * top_k

@@ -90,7 +90,7 @@ def test_importing_a_module_leaves_the_core_unloaded(module, kept_out):
   assert result.stdout.strip() == "[]", result.stdout
 
 
-@pytest.mark.parametrize("face", ["moe_ep", "moe_ep.transport"])
+@pytest.mark.parametrize("face", ["moe_ep", "moe_ep.transport", "moe_ep.interop"])
 def test_a_lazy_face_states_its_exports_as_imports(face):
   """A face that loads its names on first use (moe_ep.lazy) lists the same
   names, from the same modules, as imports under ``TYPE_CHECKING``: what a

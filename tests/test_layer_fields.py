@@ -75,7 +75,8 @@ def set_value(variable, value) -> None:
 
 # Fan-in axis of each parameter: values are drawn N(0, 1 / fan_in) like the
 # layer's own initialiser.
-FAN_IN_AXIS = {"router": 0, "w_in": -2, "w_out": -2, "shared_w_in": 0, "shared_w_out": 0}
+FAN_IN_AXIS = {"router": 0, "w_in": -2, "w_out": -2, "shared_w_in": 0, "shared_w_out": 0,
+               "shared_gate": 0}
 
 
 def make_layer(cfg: MoEConfig, *, seed: int = 0, skew: float = 0.0, bias_scale: float = 0.0,
@@ -227,6 +228,15 @@ def test_group_limited_routing(score_function, num_groups, group_top_k, bias_sca
       assert (np.sort(wrong, 1) != chosen).any(), wrong_rule
 
 
+def test_group_score_max_of_deepseek_v2():
+  """Groups of 4, one chosen, top-2 inside it: the group with the best expert
+  (V2's group_limited_greedy) is not always the one with the best pair."""
+  top2, best = check_field(config(num_groups=2, group_top_k=1),
+                           config(num_groups=2, group_top_k=1, group_score="max"))
+  assert (np.sort(top2.topk_idx, 1) != np.sort(best.topk_idx, 1)).any()
+  assert far_apart(top2.y, best.y)
+
+
 def test_aux_and_z_loss_coefficients():
   base, other = check_field(config(), config(aux_loss_coeff=0.0, z_loss_coeff=0.01))
   assert far_apart(base.aux_loss, 0.0) and other.aux_loss == 0.0
@@ -266,6 +276,24 @@ def test_num_shared_experts():
   layer = make_layer(config(num_shared_experts=2))
   assert layer.shared_w_out[...].shape == (2 * FFN, HIDDEN)
   assert far_apart(routed.y, shared.y)
+
+
+def test_shared_ffn_size():
+  """Qwen2-MoE's shared expert has a width of its own."""
+  default, wide = check_field(config(num_shared_experts=1),
+                              config(num_shared_experts=1, shared_ffn_size=40))
+  layer = make_layer(config(num_shared_experts=1, shared_ffn_size=40))
+  assert layer.shared_w_in[...].shape == (HIDDEN, 2 * 40)
+  assert layer.shared_w_out[...].shape == (40, HIDDEN)
+  assert far_apart(default.y, wide.y)
+
+
+def test_shared_expert_gate():
+  plain, gated = check_field(config(num_shared_experts=1),
+                             config(num_shared_experts=1, shared_expert_gate=True))
+  assert make_layer(config(num_shared_experts=1, shared_expert_gate=True)
+                    ).shared_gate[...].shape == (HIDDEN, 1)
+  assert far_apart(plain.y, gated.y)
 
 
 # --- capacity ----------------------------------------------------------------

@@ -46,6 +46,24 @@ def test_group_limited_routing():
     assert list(np.asarray(out.topk_idx[t])) == best
 
 
+def test_group_limited_routing_by_the_best_expert_of_each_group():
+  """DeepSeek-V2's group_limited_greedy (group_score="max"): 8 experts in 2
+  groups of 4; each token keeps the group holding its best expert and picks
+  its top 3 inside it."""
+  rng = np.random.default_rng(3)
+  logits = rng.normal(size=(40, 8)).astype(np.float32)
+  out = router.route(jnp.asarray(logits), top_k=3, score_function="softmax", num_groups=2,
+                     group_top_k=1, group_score="max")
+  by_sum = router.route(jnp.asarray(logits), top_k=3, score_function="softmax", num_groups=2,
+                        group_top_k=1)
+  scores = softmax(logits)
+  for t in range(40):
+    group = int(np.argmax(scores[t]) // 4)
+    best = sorted(range(4 * group, 4 * group + 4), key=lambda e: -scores[t, e])[:3]
+    assert list(np.asarray(out.topk_idx[t])) == best
+  assert (np.asarray(out.topk_idx) != np.asarray(by_sum.topk_idx)).any()  # the rules differ here
+
+
 def test_bias_changes_selection_not_weights():
   rng = np.random.default_rng(2)
   logits = rng.normal(size=(16, 8)).astype(np.float32)
