@@ -28,6 +28,10 @@ import json
 import shlex
 import subprocess
 
+if not __package__:  # run as a file: python examples/ablate.py (examples/script_form.py)
+  import script_form
+  script_form.checkout_first()
+
 from examples import plots, pretrain
 from examples.mesh import CPU_DEVICES, request_cpu_devices
 from examples.run_control import SIGNAL_EXIT_CODES, Interrupted, NonFiniteStep

@@ -16,6 +16,10 @@ import math
 import pathlib
 import sys
 
+if not __package__:  # run as a file: python examples/hf_moe.py (examples/script_form.py)
+  import script_form
+  script_form.checkout_first()
+
 REFERENCE_FILE = "moe_reference.safetensors"
 
 

@@ -45,6 +45,10 @@ import time
 
 import jax
 
+if not __package__:  # run as a file: python examples/pretrain.py (examples/script_form.py)
+  import script_form
+  script_form.checkout_first()
+
 from examples import flops, plots
 from examples import mesh as device_mesh
 from examples.checkpoints import RunCheckpoints, SavesFailing

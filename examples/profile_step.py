@@ -40,6 +40,10 @@ import time
 
 import jax
 
+if not __package__:  # run as a file: python examples/profile_step.py (examples/script_form.py)
+  import script_form
+  script_form.checkout_first()
+
 from examples import flops
 from examples.run_summary import device_peak_tflops
 from examples.train_program import build_program, global_batch, program_config

@@ -31,6 +31,10 @@ from typing import Callable
 
 import numpy as np
 
+if not __package__:  # run as a file: python examples/tokenize_text.py (examples/script_form.py)
+  import script_form
+  script_form.checkout_first()
+
 from examples.token_data import META_FILE
 
 SHARD_TOKENS = 100_000_000  # ~200 MB of uint16 per shard

@@ -50,9 +50,12 @@ class SownAux(nnx.Intermediate):
   Like values that ``nnx.Module.sow`` keeps, they appear at the layer's
   first call: a model as built holds only its parameters (and an
   :class:`ExpertBias` where ``use_expert_bias``), so ``nnx.split(model,
-  nnx.Param)`` covers it. ``nnx.pop(model, SownAux)`` after reading them
-  brings the model back to that structure (a loop under ``nnx.jit`` then
-  compiles once). Every field is float32, the route counts too (exact up to
+  nnx.Param)`` covers it. After a call that split alone meets Flax's
+  "Non-exhaustive filters, got a non-empty remainder" listing these: split
+  the rest off too, ``nnx.split(model, nnx.Param, ...)``, or drop them after
+  reading them, ``nnx.pop(model, moe_ep.SownAux)``, which brings the model
+  back to its structure as built (a loop under ``nnx.jit`` then compiles
+  once; docs/moving_from_dense.md). Every field is float32, the route counts too (exact up to
   2**24 routes per expert and call), so ``jax.grad`` over all of a model's
   state meets no integer; :meth:`LatestAux.get` gives them back as int32.
   """

@@ -93,3 +93,16 @@ def test_dropless_capacity_keeps_every_row_when_all_ranks_pick_one_expert():
   assert want[0] == ranks * tokens
   np.testing.assert_array_equal(np.asarray(demand), want)
   np.testing.assert_array_equal(np.asarray(counts), want)
+
+
+@pytest.mark.parametrize("balanced_rows, slab_rows", [
+    (256, 256), (1001, 1008), (1020, 1024), (1024, 1024),  # below 1024 rows: whole 8s
+    (1025, 1152), (1030, 1152), (2000, 2048),             # from 1024 on: whole 128-row tiles
+])
+def test_a_factor_sized_slab_is_rounded_to_8_rows_below_1024_and_to_128_from_it(
+    balanced_rows, slab_rows):
+  # T=4096, K=2, E=8, R=1: the balanced load is 1024 rows a factor of 1.0, the
+  # dropless bound (4096) far above, and these factors are exact binary fractions.
+  factor = balanced_rows / 1024
+  assert factor * 4096 * 2 / 8 == balanced_rows
+  assert expert_capacity_for(4096, 2, 8, 1, factor) == slab_rows

@@ -177,7 +177,7 @@ def test_dict_round_trip_and_unknown_keys():
 
 
 def test_yaml_dtype_null_and_names():
-  yaml = pytest.importorskip("yaml")
+  import yaml  # noqa: PLC0415
   data = yaml.safe_load("""
 hidden_size: 8
 ffn_size: 16

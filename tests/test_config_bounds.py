@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from moe_ep import MoEConfig
+from moe_ep import MoEConfig, RematConfig
 from moe_ep.transport.peer.settings import MAX_TIMEOUT_S, Settings
 
 BASE = dict(hidden_size=8, ffn_size=16, num_experts=8, top_k=2)
@@ -91,3 +91,28 @@ def test_peer_timeout_at_its_edges():
     else:
       with pytest.raises(ValueError, match=r"timeout_s=.* must be in \(0, 86400\] seconds"):
         Settings(timeout_s=seconds)
+
+
+@pytest.mark.parametrize("batch_axes", ["ep", ("ep",), ("ep", "dp"), ("dp", "ep"),
+                                        ("dp", "fsdp", "ep")])
+def test_the_ep_axis_is_refused_wherever_it_sits_in_batch_axes(batch_axes):
+  with pytest.raises(ValueError, match=r"MoEConfig\.batch_axes=.* must not contain ep_axis='ep'"):
+    MoEConfig(**BASE, batch_axes=batch_axes)
+  # The rule follows ep_axis, not the name "ep".
+  assert MoEConfig(**BASE, batch_axes=batch_axes, ep_axis="experts").ep_axis == "experts"
+
+
+def test_remat_prefix_must_be_a_non_empty_string():
+  for prefix in ("", None, 3):
+    with pytest.raises(ValueError, match=r"RematConfig\.prefix=.* must be a non-empty string"):
+      RematConfig(prefix=prefix)
+  assert RematConfig(prefix="m").names[0] == "m.dispatch.tokens"
+
+
+def test_remat_names_hold_each_name_once_in_first_mention_order():
+  # A group and a name of it, the same group twice: each name once, in the
+  # order the entries first mention it (written out by hand).
+  remat = RematConfig(save=("dispatch.handle", "dispatch", "router", "dispatch"))
+  assert remat.names == ("moe.dispatch.handle", "moe.dispatch.tokens", "moe.dispatch.weights",
+                         "moe.dispatch.counts", "moe.router.scores", "moe.router.topk_idx",
+                         "moe.router.topk_weights")

@@ -16,6 +16,7 @@ tests/test_dropin.py checks against the explicit-mesh layer), and the
 decode's tokens from an unrolled Python loop.
 """
 
+import pathlib
 import warnings
 
 import jax
@@ -100,6 +101,33 @@ def test_lm1b_split_by_param_merge_and_grad_runs_unmodified():
     new_params, opt_state, loss, _ = train_step(new_params, opt_state, tokens)
     losses.append(float(loss))
   assert losses[-1] < losses[0], losses
+
+
+def test_split_by_param_alone_fails_after_a_call_and_the_documented_ways_work():
+  """After a first call the layer holds its kept aux (SownAux), so
+  ``nnx.split(model, nnx.Param)`` alone meets Flax's "Non-exhaustive
+  filters" error, as docs/moving_from_dense.md says; the two ways it names,
+  a ``...`` for the rest or ``nnx.pop(model, moe_ep.SownAux)`` first, give
+  the parameters of the model as built, and the rest is only the aux."""
+  model = DenseLM(moe_config(), nnx.Rngs(3))
+  _, built = nnx.split(model, nnx.Param)
+  model(batch(3))
+  with pytest.raises(ValueError, match=r"(?s)Non-exhaustive filters.*SownAux"):
+    nnx.split(model, nnx.Param)
+  _, params, rest = nnx.split(model, nnx.Param, ...)
+  assert jax.tree.structure(params) == jax.tree.structure(built)
+  assert {type(v) for _, v in nnx.to_flat_state(rest)} == {moe_ep.SownAux}
+  sown = nnx.pop(model, moe_ep.SownAux)
+  assert jax.tree.structure(sown) == jax.tree.structure(rest)
+  _, popped = nnx.split(model, nnx.Param)
+  for a, b in zip(jax.tree.leaves(popped), jax.tree.leaves(built)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # a forward pass changes none
+  # Both places a reader looks name Flax's error and both ways (lines rewrapped).
+  doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "moving_from_dense.md").read_text()
+  for where in (doc, moe_ep.SownAux.__doc__):
+    for text in ("Non-exhaustive filters", "nnx.split(model, nnx.Param, ...)",
+                 "nnx.pop(model, moe_ep.SownAux)"):
+      assert text in " ".join(where.split()), text
 
 
 def test_grad_over_all_state_meets_no_integer():

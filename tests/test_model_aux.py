@@ -103,3 +103,40 @@ def test_empty_input_honours_return_aux(return_aux):
   assert y.shape == (2, 0, HIDDEN)
   assert float(aux.aux_loss) == float(aux.z_loss) == float(aux.dropped_fraction) == 0.0
   np.testing.assert_array_equal(np.asarray(aux.tokens_per_expert), np.zeros(4, np.int32))
+
+
+def test_the_kept_aux_reads_back_as_the_aux_a_returning_layer_gives():
+  """``return_aux=False`` keeps what ``return_aux=True`` returns, the route
+  counts back as int32 (kept as float32), summing to tokens * top_k."""
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(12, HIDDEN)), jnp.float32)
+  settings = dict(aux_loss_coeff=0.5, z_loss_coeff=0.5)
+  keeping = ExpertParallelMoE(config(**settings), rngs=nnx.Rngs(5))
+  returning = ExpertParallelMoE(config(**settings, return_aux=True), rngs=nnx.Rngs(5))
+  y_kept = keeping(x)
+  y_returned, returned = returning(x)
+  np.testing.assert_array_equal(np.asarray(y_kept), np.asarray(y_returned))  # the same layer
+  got = keeping.latest_aux.get()
+  assert got.tokens_per_expert.dtype == jnp.int32
+  assert int(got.tokens_per_expert.sum()) == 12 * 2
+  for field in got._fields:
+    np.testing.assert_array_equal(np.asarray(getattr(got, field)),
+                                  np.asarray(getattr(returned, field)), err_msg=field)
+
+
+class Nested(nnx.Module):
+  def __init__(self, inner_returns: bool, rngs: nnx.Rngs):
+    self.first = ExpertParallelMoE(config(), rngs=rngs)
+    self.inner = nnx.Module()
+    self.inner.mlp = ExpertParallelMoE(config(return_aux=inner_returns), rngs=rngs)
+
+
+def test_collect_aux_names_each_layer_by_its_slash_path_and_refuses_a_returning_one():
+  x = jnp.ones((4, HIDDEN))
+  model = Nested(False, nnx.Rngs(0))
+  model.first(x), model.inner.mlp(x)
+  assert set(moe_ep.collect_aux(model)) == {"first", "inner/mlp"}
+  model = Nested(True, nnx.Rngs(0))
+  model.first(x), model.inner.mlp(x)
+  with pytest.raises(ValueError, match=r"the MoE layer at 'inner/mlp' has "
+                                       r"MoEConfig\.return_aux=True: .*set return_aux=False"):
+    moe_ep.total_aux_loss(model)

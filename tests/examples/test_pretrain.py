@@ -349,9 +349,7 @@ def test_eval_loss_is_the_held_out_cross_entropy_of_the_state_at_that_step(unint
 
 
 def test_tensorboard_events_hold_every_logged_scalar(uninterrupted):
-  pytest.importorskip("tensorboardX")
-  event_accumulator = pytest.importorskip(
-      "tensorboard.backend.event_processing.event_accumulator")
+  from tensorboard.backend.event_processing import event_accumulator  # noqa: PLC0415
   run_dir, result = uninterrupted
   events = event_accumulator.EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
   events.Reload()
@@ -383,7 +381,6 @@ def test_a_resume_that_changes_the_steps_says_what_it_does_to_the_schedule(tmp_p
 
 
 def test_token_shards_from_the_script_train_learn_and_resume_bitwise(tmp_path):
-  pytest.importorskip("grain")
   text = (REPO / "README.md").read_text(encoding="utf-8")
   (tmp_path / "corpus.txt").write_text(text, encoding="utf-8")
   assert tokenize_text.main([str(tmp_path / "corpus.txt"), str(tmp_path / "shards")]) == 0

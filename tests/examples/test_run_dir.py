@@ -24,6 +24,10 @@ def test_a_new_run_dir_is_not_linked_until_link_latest(tmp_path):
   link_latest(second, "tiny", root=tmp_path)
   assert latest_run_dir("tiny", root=tmp_path) == second
   assert str(latest_link("tiny", tmp_path).readlink()) == second.name  # relative
+  # The name README and docs give users: runs/<config name>-latest, and no
+  # other file left beside it (the partial link is renamed onto it).
+  assert sorted(p.name for p in tmp_path.iterdir()) == [first.name, second.name, "tiny-latest"]
+  assert (tmp_path / "tiny-latest").resolve() == second.resolve()
 
 
 def test_held_steps_of_edge_states(tmp_path):

@@ -113,3 +113,17 @@ def test_a_second_run_of_a_directory_in_use_is_refused_in_one_line(tmp_path):
   steps = [json.loads(line)["step"] for line in metrics]
   assert steps == list(range(1, steps[-1] + 1))
   assert not (run_dir / LOCK_NAME).exists()
+
+
+def test_a_lock_left_by_this_very_process_is_taken_over(tmp_path):
+  """An earlier call in this process that ended by an exception (ablate's
+  variants, a test) left its lock: this process's pid is alive, but the lock
+  is no other run's, so the next call takes it."""
+  lock = write_lock(tmp_path / "run", pid=os.getpid())
+  assert run_lock.holder_if_live(lock) is None
+  lock_run_dir(tmp_path / "run")
+  try:
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+  finally:
+    release_run_dir(tmp_path / "run")
+  assert not lock.exists()

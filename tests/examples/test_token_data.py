@@ -7,12 +7,11 @@ import sys
 import numpy as np
 import pytest
 
+import tokenizers
+
 from tiny_run import REPO  # noqa: F401  (puts the repository on sys.path)
-
-pytest.importorskip("grain")
-
-from examples import tokenize_text  # noqa: E402
-from examples.token_data import TokenShardCorpus, TokenWindows, shard_paths  # noqa: E402
+from examples import tokenize_text
+from examples.token_data import TokenShardCorpus, TokenWindows, shard_paths
 
 SEQ_LEN, BATCH = 8, 4
 
@@ -121,7 +120,6 @@ def test_tokenize_text_writes_byte_shards_with_a_held_out_tail(tmp_path, capsys)
 
 
 def test_tokenize_text_with_a_tokenizers_file_round_trips(tmp_path):
-  tokenizers = pytest.importorskip("tokenizers")
   text = "low lower lowest newer newest wider widest " * 30
   bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
   bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)

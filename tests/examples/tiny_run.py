@@ -1,6 +1,5 @@
 """A config small enough that a test can compile and train it in seconds."""
 
-import importlib
 import json
 import pathlib
 import sys
@@ -14,23 +13,11 @@ if str(REPO) not in sys.path:
   sys.path.insert(0, str(REPO))
 
 
-def installed(module: str) -> bool:
-  """Whether ``module`` imports here (an optional extra may be missing)."""
-  try:
-    importlib.import_module(module)
-  except ImportError:
-    return False
-  return True
-
-
 TINY_YAML = REPO / "configs" / "tiny.yaml"
 FAST_OVERRIDES = [
     "model.vocab_size=64", "model.d_model=32", "moe.hidden_size=32", "model.mlp_size=64",
     "moe.ffn_size=32", "train.batch_size=8", "train.seq_len=16", "train.warmup_steps=2",
     "train.learning_rate=0.01", "train.log_every=1",
-    # Where tensorboardX is missing (an optional extra), the runs' stderr would
-    # gain its one-line note; the tests that count stderr lines are not about it.
-    f"train.tensorboard={str(installed('tensorboardX')).lower()}",
 ]
 
 

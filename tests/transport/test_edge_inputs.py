@@ -204,3 +204,40 @@ def test_narrow_and_unsigned_ids_route_like_int32(dtype, jitted):
   valid_pairs = {(t, int(e)) for t, row in enumerate(want) for e in row if e >= 0}
   assert int(np.asarray(got.demand).sum()) == len(valid_pairs)
   assert int(np.asarray(got.demand)[100]) == sum(1 for _, e in valid_pairs if e == 100)
+
+
+def merged_by_loops(idx, weights):
+  """merge_duplicate_routes' rule, token by token: the first occurrence of a
+  valid id keeps it with the float64 sum of its occurrences' weights; later
+  ones become -1; -1 routes keep their weight."""
+  out_idx, out_w = np.array(idx, np.int64), np.array(weights, np.float64)
+  for t, row in enumerate(idx):
+    for k, expert in enumerate(row):
+      if expert < 0:
+        continue
+      first = list(row).index(expert)
+      if first < k:
+        out_idx[t, k] = -1
+      out_w[t, k] = sum(float(weights[t, j]) for j in range(len(row)) if row[j] == expert)
+  return out_idx, out_w
+
+
+def test_valid_ids_and_merged_routes_follow_their_rules_against_loops():
+  """ops.valid_ids: every id outside [0, E) is -1, the edges included, also
+  for ids of a narrow dtype against an E beyond it; then merge_duplicate_routes
+  against the loop above (a token's two -1 routes are no repeat)."""
+  from moe_ep.transport.ops import merge_duplicate_routes, valid_ids  # noqa: PLC0415
+  ids = np.array([[-1, 0, 15], [16, 17, -2], [3, 3, 3], [5, -1, 5], [-1, -1, 2],
+                  [7, 8, 7], [15, 16, 15]], np.int64)
+  want = np.where((ids >= 0) & (ids < NUM_EXPERTS), ids, -1)
+  got = jax.jit(valid_ids, static_argnums=1)(jnp.asarray(ids, jnp.int32), NUM_EXPERTS)
+  np.testing.assert_array_equal(np.asarray(got), want)
+  wide = np.array([[30_000, -5, 32_767]], np.int16)  # E = 40000 does not fit int16
+  np.testing.assert_array_equal(np.asarray(jax.jit(valid_ids, static_argnums=1)(wide, 40_000)),
+                                [[30_000, -1, 32_767]])
+  weights = np.random.default_rng(4).uniform(0.1, 1.0, ids.shape).astype(np.float32)
+  merged_idx, merged_w = jax.jit(merge_duplicate_routes)(got, weights)
+  ref_idx, ref_w = merged_by_loops(want, weights)
+  np.testing.assert_array_equal(np.asarray(merged_idx), ref_idx)
+  # float32 sums of at most three weights against float64: a few ulps.
+  np.testing.assert_allclose(np.asarray(merged_w), ref_w, rtol=1e-6)
