@@ -24,8 +24,7 @@ REFERENCE_FILE = "moe_reference.safetensors"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog="python -m examples.hf_moe", description=__doc__.split(
-      "\n")[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("directory", type=pathlib.Path, help="a Hugging Face checkpoint directory")
   parser.add_argument("--ep", type=int, default=None,
                       help="EP axis size (default: the largest that divides the expert count "
