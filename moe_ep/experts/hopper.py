@@ -123,9 +123,10 @@ def smem_transforms(dtype, *minor_sizes: int):
           plgpu.SwizzleTransform(swizzle))
 
 
-def pad_minor(x: jax.Array, axis: int) -> jax.Array:
-  """``x`` with zero columns appended on ``axis`` up to ``_SWIZZLED_MULTIPLE``."""
-  extra = round_up(x.shape[axis], _SWIZZLED_MULTIPLE) - x.shape[axis]
+def pad_minor(x: jax.Array, axis: int, multiple: int = _SWIZZLED_MULTIPLE) -> jax.Array:
+  """``x`` with zeros appended on ``axis`` up to a multiple of ``multiple``
+  (default ``_SWIZZLED_MULTIPLE``)."""
+  extra = round_up(x.shape[axis], multiple) - x.shape[axis]
   if not extra:
     return x
   widths = [(0, 0)] * x.ndim

@@ -40,7 +40,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from moe_ep.capacity import round_up
 from moe_ep.experts import hopper
 from moe_ep.row_groups import ROW_TILE
 
@@ -110,15 +109,6 @@ def supports(*, contraction: int, columns: int) -> bool:
   return contraction > 0 and columns > 0 and contraction % 16 == 0 and columns % 16 == 0
 
 
-def _pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
-  extra = round_up(x.shape[axis], multiple) - x.shape[axis]
-  if not extra:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths)
-
-
 def _load(ref, layout):
   try:  # newer JAX takes the reference indexed already (a separate index is deprecated)
     return plgpu.load(ref, layout=layout)
@@ -147,9 +137,9 @@ def _column_block_scales(b_scales: jax.Array, n_iters: int, per_cta: int) -> jax
   ``per_cta`` block scales of its columns at each step, side by side (zeros
   past Nb and after them)."""
   groups, _, k_blocks = b_scales.shape
-  scales = _pad_axis(b_scales, 1, per_cta * n_iters)[:, :per_cta * n_iters]
+  scales = hopper.pad_minor(b_scales, 1, per_cta * n_iters)[:, :per_cta * n_iters]
   scales = scales.reshape(groups, n_iters, per_cta, k_blocks).transpose(0, 1, 3, 2)
-  return _pad_axis(scales, 3, _CTA_SCALES)
+  return hopper.pad_minor(scales, 3, _CTA_SCALES)
 
 
 def grouped_matmul_fp8(a_codes: jax.Array, a_scales: jax.Array, b_codes: jax.Array,
@@ -172,8 +162,8 @@ def grouped_matmul_fp8(a_codes: jax.Array, a_scales: jax.Array, b_codes: jax.Arr
     ``[M, N]`` in ``out_dtype``, zero on rows of tiles of no group.
   """
   n = b_codes.shape[1]
-  a_codes = _pad_axis(a_codes, 1, _CODE_MULTIPLE)
-  b_codes = _pad_axis(_pad_axis(b_codes, 2, _CODE_MULTIPLE), 1, 16)
+  a_codes = hopper.pad_minor(a_codes, 1, _CODE_MULTIPLE)
+  b_codes = hopper.pad_minor(hopper.pad_minor(b_codes, 2, _CODE_MULTIPLE), 1, 16)
   m, k = a_codes.shape
   padded_n = b_codes.shape[1]
   epi, wg_rows, cta_columns = config.epi_tile, config.wg_rows, config.cta_columns
@@ -274,13 +264,13 @@ def grouped_matmul_fp8_wgrad(a_codes: jax.Array, a_scales: jax.Array, b_codes: j
     ``[G, P, Q]`` in ``out_dtype``, zero for an empty group.
   """
   p, q = a_codes.shape[0], b_codes.shape[0]
-  a_codes, b_codes = _pad_axis(a_codes, 0, 16), _pad_axis(b_codes, 0, 16)
+  a_codes, b_codes = hopper.pad_minor(a_codes, 0, 16), hopper.pad_minor(b_codes, 0, 16)
   padded_p, padded_q = a_codes.shape[0], b_codes.shape[0]
   epi, wg_rows, cta_columns = config.epi_tile, config.wg_rows, config.cta_columns
   p_iters, q_iters = pl.cdiv(padded_p, ROW_TILE), pl.cdiv(padded_q, cta_columns)
   # [Mb, channels]: a step's scales of a tile's channels contiguous.
-  row_scales = _pad_axis(a_scales.astype(jnp.float32), 0, 16).T
-  column_scales = _pad_axis(b_scales.astype(jnp.float32), 0, 16).T
+  row_scales = hopper.pad_minor(a_scales.astype(jnp.float32), 0, 16).T
+  column_scales = hopper.pad_minor(b_scales.astype(jnp.float32), 0, 16).T
   transforms = hopper.smem_transforms(CODE_DTYPE, BLOCK, a_codes.shape[1])
   out_transforms = hopper.smem_transforms(out_dtype, epi, padded_q)
   snake = config.snake()
