@@ -141,6 +141,14 @@ def transposed(ref):
     return plgpu.transpose_ref(ref, (1, 0))
 
 
+def load(ref, layout):
+  """``ref`` (shared memory) read into registers in ``layout``."""
+  try:  # newer JAX takes the reference indexed already (a separate index is deprecated)
+    return plgpu.load(ref, layout=layout)
+  except TypeError:  # older JAX needs the index argument
+    return plgpu.load(ref, (), layout=layout)
+
+
 def num_sms_here() -> int:
   return jax.devices()[0].core_count
 

@@ -103,19 +103,6 @@ class FP8TileConfig:
                              cluster_columns=1, chain_tiles=False)
 
 
-def supports(*, contraction: int, columns: int) -> bool:
-  """Whether the kernels take these sizes: multiples of 16 (a 16-byte row of
-  codes, what TMA needs; the kernels pad further themselves)."""
-  return contraction > 0 and columns > 0 and contraction % 16 == 0 and columns % 16 == 0
-
-
-def _load(ref, layout):
-  try:  # newer JAX takes the reference indexed already (a separate index is deprecated)
-    return plgpu.load(ref, layout=layout)
-  except TypeError:  # older JAX needs the index argument
-    return plgpu.load(ref, (), layout=layout)
-
-
 def _scaled_product(acc, a_smem, b_smem, scale):
   """``acc + (a_smem @ b_smem.T) * scale``: one 128-deep step's wgmma into a
   fresh float32 accumulator, promoted into ``acc`` (the warpgroup's tile,
@@ -222,7 +209,7 @@ def grouped_matmul_fp8(a_codes: jax.Array, a_scales: jax.Array, b_codes: jax.Arr
             column_scale = (column_scale_smem[0, 0] if config.split_rows else
                             jnp.where(wg_idx == 0, column_scale_smem[0, 0],
                                       column_scale_smem[0, 1]))
-            scale = _load(row_scale_smem.at[0, wg_row_slice], _ROW_LAYOUT) * column_scale
+            scale = hopper.load(row_scale_smem.at[0, wg_row_slice], _ROW_LAYOUT) * column_scale
             return _scaled_product(acc, a_smem.at[wg_row_slice, :],
                                    b_smem.at[wg_column_slice, :],
                                    lax.broadcast_in_dim(scale, acc.shape, (0,)))
@@ -317,8 +304,8 @@ def grouped_matmul_fp8_wgrad(a_codes: jax.Array, a_scales: jax.Array, b_codes: j
           hopper.store_tile(acc, out_smem, out_view, wg_idx, epi)
 
         def mma(_, a_smem, b_smem, row_scale_smem, column_scale_smem, acc):
-          rows = _load(row_scale_smem.at[0, wg_row_slice], _ROW_LAYOUT)
-          columns = _load(column_scale_smem.at[0, wg_column_slice], _COLUMN_LAYOUT)
+          rows = hopper.load(row_scale_smem.at[0, wg_row_slice], _ROW_LAYOUT)
+          columns = hopper.load(column_scale_smem.at[0, wg_column_slice], _COLUMN_LAYOUT)
           scale = (lax.broadcast_in_dim(rows, acc.shape, (0,))
                    * lax.broadcast_in_dim(columns, acc.shape, (1,)))
           return _scaled_product(acc, a_smem.at[wg_row_slice, :],

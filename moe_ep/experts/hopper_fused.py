@@ -63,11 +63,7 @@ def _function_and_derivative(activation: str, x):
 def _row_weights(w_smem, wg_idx, rows: slice, columns: int):
   """The ``[rows, columns]`` broadcast of a warpgroup's row weights in shared memory."""
   ref = w_smem.at[wg_idx, pl.ds(rows.start, rows.stop - rows.start)]
-  layout = plgpu.Layout.WGMMA.reduce(1)
-  try:  # newer JAX takes the reference indexed already (a separate index is deprecated)
-    weights = plgpu.load(ref, layout=layout)
-  except TypeError:  # older JAX needs the index argument
-    weights = plgpu.load(ref, (), layout=layout)
+  weights = hopper.load(ref, plgpu.Layout.WGMMA.reduce(1))
   return lax.broadcast_in_dim(weights, (rows.stop - rows.start, columns), (0,))
 
 
