@@ -73,6 +73,10 @@ class FP8TileConfig:
     max_concurrent_steps: shared-memory pipeline stages of 128-deep blocks.
     grid_tile_width, grid_minor_dim: the snake order over output tiles.
     epi_tile: side of the square pieces the epilogue stores.
+    chain_tiles: the forward's tiles run as one chain of pipelines (the
+      memory warpgroup loads a tile's first blocks while the compute
+      warpgroups finish the tile before), where the contraction's blocks are
+      whole rounds of the stages (:func:`moe_ep.experts.hopper.chain`).
   """
 
   split_rows: bool = True
@@ -80,6 +84,7 @@ class FP8TileConfig:
   grid_tile_width: int = 8
   grid_minor_dim: int = 0
   epi_tile: int = 64
+  chain_tiles: bool = False
 
   @property
   def wg_rows(self) -> int:
@@ -96,11 +101,12 @@ class FP8TileConfig:
     return pl.ds(0, ROW_TILE), pl.ds(wg_idx * BLOCK, BLOCK)
 
   def snake(self) -> hopper.TileConfig:
-    """The bf16 kernels' config of the same snake order (no clusters)."""
+    """The bf16 kernels' config of the same snake order and stages (no clusters)."""
     return hopper.TileConfig(tile_n=self.cta_columns // 2, tile_k=BLOCK,
+                             max_concurrent_steps=self.max_concurrent_steps,
                              grid_tile_width=self.grid_tile_width,
                              grid_minor_dim=self.grid_minor_dim, epi_tile=self.epi_tile,
-                             cluster_columns=1, chain_tiles=False)
+                             cluster_columns=1, chain_tiles=self.chain_tiles)
 
 
 def _scaled_product(acc, a_smem, b_smem, scale):
@@ -221,7 +227,7 @@ def grouped_matmul_fp8(a_codes: jax.Array, a_scales: jax.Array, b_codes: jax.Arr
 
       hopper.for_each_tile(tile_body, tile_group_gmem, wg_idx, m_iters=m_iters, n_iters=n_iters,
                            wg_columns=cta_columns // 2, config=snake, tables=(),
-                           tile_rows=None)
+                           tile_rows=None, chain=hopper.chain(allocs, snake, k_iters))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

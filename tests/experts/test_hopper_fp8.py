@@ -91,11 +91,13 @@ def test_fp8_kernels_lower_for_sizes_off_the_blocks():
       assert "mosaic_gpu" in text
 
 
-# The warpgroups splitting the CTA's rows (the default) or its columns.
+# The warpgroups splitting the CTA's rows (the default) or its columns, and
+# the forward's tiles chained (where the blocks are whole rounds of the stages).
 CONFIGS = pytest.mark.parametrize(
     "config", [hopper_fp8.FP8TileConfig(),
-               hopper_fp8.FP8TileConfig(split_rows=False, max_concurrent_steps=3)],
-    ids=["split_rows", "split_columns"])
+               hopper_fp8.FP8TileConfig(split_rows=False, max_concurrent_steps=3),
+               hopper_fp8.FP8TileConfig(chain_tiles=True)],
+    ids=["split_rows", "split_columns", "chained"])
 needs_hopper = pytest.mark.skipif(not grouped.hopper_available(),
                                   reason="needs a GPU of compute capability 9.0")
 
