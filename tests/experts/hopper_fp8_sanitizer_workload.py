@@ -38,7 +38,8 @@ CASES = [  # group sizes, spare row tiles of no group, H, F
 ]
 CONFIGS = {"split_rows": hopper_fp8.FP8TileConfig(),
            "split_columns": hopper_fp8.FP8TileConfig(split_rows=False, max_concurrent_steps=3),
-           "chained": hopper_fp8.FP8TileConfig(chain_tiles=True)}
+           "chained": hopper_fp8.FP8TileConfig(chain_tiles=True),
+           "overlapped": hopper_fp8.FP8TileConfig(overlap_promotion=True)}
 START = time.monotonic()
 
 
