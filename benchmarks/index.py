@@ -86,7 +86,7 @@ def facts(path: pathlib.Path) -> dict[str, str]:
 
 def traceable(path: pathlib.Path) -> bool:
   """False where the file (or its JSON twin) is marked ``"traceable": false``
-  (``moe_ep.bench.common.write_result``: no clean commit names its code)
+  (``benchmarks.common.write_result``: no clean commit names its code)
   and not traced to a commit by its source digest (``--trace``); results
   written before the mark count as traceable."""
   record = _record(path)
@@ -94,12 +94,12 @@ def traceable(path: pathlib.Path) -> bool:
 
 
 def source_digest_at(commit: str) -> str:
-  """``moe_ep.bench.common.source_digest`` of ``commit``'s tree: the same
+  """``benchmarks.common.source_digest`` of ``commit``'s tree: the same
   files and bytes, read from git in one batch."""
-  from moe_ep.bench.common import digest_sources, is_source_file  # noqa: PLC0415  (jax)
+  from benchmarks.common import digest_sources, source_files  # noqa: PLC0415  (jax)
   names = subprocess.run(["git", "ls-tree", "-r", "--name-only", commit], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout.splitlines()
-  names = [name for name in names if is_source_file(name)]
+  names = source_files(names)
   batch = subprocess.run(["git", "cat-file", "--batch"], cwd=REPO, capture_output=True,
                          check=True, input="".join(f"{commit}:{n}\n" for n in names).encode()
                          ).stdout
@@ -161,4 +161,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  if not __package__:  # run as a file: the checkout, not benchmarks/, heads sys.path
+    sys.path[0] = str(REPO)
   main(sys.argv[1:])

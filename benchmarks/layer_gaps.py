@@ -1,7 +1,7 @@
 """Where a layer step's wall time goes that no kernel fills: one shape's
-fwd+bwd step (``moe_ep.bench.layer.step_call``, dropless; or with
+fwd+bwd step (``benchmarks.layer.step_call``, dropless; or with
 ``--what`` its grouped bank on Zipf or Dirichlet loads, or the dense chain,
-as ``python -m moe_ep.bench models`` times them) timed back to back, then
+as ``python -m benchmarks models`` times them) timed back to back, then
 ``--calls`` calls traced back to back with no wait between them. From
 device 0's kernels: the wall time per call, the busy time (the union of
 the kernels' intervals), the widest gaps with the kernels on either side,
@@ -27,8 +27,8 @@ import tempfile
 import jax
 import numpy as np
 
-from moe_ep.bench import common, experts, layer, models
-from moe_ep.bench.timeline import _gpu_kernels
+from benchmarks import common, experts, layer, models
+from benchmarks.timeline import _gpu_kernels
 
 
 def gaps(events) -> list[dict]:

@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import pingpong  # noqa: E402
 
-from moe_ep.bench import common, experts  # noqa: E402
+from benchmarks import common, experts  # noqa: E402
 from moe_ep.experts import grouped, hopper  # noqa: E402
 from moe_ep.row_groups import grouped_rows_for  # noqa: E402
 

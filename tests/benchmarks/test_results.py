@@ -84,3 +84,17 @@ def test_a_traced_commit_has_the_results_source_digest():
     except subprocess.CalledProcessError:
       continue  # a shallow clone without that commit
     assert digest == record["environment"]["source_digest"], path
+
+
+def test_a_commits_digest_from_git_is_the_digest_of_its_checkout(tmp_path):
+  """``index.source_digest_at`` (git's tree) and ``common.source_digest`` (the
+  files on disk, what a benchmark records) choose the same files: HEAD
+  exported, then digested from disk."""
+  import subprocess
+  import tarfile
+  from benchmarks import common  # noqa: PLC0415  (jax)
+  archive = tmp_path / "head.tar"
+  subprocess.run(["git", "archive", "-o", str(archive), "HEAD"], cwd=REPO, check=True)
+  with tarfile.open(archive) as tar:
+    tar.extractall(tmp_path / "head", filter="data")
+  assert index_module().source_digest_at("HEAD") == common.source_digest(tmp_path / "head")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from moe_ep.bench import common
+from benchmarks import common
 from moe_ep.transport import cupy_backend
 from moe_ep.transport import kernel_launch
 

@@ -1,4 +1,4 @@
-"""``python -m moe_ep.bench``: runs the benchmarks and writes one JSON
+"""``python -m benchmarks``: runs the benchmarks and writes one JSON
 result per benchmark (see ``--help``)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pathlib
 import jax
 
 from moe_ep import distributed
-from moe_ep.bench import common
+from benchmarks import common
 
 BENCHMARKS = {
     "transport": "P1: dispatch+combine round trip vs sort-based permute (one device)",
@@ -66,7 +66,7 @@ def missing_requirement(name: str, smoke: bool) -> str | None:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(
-      prog="python -m moe_ep.bench",
+      prog="python -m benchmarks",
       description="Runs moe_ep's benchmarks: each writes one JSON result (device, versions,\n"
                   "XLA flags, shapes, every timing) and prints a summary and where it wrote.",
       epilog="benchmarks:\n" + "\n".join(f"  {k:10} {v}" for k, v in BENCHMARKS.items()),
@@ -101,7 +101,7 @@ def main(argv=None) -> None:
       if jax.process_index() == 0:
         print(f"{name}: skipped: needs {missing}", flush=True)
       continue
-    module = importlib.import_module(f"moe_ep.bench.{name}")
+    module = importlib.import_module(f"benchmarks.{name}")
     options = dict(SMOKE[name]) if args.smoke else {}
     if name == "models" and args.model:
       shapes = options.get("shapes", module.SHAPES)

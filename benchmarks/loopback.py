@@ -1,4 +1,4 @@
-"""P2's fused peer row kernels on ONE GPU (:mod:`moe_ep.bench.peer_loopback`):
+"""P2's fused peer row kernels on ONE GPU (:mod:`benchmarks.peer_loopback`):
 rank 0's dispatch (bf16 rows, FP8 wire rows) and combine at EP=R, every
 rank's channel in this GPU's memory and every flag raised, so a launch
 times the kernel's own memory work with no NVLink and no waiting: what
@@ -9,7 +9,7 @@ in turn): ``same_as_full_exchange`` checks the last one's output against it.
 Decode (``decode_concurrent``): every rank's kernels at once on this GPU,
 each rank a 1/R share of its SMs (:func:`_decode_concurrent`).
 
-Routing: P2's (:func:`~moe_ep.bench.ep_inputs.uniform_routing`), its handle from the
+Routing: P2's (:func:`~benchmarks.ep_inputs.uniform_routing`), its handle from the
 pure-JAX layout on R CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``). Dispatch's bytes
 per launch (``hbm_bytes``): the HBM traffic it must do, from the handle:
@@ -23,12 +23,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from moe_ep.bench.ep_inputs import per_rank, routing_only, sharded_routing, uniform_routing
+from benchmarks.ep_inputs import per_rank, routing_only, sharded_routing, uniform_routing
 from moe_ep.transport import expert_capacity_for, kernel_launch, send_capacity_for
 from moe_ep.transport import xla as xla_backend
 from moe_ep.transport.plan import plan_dispatch
 from moe_ep.transport.peer import channel, dispatch_layout, fused_layout, kernels
-from moe_ep.bench import peer_loopback
+from benchmarks import peer_loopback
 from moe_ep.transport.peer import rows as peer_rows
 
 FP8 = "float8_e4m3fn"

@@ -34,7 +34,7 @@ import statistics
 import jax
 import jax.numpy as jnp
 
-from moe_ep.bench import common, experts, layer
+from benchmarks import common, experts, layer
 from moe_ep.experts import bank_layout, fp8, grouped_expert_mlp, hopper, hopper_wgrad
 from moe_ep.experts.grouped import fuses_activation_by_default
 from moe_ep.row_groups import grouped_rows_for

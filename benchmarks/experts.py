@@ -6,7 +6,7 @@
   over exact-size groups against the slab bank at capacity 1.0 and dropless
   (``C = T``) and ``jax.lax.ragged_dot``, side by side, for group sizes that
   are uniform, skewed (Dirichlet, alpha 4), with one empty expert, and with
-  one expert holding every row (:mod:`moe_ep.bench.models` runs it on public
+  one expert holding every row (:mod:`benchmarks.models` runs it on public
   models' shapes, Zipf loads too, against a dense chain). Every figure counts
   the routed rows' FLOPs (``T * K`` rows), whatever a method computes or drops.
 """
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_ep.bench import common
+from benchmarks import common
 from moe_ep.experts import expert_mlp, grouped_expert_mlp
 from moe_ep.row_groups import ROW_TILE, group_of_rows, group_starts, grouped_rows_for
 

@@ -1,4 +1,4 @@
-"""``python -m moe_ep.bench``: a benchmark this machine cannot run says what
+"""``python -m benchmarks``: a benchmark this machine cannot run says what
 it needs in one line, writes no result and exits 0 (never a crash on CPU)."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 import jax
 import pytest
 
-from moe_ep.bench import __main__ as bench_main
+from benchmarks import __main__ as bench_main
 
 pytestmark = pytest.mark.skipif(jax.default_backend() == "gpu",
                                 reason="checks the CPU behaviour")
@@ -29,7 +29,7 @@ def test_a_benchmark_that_cannot_run_here_is_one_skipped_line_and_no_result(
 
 
 def test_the_command_line_exits_0_for_a_missing_gpu(tmp_path):
-  done = subprocess.run([sys.executable, "-m", "moe_ep.bench", "overhead", "loopback",
+  done = subprocess.run([sys.executable, "-m", "benchmarks", "overhead", "loopback",
                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr
   assert done.stdout.count("skipped: needs a CUDA GPU and CuPy") == 2
@@ -61,7 +61,7 @@ def test_models_times_only_the_bank_options_named_and_refuses_an_unknown_one(tmp
 def test_models_leaves_each_finished_shape_behind_as_it_goes(tmp_path):
   """A run cut off after its first shape still wrote that shape: the result
   file is rewritten after each shape, marked partial until the last."""
-  from moe_ep.bench import common, models  # noqa: PLC0415
+  from benchmarks import common, models  # noqa: PLC0415
   shapes = {"first": (256, 2, 64, 40, 4), "second": (128, 2, 64, 40, 4)}
   written = []
 

@@ -1,4 +1,4 @@
-"""The benchmark programs run (``python -m moe_ep.bench --smoke``: tiny shapes,
+"""The benchmark programs run (``python -m benchmarks --smoke``: tiny shapes,
 pure-JAX transport, the 8 CPU devices) and what they report holds: FP8
 dispatch leaves routing alone, the remat variants re-run the dispatch
 exchange exactly when they should, and every path agrees bitwise. A program
@@ -26,7 +26,7 @@ def run_smoke() -> tuple[subprocess.CompletedProcess, dict]:
   out = pathlib.Path(tempfile.mkdtemp(prefix="bench-smoke-"))
   # conftest's XLA_FLAGS: 8 CPU devices (and its compile settings).
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  process = subprocess.run([sys.executable, "-m", "moe_ep.bench", *PROGRAMS, "--smoke",
+  process = subprocess.run([sys.executable, "-m", "benchmarks", *PROGRAMS, "--smoke",
                             "--out", str(out)], cwd=REPO, env=env, capture_output=True,
                            text=True, timeout=900)
   results = {path.name.split("-smoke-")[0]: json.loads(path.read_text())
@@ -48,10 +48,10 @@ def smoke():
 
 
 def test_help_names_the_command_and_each_option():
-  result = subprocess.run([sys.executable, "-m", "moe_ep.bench", "--help"], cwd=REPO,
+  result = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr
-  assert result.stdout.startswith("usage: python -m moe_ep.bench ")
+  assert result.stdout.startswith("usage: python -m benchmarks ")
   assert "--smoke" in result.stdout and "tiny shapes" in result.stdout
   assert "--out DIR" in result.stdout and "runs/bench/" in result.stdout
   for name in ("transport", "experts", "layer", "ep", "loopback"):

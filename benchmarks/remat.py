@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
-from moe_ep.bench import common, hlo
+from benchmarks import common, hlo
 from moe_ep.transport import NAMED_SCOPES
 
 _MEMORY_FIELDS = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",

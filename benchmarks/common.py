@@ -17,9 +17,13 @@ import jax.numpy as jnp
 
 # Where results go unless told otherwise: ignored by git, so a run leaves the checkout clean.
 RESULTS_DIR = pathlib.Path("runs/bench")
-_CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
-# What source_digest covers: the package and the kernels.
-_SOURCE_FILES = (("moe_ep", "*.py"), ("kernels", "*.cu"), ("kernels", "*.cuh"))
+_CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
+# What source_digest covers: the package, the kernels and the benchmarks that measure them.
+_SOURCE_FILES = (("moe_ep", "*.py"), ("kernels", "*.cu"), ("kernels", "*.cuh"),
+                 ("benchmarks", "*.py"))
+# The benchmarks count where they are a package (they were moe_ep/bench, inside the package,
+# until they moved here), so that older commits' digests, which left benchmarks/ out, stay.
+_BENCHMARKS_PACKAGE = "benchmarks/__init__.py"
 
 
 def git_commit(checkout: pathlib.Path = _CHECKOUT) -> str | None:
@@ -38,11 +42,15 @@ def git_commit(checkout: pathlib.Path = _CHECKOUT) -> str | None:
   return head + ("+dirty" if dirty else "")
 
 
-def is_source_file(relative: str) -> bool:
-  """Whether the checkout's file at ``relative`` (a posix path) is one that
+def source_files(relatives: list[str]) -> list[str]:
+  """Those of a tree's files (posix paths from its root) that
   :func:`source_digest` covers."""
-  path = pathlib.PurePosixPath(relative)
-  return any(path.parts[0] == folder and path.match(pattern) for folder, pattern in _SOURCE_FILES)
+  covered = [folder for folder, _ in _SOURCE_FILES
+             if folder != "benchmarks" or _BENCHMARKS_PACKAGE in relatives]
+  paths = [pathlib.PurePosixPath(relative) for relative in relatives]
+  return [path.as_posix() for path in paths
+          if any(path.parts[0] == folder and folder in covered and path.match(pattern)
+                 for folder, pattern in _SOURCE_FILES)]
 
 
 def digest_sources(sources: dict[str, bytes]) -> str:
@@ -56,16 +64,17 @@ def digest_sources(sources: dict[str, bytes]) -> str:
 
 
 def source_digest(checkout: pathlib.Path = _CHECKOUT) -> str | None:
-  """:func:`digest_sources` of the package's and kernels' source files of
-  ``checkout``: which code a result ran, which a commit can be checked
-  against also where the checkout's git history is not that code's (a copied
-  working tree, whose HEAD is older; ``benchmarks/index.py --trace``). None
-  outside a source checkout."""
+  """:func:`digest_sources` of the package's, kernels' and benchmarks' source
+  files of ``checkout``: which code a result ran, which a commit can be
+  checked against also where the checkout's git history is not that code's (a
+  copied working tree, whose HEAD is older; ``benchmarks/index.py --trace``).
+  None outside a source checkout."""
   if not (checkout / "pyproject.toml").is_file():
     return None
-  files = {path for folder, pattern in _SOURCE_FILES for path in (checkout / folder).rglob(pattern)}
-  return digest_sources({path.relative_to(checkout).as_posix(): path.read_bytes()
-                         for path in files})
+  found = {path.relative_to(checkout).as_posix() for folder, pattern in _SOURCE_FILES
+           for path in (checkout / folder).rglob(pattern)}
+  return digest_sources({relative: (checkout / relative).read_bytes()
+                         for relative in source_files(sorted(found))})
 
 
 def environment() -> dict:

@@ -1,7 +1,7 @@
-"""Benchmarks (programs, not tests): ``python -m moe_ep.bench <name>``, run
+"""Benchmarks (programs, not tests): ``python -m benchmarks <name>``, run
 from a checkout (the wheel leaves out this package: it measures, it does not
 run models), with the one-GPU peer loopback that tests use too
-(:mod:`~moe_ep.bench.peer_loopback`).
+(:mod:`~benchmarks.peer_loopback`).
 
 Each writes one JSON file (device, versions, shapes, timings), under
 ``runs/bench/`` unless ``--out`` says otherwise, and prints a short summary;

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from moe_ep.bench import common
-from moe_ep.bench.ep_inputs import ep_inputs, per_rank, random_rows, routing_only
+from benchmarks import common
+from benchmarks.ep_inputs import ep_inputs, per_rank, random_rows, routing_only
 from moe_ep.transport import combine, dispatch, fp8, peer, row_paths
 from moe_ep.transport.plan import auto_exchange_reason
 from moe_ep.transport.peer import rows as peer_rows

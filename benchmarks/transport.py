@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_ep.bench import common
+from benchmarks import common
 from moe_ep.transport import combine, dispatch, expert_capacity_for
 
 

@@ -12,8 +12,8 @@ import pathlib
 import re
 from typing import NamedTuple
 
-from moe_ep.bench.hlo import Instruction
-from moe_ep.bench.timeline import OpEvent
+from benchmarks.hlo import Instruction
+from benchmarks.timeline import OpEvent
 from moe_ep.transport import NAMED_SCOPES as TRANSPORT_SCOPES
 
 TOP_OPS = 20  # the costliest ops a breakdown lists

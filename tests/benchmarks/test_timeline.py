@@ -6,8 +6,8 @@ from types import SimpleNamespace as Obj
 
 import pytest
 
-from moe_ep.bench import timeline
-from moe_ep.bench.timeline import split_calls
+from benchmarks import timeline
+from benchmarks.timeline import split_calls
 
 
 def events(*calls, gap=500.0):

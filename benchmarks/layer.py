@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_ep import ExpertParallelMoE, MoEConfig
-from moe_ep.bench import common, hlo
-from moe_ep.bench.experts import bank_flops
+from benchmarks import common, hlo
+from benchmarks.experts import bank_flops
 from moe_ep.experts import bank_layout
 
 FP8 = "float8_e4m3fn"

@@ -1,6 +1,6 @@
 """P2's inputs on the EP mesh, its per-rank programs and the plans of its
-dispatches: what the benchmarks at P2's shapes share (:mod:`~moe_ep.bench.ep`,
-:mod:`~moe_ep.bench.timeline`, :mod:`~moe_ep.bench.loopback`).
+dispatches: what the benchmarks at P2's shapes share (:mod:`~benchmarks.ep`,
+:mod:`~benchmarks.timeline`, :mod:`~benchmarks.loopback`).
 
 Routing is uniform top-k (every expert equally likely), made on the host
 from a seed. A plan comes from the transport's

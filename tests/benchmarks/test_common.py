@@ -9,14 +9,15 @@ import shutil
 import jax.numpy as jnp
 import pytest
 
-from moe_ep.bench import common
+from benchmarks import common
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def copy_sources(target: pathlib.Path) -> pathlib.Path:
-  for folder in ("moe_ep", "kernels"):
-    shutil.copytree(REPO / folder, target / folder, ignore=shutil.ignore_patterns("__pycache__"))
+  for folder in ("moe_ep", "kernels", "benchmarks"):
+    shutil.copytree(REPO / folder, target / folder,
+                    ignore=shutil.ignore_patterns("__pycache__", "results"))
   shutil.copy2(REPO / "pyproject.toml", target / "pyproject.toml")
   return target
 
@@ -39,6 +40,22 @@ def test_source_digest_names_the_code_not_the_folder(tmp_path):
   assert common.source_digest(second) not in (digest, edited)
   (second / "pyproject.toml").unlink()
   assert common.source_digest(second) is None  # not a source checkout
+
+
+def test_source_digest_covers_the_benchmarks_where_they_are_a_package(tmp_path):
+  """A benchmark's code is part of what a result ran; a tree from before the
+  benchmarks left moe_ep/ (its benchmarks/ a folder of scripts, no package)
+  keeps the digest its results recorded: there benchmarks/ counts for nothing."""
+  tree = copy_sources(tmp_path / "tree")
+  digest = common.source_digest(tree)
+  program = tree / "benchmarks" / "models.py"
+  program.write_bytes(program.read_bytes() + b" ")
+  edited = common.source_digest(tree)
+  assert edited != digest
+  (tree / "benchmarks" / "__init__.py").unlink()
+  without_package = common.source_digest(tree)
+  shutil.rmtree(tree / "benchmarks")
+  assert without_package == common.source_digest(tree) not in (digest, edited)
 
 
 @pytest.mark.parametrize("commit, traceable", [

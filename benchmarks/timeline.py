@@ -36,8 +36,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from moe_ep.bench import ep
-from moe_ep.bench.ep_inputs import ep_inputs, per_rank, routing_only
+from benchmarks import ep
+from benchmarks.ep_inputs import ep_inputs, per_rank, routing_only
 from moe_ep.transport import combine, dispatch, row_paths
 
 
