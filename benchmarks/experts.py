@@ -19,7 +19,7 @@ import numpy as np
 
 from benchmarks import common
 from moe_ep.experts import expert_mlp, grouped_expert_mlp
-from moe_ep.row_groups import ROW_TILE, group_of_rows, group_starts, grouped_rows_for
+from moe_ep.row_groups import GROUP_ALIGN, ROW_TILE, group_of_rows, group_starts, grouped_rows_for
 
 SHAPES = ((4096, 14336, 8), (2048, 1408, 64), (7168, 2048, 32))  # (H, F, E)
 GROUP_SIZES = ("uniform", "skewed", "zipf", "one_empty", "all_in_one")
@@ -76,9 +76,9 @@ def fwd_bwd(mlp):
 
 
 def grouped_rows(sizes: np.ndarray, num_rows: int, hidden: int, seed: int,
-                 align: int | None = None) -> jax.Array:
+                 align: int = GROUP_ALIGN) -> jax.Array:
   """``[M, H]`` bf16 rows in the grouped layout of ``sizes`` (zero padding),
-  groups starting at multiples of ``align`` (default the layout's)."""
+  groups starting at multiples of ``align`` (default whole tiles)."""
   counts = jnp.asarray(sizes)
   starts, padded = group_starts(counts, num_rows, align)
   row = jnp.arange(num_rows, dtype=jnp.int32)

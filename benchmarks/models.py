@@ -9,13 +9,14 @@ For each model shape ``(T, K, H, F, E)``, timed side by side in one run:
   proportional to ``1 / i``, shuffled: a few experts hold many times the
   mean, as early in training) and on Dirichlet loads (alpha 4); where the
   activation is fused into the GEMMs by default, also with it as XLA passes
-  (``_unfused``); with its groups on half tiles (``_align64``,
-  :data:`moe_ep.row_groups.GROUP_ALIGN`), in clusters of two CTAs sharing
-  their rows (``_cluster2``, :data:`moe_ep.experts.hopper.CLUSTER_COLUMNS`)
-  and both, with each kernel's tiles' pipelines run one by one rather
-  than as one chain (``_tile_by_tile``, :data:`moe_ep.experts.hopper.CHAIN_TILES`),
-  and with the weight gradient's tiles run one by one rather than on one
-  ring (``_wgrad_tile_by_tile``, :data:`moe_ep.experts.hopper_wgrad.CHAIN_TILES`);
+  (``_unfused``); with its groups on half tiles (``_align64``, the layout's
+  ``group_align``), in clusters of two CTAs sharing their rows
+  (``_cluster2``, ``TileConfig.cluster_columns``) and both, with each
+  kernel's tiles' pipelines run one by one rather than as one chain
+  (``_tile_by_tile``, ``TileConfig.chain_tiles``), and with the weight
+  gradient's tiles run one by one rather than on one ring
+  (``_wgrad_tile_by_tile``, its ``TileConfig.chain_tiles``): the bank's
+  :class:`~moe_ep.experts.grouped.BankKernels`;
 * the whole layer (P4) dropless with ``expert_layout="auto"`` (an untrained
   router, near balanced) and at capacity 1.0 on slabs, each with the input's
   gradient.
@@ -35,9 +36,9 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import common, experts, layer
-from moe_ep.experts import bank_layout, fp8, grouped_expert_mlp, hopper, hopper_wgrad
+from moe_ep.experts import BankKernels, bank_layout, fp8, grouped_expert_mlp
 from moe_ep.experts.grouped import fuses_activation_by_default
-from moe_ep.row_groups import grouped_rows_for
+from moe_ep.row_groups import GROUP_ALIGN, grouped_rows_for
 
 # name: (T, K, H, F, E). DeepSeek-V3's 256 experts at 8192 tokens: its bank
 # at 16384 does not fit beside its gradients on one device.
@@ -85,17 +86,17 @@ def dense_call(rows: int, hidden: int, ffn: int) -> tuple:
 
 def bank_call(tokens: int, top_k: int, num_experts: int, load: str, w_in: jax.Array,
               w_out: jax.Array, fuse_activation: bool | None = None,
-              group_align: int | None = None, cluster_columns: int | None = None,
+              group_align: int = GROUP_ALIGN, cluster_columns: int | None = None,
               chain_tiles: bool | None = None,
               chain_wgrad: bool | None = None,
               precision: str | None = None) -> tuple[tuple, dict]:
   """The grouped bank over groups of ``load`` sizes, its activation fused
-  into the GEMMs or not, its groups on whole or half tiles (``group_align``,
-  default the layout's), its kernels in clusters of ``cluster_columns``
-  (default :data:`hopper.CLUSTER_COLUMNS`), their tiles chained or not
-  (default :data:`hopper.CHAIN_TILES`) and the weight gradient's too
-  (default :data:`hopper_wgrad.CHAIN_TILES`), its GEMMs in FP8 with
-  ``precision="fp8"`` (:mod:`moe_ep.experts.fp8`): ``(fn, args)`` and its facts."""
+  into the GEMMs or not, its groups on whole or half tiles (``group_align``),
+  its kernels in clusters of ``cluster_columns``, their tiles chained or not
+  (``chain_tiles``) and the weight gradient's too (``chain_wgrad``; None:
+  :class:`BankKernels`' defaults, :meth:`BankKernels.scheduled`), its GEMMs
+  in FP8 with ``precision="fp8"`` (:mod:`moe_ep.experts.fp8`): ``(fn, args)``
+  and its facts."""
   routed, hidden = tokens * top_k, w_in.shape[1]
   sizes = experts.group_sizes(routed, num_experts, load)
   counts = jnp.asarray(sizes)
@@ -105,31 +106,13 @@ def bank_call(tokens: int, top_k: int, num_experts: int, load: str, w_in: jax.Ar
     mlp = experts.fwd_bwd(lambda x, a, b: fp8.fp8_grouped_expert_mlp(
         x, counts, a, b, fp8.quantize_weights(a), fp8.quantize_weights(b), "swiglu"))
   else:
+    kernels = BankKernels().scheduled(cluster_columns=cluster_columns, chain_tiles=chain_tiles,
+                                      chain_wgrad=chain_wgrad)
     mlp = experts.fwd_bwd(lambda x, a, b: grouped_expert_mlp(
-        x, counts, a, b, "swiglu", fuse_activation=fuse_activation, group_align=group_align))
-  chosen = {(hopper, "CLUSTER_COLUMNS"): cluster_columns, (hopper, "CHAIN_TILES"): chain_tiles,
-            (hopper_wgrad, "CHAIN_TILES"): chain_wgrad}
-  mlp = _traced_with(mlp, {k: v for k, v in chosen.items() if v is not None})
+        x, counts, a, b, "swiglu", fuse_activation=fuse_activation, group_align=group_align,
+        kernels=kernels))
   return (mlp, (rows, w_in, w_out)), {"largest_over_mean": float(sizes.max() * num_experts
                                                                   / routed)}
-
-
-def _traced_with(fn, settings: dict):
-  """``fn``, whose kernels are traced (at its first call) with
-  ``settings`` (``{(module, name): value}``, e.g. ``hopper.CHAIN_TILES``)."""
-  if not settings:
-    return fn
-
-  def call(*args):
-    defaults = {(module, name): getattr(module, name) for module, name in settings}
-    for (module, name), value in settings.items():
-      setattr(module, name, value)
-    try:
-      return fn(*args)
-    finally:
-      for (module, name), value in defaults.items():
-        setattr(module, name, value)
-  return call
 
 
 LAYER_VARIANTS = {"layer_dropless": dict(factor=None),
