@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name as name_value
 
 from moe_ep.options import EXCHANGES, check_backend, check_wire_dtype
+from moe_ep.row_groups import GROUP_ALIGN
 from moe_ep.transport import backend as transport_backend
 from moe_ep.transport import fp8
 from moe_ep.transport.handle import RoutingHandle
@@ -67,6 +68,7 @@ class DispatchPlan:
     hidden, row_dtype: ``H`` and the dtype name of the rows the plan moves
       (the tokens and their slabs; a combine's expert outputs).
     grouped_rows: None: ``[L, C]`` slabs; ``M``: the grouped layout's rows.
+    group_align: where the grouped layout's groups start.
     axis_name, mesh: the EP axis and the enclosing ``shard_map``'s mesh
       (None on ``all_to_all`` branches).
     backend: the local passes' backend name (:data:`~moe_ep.options.BACKENDS`).
@@ -97,6 +99,7 @@ class DispatchPlan:
   combine_row_path: str
   mesh: object = None
   grouped_rows: int | None = None
+  group_align: int = GROUP_ALIGN
   wire_dtype: str | None = None
   weight_dtype: str = "float32"
   checkpoint_name: str | None = None
@@ -238,8 +241,9 @@ def _meta_path(on_peer: bool, ep_size: int, send_capacity: int, top_k: int,
 def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_capacity: int,
                   top_k: int, hidden: int, row_dtype, axis_name, backend: str = "auto",
                   exchange: str = "auto", mesh=None, wire_dtype: str | None = None,
-                  grouped_rows: int | None = None, checkpoint_name: str | None = None,
-                  weight_dtype: str = "float32", fp8_rows: bool = False) -> DispatchPlan:
+                  grouped_rows: int | None = None, group_align: int = GROUP_ALIGN,
+                  checkpoint_name: str | None = None, weight_dtype: str = "float32",
+                  fp8_rows: bool = False) -> DispatchPlan:
   """The plan of one dispatch (and of its backward) at these sizes, as
   :func:`~moe_ep.transport.dispatch` resolves it: every path chosen here,
   the backend resolved now (a missing CuPy fails at trace time).
@@ -249,7 +253,7 @@ def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_
       ``R``, ``C``, ``S``, ``K`` (as dispatch clamps them: ``C`` at most the
       dropless bound, ``S`` at most ``T``).
     hidden, row_dtype: ``H`` and the tokens' dtype (a name or a dtype).
-    axis_name, backend, exchange, mesh, wire_dtype, grouped_rows,
+    axis_name, backend, exchange, mesh, wire_dtype, grouped_rows, group_align,
       checkpoint_name: as for :func:`~moe_ep.transport.dispatch`
       (``exchange="auto"`` resolved by :func:`resolve_exchange`).
     weight_dtype: the dtype of the routing weights dispatch differentiates
@@ -280,8 +284,8 @@ def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_
                            expert_capacity),
       dispatch_row_path=dispatch_row_path,
       combine_row_path=_combine_row_path(on_peer, dtype, hidden, ep_size, top_k),
-      mesh=mesh, grouped_rows=grouped_rows, wire_dtype=wire_dtype, weight_dtype=weight_dtype,
-      checkpoint_name=checkpoint_name, fp8_rows=fp8_rows)
+      mesh=mesh, grouped_rows=grouped_rows, group_align=group_align, wire_dtype=wire_dtype,
+      weight_dtype=weight_dtype, checkpoint_name=checkpoint_name, fp8_rows=fp8_rows)
   plan.ops
   return plan
 
