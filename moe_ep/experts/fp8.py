@@ -45,7 +45,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_ep import fp8_blocks, row_groups, sharding
+from moe_ep import fp8_blocks, sharding
 from moe_ep.experts import grouped, hopper_fp8
 from moe_ep.experts.grouped import GroupTiles, check_implementation, group_tiles
 from moe_ep.experts.slabs import Namer, _no_name, activate
@@ -284,10 +284,6 @@ def _check_product(rows, weights, weights_fp8, tiles, rows_fp8):
   if contraction % SIZE_MULTIPLE or columns % SIZE_MULTIPLE:
     raise ValueError(f"the FP8 expert bank needs sizes that are multiples of {SIZE_MULTIPLE} "
                      f"(16-byte FP8 rows); got K={contraction}, N={columns}")
-  if row_groups.GROUP_ALIGN != ROW_TILE:
-    raise ValueError(f"the FP8 expert bank needs groups on whole {ROW_TILE}-row tiles "
-                     f"(row_groups.GROUP_ALIGN == {ROW_TILE}, its weight gradient's 128-row "
-                     f"scale blocks); got row_groups.GROUP_ALIGN={row_groups.GROUP_ALIGN}")
   if num_rows % ROW_TILE or tiles.tile_group.shape[0] * ROW_TILE != num_rows:
     raise ValueError(f"rows has {num_rows} rows: the grouped layout needs a multiple of "
                      f"{ROW_TILE} matching tiles.tile_group {tiles.tile_group.shape}")

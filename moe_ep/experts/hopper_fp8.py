@@ -24,7 +24,7 @@ and the weight gradient reads both of its operands quantized along the rows
 Both are persistent, warp-specialized kernels like
 :mod:`moe_ep.experts.hopper`'s (one memory warpgroup streaming 128-deep
 blocks by TMA, two compute warpgroups of ``[128, tile_n]`` tiles), on groups
-of whole 128-row tiles (``row_groups.GROUP_ALIGN == ROW_TILE``). Scales
+of whole 128-row tiles (``MoEConfig.group_align == ROW_TILE``). Scales
 travel with the blocks: each stage also holds the step's ``[128]`` row scales
 and the weights' scales for the CTA's columns.
 """
