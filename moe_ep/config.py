@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_ep.activations import ACTIVATIONS, input_projections
 from moe_ep.options import BACKENDS, CHECKPOINT_FIELDS, EXCHANGES, TOKEN_DTYPES, check_wire_dtype
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
-ACTIVATIONS = ("swiglu", "geglu", "gelu")
 # Floating dtypes the layer computes exactly; float64 is refused (see _check_dtype).
 DTYPES = TOKEN_DTYPES  # the layer computes in what the transport moves exactly
 # Where the expert bank's rows sit (MoEConfig.expert_layout).
@@ -432,7 +432,7 @@ class MoEConfig:
   @property
   def num_input_projections(self) -> int:
     """2 for gated activations (gate and up), 1 otherwise."""
-    return 2 if self.activation in ("swiglu", "geglu") else 1
+    return input_projections(self.activation)
 
 
 # --- dict/YAML mapping ---------------------------------------------------------

@@ -276,9 +276,3 @@ def test_clusters_divide_the_column_tiles_or_are_not_formed(monkeypatch):
   monkeypatch.setattr(hopper, "CLUSTER_COLUMNS", 2)  # read when a kernel is traced
   assert (hopper.TileConfig().cluster(6), hopper.TileConfig(cluster_columns=1).cluster(6)) == (2, 1)
 
-
-def test_the_activation_is_fused_by_default_where_ffn_is_below_twice_hidden():
-  assert grouped.fuses_activation_by_default(hidden=2048, ffn=768)
-  assert grouped.fuses_activation_by_default(hidden=2048, ffn=4088)
-  assert not grouped.fuses_activation_by_default(hidden=2048, ffn=4096)
-  assert not grouped.fuses_activation_by_default(hidden=6144, ffn=16384)
