@@ -244,9 +244,8 @@ def _aux(config: MoEConfig, layout: ShardLayout, routing: router.Routing,
     per_token = [router.score_distribution(routing.scores, config.score_function)]
     if config.z_loss_coeff > 0:
       per_token.append(router.z_loss_terms(logits)[:, None])
-    # One column sum over [t, E (+1)]: XLA emits a scalar sum fused into a
-    # concatenate as one serial loop (0.15 ms at 16,384 tokens), a column
-    # sum as a parallel reduction.
+    # One column sum over [t, E (+1)]: XLA emits it as a parallel reduction,
+    # a scalar sum fused into the concatenate as a serial loop (docs/grouped.md).
     sums = total((jnp.concatenate(per_token, axis=1) * weight).sum(axis=0)) / num_valid
     if config.aux_loss_coeff > 0:
       aux_loss = config.aux_loss_coeff * router.load_balancing_loss(

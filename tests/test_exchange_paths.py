@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from conftest import custom_call_scopes, devices_for, gpu_devices, make_mesh
+from moe_ep.transport.kernel_plan import SlabSizes
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
 from moe_ep.bench import hlo
 from moe_ep.transport import NAMED_SCOPES, combine, dispatch, expert_capacity_for, peer
@@ -137,9 +138,9 @@ def test_peer_row_paths_lower_to_one_fused_callback_each_and_no_row_passes(monke
                       lambda: path == "dispatch_with_layout")
   mesh = make_mesh((4,), ("ep",))
   send_capacity = 6 if path == "unfused" else 5
-  assert fused_layout.fused_layout_fits(4, send_capacity, K, E // 4, 12) == (path != "unfused")
-  assert dispatch_layout.dispatch_layout_fits(jnp.bfloat16, 32, 4, send_capacity, K, E // 4,
-                                              12) == (path != "unfused")
+  sizes = SlabSizes(4, send_capacity, K, E // 4, 12)
+  assert fused_layout.fused_layout_fits(sizes) == (path != "unfused")
+  assert dispatch_layout.dispatch_layout_fits(jnp.bfloat16, 32, sizes) == (path != "unfused")
   fn = round_trip_fn("peer", mesh, "auto", 16, 12, send_capacity)
   args = (jnp.ones((64, 32), jnp.bfloat16), jnp.zeros((64, K), jnp.int32),
           jnp.ones((64, K)), jnp.ones((64, 32), jnp.bfloat16))
@@ -168,8 +169,8 @@ def test_peer_row_paths_off_cuda_run_the_all_to_all_path_bitwise(monkeypatch, se
   with its layout fused; S=6: the row paths alone)."""
   monkeypatch.setattr(reachability, "unsupported_reason", lambda mesh, axis: None)
   monkeypatch.setattr(peer_runtime, "dispatch_layout_enabled", lambda: True)
-  assert dispatch_layout.dispatch_layout_fits(jnp.bfloat16, 32, 4, send_capacity, K, E // 4, 8) == (
-      send_capacity == 5)
+  assert dispatch_layout.dispatch_layout_fits(
+      jnp.bfloat16, 32, SlabSizes(4, send_capacity, K, E // 4, 8)) == (send_capacity == 5)
   mesh = make_mesh((4,), ("ep",))
   rng = np.random.default_rng(1)
   idx, w = routing(rng, 64)

@@ -1,8 +1,8 @@
 """The expert bank: batched GEMMs over ``[L, C, H]`` slabs.
 
 Every expert's rows sit in a fixed-size slab, so the bank is two einsums
-batched over the expert axis (never ``jax.lax.ragged_dot``, 10-60x slower on
-H200). The same function serves the shared experts with ``L = 1``.
+batched over the expert axis (never ``jax.lax.ragged_dot``, far slower:
+docs/grouped.md). The same function serves the shared experts with ``L = 1``.
 """
 
 from __future__ import annotations

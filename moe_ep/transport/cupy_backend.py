@@ -95,10 +95,10 @@ def slab_layout(recv_meta, *, top_k: int, num_local_experts: int, expert_capacit
   ep_size, width = recv_meta.shape
   local_experts, capacity = num_local_experts, expert_capacity
   send_capacity = meta_layout.send_capacity(width, top_k, local_experts)
-  plan = kernel_plan.slab_plan(ep_size, send_capacity, top_k, local_experts, capacity)
+  sizes = kernel_plan.SlabSizes(ep_size, send_capacity, top_k, local_experts, capacity)
+  plan = kernel_plan.slab_plan(sizes)
   threads, tiles = plan.threads, plan.tiles
-  shapes = [*kernel_plan.slab_layout_shapes(ep_size, send_capacity, top_k, local_experts,
-                                            capacity),
+  shapes = [*kernel_plan.slab_layout_shapes(sizes),
             jax.ShapeDtypeStruct((tiles * local_experts,), jnp.int32)]
 
   def callback(ctx, outs, meta):

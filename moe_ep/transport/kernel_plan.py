@@ -8,6 +8,7 @@ and the peer path (:mod:`~moe_ep.transport.peer`) both plan from here.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +41,8 @@ def route_rank_shared_ints(threads: int, ep_size: int, top_k: int, num_experts: 
 # is faster at decode (docs/benchmarks.md, "Tuning").
 SLAB_TILES_COUNTED_IN_RANK = 2
 
-# Warps per token tile of the routing kernels beyond one tile: of 1, 2, 4
-# and 8, the fastest route_rank (or as fast) at every T measured
-# (docs/benchmarks.md, "Tuning").
+# Warps per token tile of the routing kernels beyond one tile: the fastest
+# route_rank measured (docs/benchmarks.md, "Tuning").
 ROUTE_WARPS = 4
 
 
@@ -70,15 +70,26 @@ def route_threads(num_tokens: int, ep_size: int, num_experts: int, top_k: int) -
                    "fit the routing kernels' shared memory")
 
 
-def slab_layout_shapes(ep_size: int, send_capacity: int, top_k: int, local_experts: int,
-                       expert_capacity: int) -> list:
+class SlabSizes(NamedTuple):
+  """The sizes of one dispatch's slab layout (the notation of
+  :mod:`moe_ep.capacity`)."""
+
+  ep_size: int  # R ranks
+  send_capacity: int  # S rows per destination send chunk
+  top_k: int  # K routes per token
+  local_experts: int  # L experts on each rank
+  expert_capacity: int  # C rows per expert slab
+
+
+def slab_layout_shapes(sizes: SlabSizes) -> list:
   """The slab layout's outputs: ``recv_pos [R, S, K]``, ``slab_row [L, C]``,
   ``slab_weights [L, C]`` float32, ``counts [L]``, ``demand [L]``."""
-  return [jax.ShapeDtypeStruct((ep_size, send_capacity, top_k), jnp.int32),
-          jax.ShapeDtypeStruct((local_experts, expert_capacity), jnp.int32),
-          jax.ShapeDtypeStruct((local_experts, expert_capacity), jnp.float32),
-          jax.ShapeDtypeStruct((local_experts,), jnp.int32),
-          jax.ShapeDtypeStruct((local_experts,), jnp.int32)]
+  slabs = (sizes.local_experts, sizes.expert_capacity)
+  return [jax.ShapeDtypeStruct((sizes.ep_size, sizes.send_capacity, sizes.top_k), jnp.int32),
+          jax.ShapeDtypeStruct(slabs, jnp.int32),
+          jax.ShapeDtypeStruct(slabs, jnp.float32),
+          jax.ShapeDtypeStruct((sizes.local_experts,), jnp.int32),
+          jax.ShapeDtypeStruct((sizes.local_experts,), jnp.int32)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +107,10 @@ class SlabPlan:
   counted: bool
 
 
-def slab_plan(ep_size: int, send_capacity: int, top_k: int, local_experts: int,
-              expert_capacity: int) -> SlabPlan:
+def slab_plan(sizes: SlabSizes) -> SlabPlan:
   """:class:`SlabPlan` for ``R * S * K`` received members and ``[L, C]`` slabs."""
-  num_members = ep_size * send_capacity * top_k
+  local_experts, expert_capacity = sizes.local_experts, sizes.expert_capacity
+  num_members = sizes.ep_size * sizes.send_capacity * sizes.top_k
   for name, size in (("R * S * K received members", num_members),
                      ("L * C slab rows", local_experts * expert_capacity)):
     if size >= 2**31:  # the kernels index them in int32, as the handle holds them

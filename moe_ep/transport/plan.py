@@ -34,15 +34,18 @@ other branch runs the plan :meth:`DispatchPlan.on_all_to_all`.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name as name_value
 
 from moe_ep.options import EXCHANGES, check_backend, check_wire_dtype
 from moe_ep.transport import backend as transport_backend
 from moe_ep.transport import fp8
 from moe_ep.transport.handle import RoutingHandle
+from moe_ep.transport.kernel_plan import SlabSizes
 from moe_ep.transport.peer import dispatch_layout, fused_layout, reachability
 from moe_ep.transport.peer import rows as peer_rows
 from moe_ep.transport.peer import runtime as peer_runtime
@@ -181,56 +184,65 @@ def resolve_exchange(exchange: str, backend: str, axis_name, ep_size: int, mesh)
   return "peer"
 
 
-def _fused_rows(on_peer: bool, dtype, hidden: int, ep_size: int, top_k: int, sums: bool,
-                wire_dtype: str | None = None) -> bool:
-  """Whether the fused row launches move these rows (``wire_dtype``:
+class _PathRequest(NamedTuple):
+  """What one dispatch's (or combine's) paths are chosen from: whether the
+  peer exchange carries it, its rows and their sizes."""
+
+  on_peer: bool
+  row_dtype: np.dtype
+  hidden: int
+  sizes: SlabSizes
+  wire_dtype: str | None = None  # the FP8 wire, or rows crossing as they are
+  fp8_slabs: bool = False  # FP8 slabs land (DispatchPlan.fp8_slabs)
+  grouped_rows: int | None = None
+
+
+def _fused_rows(request: _PathRequest, sums: bool, wire_dtype: str | None = None) -> bool:
+  """Whether the fused row launches move the request's rows (``wire_dtype``:
   quantizing them on the way)."""
-  return on_peer and peer_rows.fused_rows_problem(dtype, hidden, ep_size, top_k, sums=sums,
-                                                  wire_dtype=wire_dtype) is None
+  return request.on_peer and peer_rows.fused_rows_problem(
+      request.row_dtype, request.hidden, request.sizes.ep_size, request.sizes.top_k, sums=sums,
+      wire_dtype=wire_dtype) is None
 
 
-def _combine_row_path(on_peer: bool, dtype, hidden: int, ep_size: int, top_k: int) -> str:
-  if ep_size == 1:
+def _combine_row_path(request: _PathRequest) -> str:
+  if request.sizes.ep_size == 1:
     return "local"
-  return "fused" if _fused_rows(on_peer, dtype, hidden, ep_size, top_k, sums=True) else "exchange"
+  return "fused" if _fused_rows(request, sums=True) else "exchange"
 
 
-def _dispatch_row_path(on_peer: bool, dtype, hidden: int, ep_size: int, top_k: int,
-                       wire_dtype: str | None, fp8_slabs: bool) -> str:
+def _dispatch_row_path(request: _PathRequest) -> str:
   """Rows -> slabs, apart from the one-launch dispatch. FP8 rows
   dequantized as they land take the drop-in exchange; FP8 slabs, the
   quantizing launch where it takes the rows, else the byte-row launch."""
-  if ep_size == 1:
+  if request.sizes.ep_size == 1:
     return "local"
-  if wire_dtype is None:
-    fused = _fused_rows(on_peer, dtype, hidden, ep_size, top_k, sums=False)
-    return "fused" if fused else "exchange"
-  if not fp8_slabs:
+  if request.wire_dtype is None:
+    return "fused" if _fused_rows(request, sums=False) else "exchange"
+  if not request.fp8_slabs:
     return "exchange"
-  if _fused_rows(on_peer, dtype, hidden, ep_size, top_k, sums=False, wire_dtype=wire_dtype):
+  if _fused_rows(request, sums=False, wire_dtype=request.wire_dtype):
     return "fused"
-  if _fused_rows(on_peer, jnp.uint8, fp8.wire_bytes(hidden), ep_size, top_k, sums=False):
+  wire_rows = request._replace(row_dtype=np.dtype(np.uint8),
+                               hidden=fp8.wire_bytes(request.hidden))
+  if _fused_rows(wire_rows, sums=False):
     return "fused_wire"
   return "exchange"
 
 
-def _one_launch(on_peer: bool, dtype, hidden: int, ep_size: int, send_capacity: int,
-                top_k: int, local_experts: int, expert_capacity: int, wire_dtype: str | None,
-                grouped_rows: int | None) -> bool:
+def _one_launch(request: _PathRequest) -> bool:
   """Whether the whole dispatch runs as one peer launch (decode sizes, when
   enabled: :func:`~moe_ep.transport.peer.dispatch_layout_enabled`)."""
-  return (on_peer and not wire_dtype and grouped_rows is None
+  return (request.on_peer and not request.wire_dtype and request.grouped_rows is None
           and peer_runtime.dispatch_layout_enabled()
-          and dispatch_layout.dispatch_layout_fits(dtype, hidden, ep_size, send_capacity, top_k,
-                                                   local_experts, expert_capacity))
+          and dispatch_layout.dispatch_layout_fits(request.row_dtype, request.hidden,
+                                                   request.sizes))
 
 
-def _meta_path(on_peer: bool, ep_size: int, send_capacity: int, top_k: int,
-               local_experts: int, expert_capacity: int) -> str:
-  if ep_size == 1:
+def _meta_path(request: _PathRequest) -> str:
+  if request.sizes.ep_size == 1:
     return "local"
-  if on_peer and fused_layout.fused_layout_fits(ep_size, send_capacity, top_k, local_experts,
-                                                expert_capacity):
+  if request.on_peer and fused_layout.fused_layout_fits(request.sizes):
     return "fused_layout"
   return "exchange"
 
@@ -262,24 +274,20 @@ def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_
   check_backend(backend)
   wire_dtype = check_wire_dtype(wire_dtype)
   resolved = resolve_exchange(exchange, backend, axis_name, ep_size, mesh)
-  on_peer = resolved == "peer"
   dtype = jnp.dtype(row_dtype)
-  local_experts = num_experts // ep_size
-  fp8_slabs = wire_dtype is not None and (checkpoint_name is not None or fp8_rows)
-  if _one_launch(on_peer, dtype, hidden, ep_size, send_capacity, top_k, local_experts,
-                 expert_capacity, wire_dtype, grouped_rows):
-    dispatch_row_path = "one_launch"
-  else:
-    dispatch_row_path = _dispatch_row_path(on_peer, dtype, hidden, ep_size, top_k, wire_dtype,
-                                           fp8_slabs)
+  request = _PathRequest(
+      on_peer=resolved == "peer", row_dtype=dtype, hidden=hidden,
+      sizes=SlabSizes(ep_size, send_capacity, top_k, num_experts // ep_size, expert_capacity),
+      wire_dtype=wire_dtype,
+      fp8_slabs=wire_dtype is not None and (checkpoint_name is not None or fp8_rows),
+      grouped_rows=grouped_rows)
   plan = DispatchPlan(
       num_experts=num_experts, ep_size=ep_size, expert_capacity=expert_capacity,
       send_capacity=send_capacity, top_k=top_k, hidden=hidden, row_dtype=dtype.name,
       axis_name=axis_name, backend=backend, exchange=resolved,
-      meta_path=_meta_path(on_peer, ep_size, send_capacity, top_k, local_experts,
-                           expert_capacity),
-      dispatch_row_path=dispatch_row_path,
-      combine_row_path=_combine_row_path(on_peer, dtype, hidden, ep_size, top_k),
+      meta_path=_meta_path(request),
+      dispatch_row_path="one_launch" if _one_launch(request) else _dispatch_row_path(request),
+      combine_row_path=_combine_row_path(request),
       mesh=mesh, grouped_rows=grouped_rows, wire_dtype=wire_dtype, weight_dtype=weight_dtype,
       checkpoint_name=checkpoint_name, fp8_rows=fp8_rows)
   plan.ops
@@ -298,16 +306,16 @@ def plan_combine(handle: RoutingHandle, *, hidden: int, row_dtype, axis_name,
                              else handle.slab_row.shape)
   ep_size = handle.ep_size
   resolved = resolve_exchange(exchange, backend, axis_name, ep_size, mesh)
-  on_peer = resolved == "peer"
   dtype = jnp.dtype(row_dtype)
+  request = _PathRequest(on_peer=resolved == "peer", row_dtype=dtype, hidden=hidden,
+                         sizes=SlabSizes(ep_size, handle.send_capacity, handle.top_k,
+                                         local_experts, capacity))
   plan = DispatchPlan(
       num_experts=local_experts * ep_size, ep_size=ep_size, expert_capacity=capacity,
       send_capacity=handle.send_capacity, top_k=handle.top_k, hidden=hidden,
       row_dtype=dtype.name, axis_name=axis_name, backend=backend, exchange=resolved,
-      meta_path=None,
-      dispatch_row_path=_dispatch_row_path(on_peer, dtype, hidden, ep_size, handle.top_k,
-                                           None, False),
-      combine_row_path=_combine_row_path(on_peer, dtype, hidden, ep_size, handle.top_k),
+      meta_path=None, dispatch_row_path=_dispatch_row_path(request),
+      combine_row_path=_combine_row_path(request),
       mesh=mesh)
   plan.ops
   return plan

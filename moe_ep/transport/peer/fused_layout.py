@@ -16,10 +16,8 @@ from moe_ep.transport.peer.kernels import Kernel, kernel
 from moe_ep.transport.peer.runtime import RUNTIME, timeout_s
 
 LAYOUT_TABLE_BYTES = 8 * 32  # peer_slab_layout's static shared row pointers (ROW_MAX_LANES)
-# The fused metadata exchange and layout pays up to 4 ranks (rank 0's launch
-# against peer_exchange + slab_rank_own_count in the loopback); beyond, its
-# layout blocks read every source's row from L2 while R - 1 senders copy, and
-# it is slower (docs/benchmarks.md, "Tuning").
+# Beyond 4 ranks the fused layout's blocks read every source's row from L2
+# while R - 1 senders copy, slower than the two launches (docs/benchmarks.md).
 FUSED_LAYOUT_MAX_RANKS = 4
 
 
@@ -36,16 +34,16 @@ def layout_shared_fits(shared_ints: int) -> bool:
   return 4 * shared_ints + LAYOUT_TABLE_BYTES <= 4 * kernel_launch.SHARED_INTS
 
 
-def fused_layout_fits(ep_size: int, send_capacity: int, top_k: int, local_experts: int,
-                      expert_capacity: int) -> bool:
+def fused_layout_fits(sizes: kernel_plan.SlabSizes) -> bool:
   """Whether :func:`slab_layout` runs as one launch at this shape: 2 <= R <= 4,
   metadata rows of whole 16-byte vectors (``2 * S * K + L`` a multiple of
   4 words) and few received member tiles, where ``slab_rank_own_count``
   alone lays the slabs out (decode; :func:`moe_ep.transport.kernel_plan.slab_plan`).
   Elsewhere the drop-in exchange and the backend's ``slab_layout`` run."""
-  if not fused_meta_rows(ep_size, meta_format.width(send_capacity, top_k, local_experts)):
+  width = meta_format.width(sizes.send_capacity, sizes.top_k, sizes.local_experts)
+  if not fused_meta_rows(sizes.ep_size, width):
     return False
-  plan = kernel_plan.slab_plan(ep_size, send_capacity, top_k, local_experts, expert_capacity)
+  plan = kernel_plan.slab_plan(sizes)
   return not plan.counted and layout_shared_fits(plan.shared_ints)
 
 
@@ -55,11 +53,11 @@ def slab_layout_kernel(layout: ChannelLayout, ordinal: int, peers: int, rank: in
   (``peers``: the device address of the ranks' channel bases; ``tail``:
   :meth:`Runtime.device_tail`; ``sizes``: ``(S, K, L, C)``). Buffers: meta
   0; recv_pos, slab_row, slab_weights, counts, demand 1-5."""
-  send_capacity, top_k, local_experts, capacity = sizes
-  if not fused_layout_fits(layout.ep_size, *sizes):
+  slab_sizes = kernel_plan.SlabSizes(layout.ep_size, *sizes)
+  if not fused_layout_fits(slab_sizes):
     raise ValueError(f"no fused slab layout at R={layout.ep_size}, (S, K, L, C)={sizes}: "
                      f"too many member tiles (fused_layout_fits)")
-  plan = kernel_plan.slab_plan(layout.ep_size, send_capacity, top_k, local_experts, capacity)
+  plan = kernel_plan.slab_plan(slab_sizes)
   args = (np.uint64(peers), np.int32(rank), np.int32(layout.ep_size),
           *(np.int32(v) for v in (*sizes, layout.chunk_bytes // 4, plan.tiles)),
           np.int64(layout.slot_bytes), np.int64(layout.data_offset), *tail)
@@ -96,7 +94,9 @@ def slab_layout(meta: jax.Array, *, top_k: int, num_local_experts: int, expert_c
                      f"{meta.shape}")
   width = meta.shape[1]
   send_capacity = meta_format.send_capacity(width, top_k, num_local_experts)
-  if not fused_layout_fits(ep_size, send_capacity, top_k, num_local_experts, expert_capacity):
+  slab_sizes = kernel_plan.SlabSizes(ep_size, send_capacity, top_k, num_local_experts,
+                                     expert_capacity)
+  if not fused_layout_fits(slab_sizes):
     raise ValueError(f"no fused slab layout at R={ep_size}, S={send_capacity}, K={top_k}, "
                      f"L={num_local_experts}: too many member tiles (fused_layout_fits)")
   layout = meta_channel_layout(ep_size, width)
@@ -107,6 +107,5 @@ def slab_layout(meta: jax.Array, *, top_k: int, num_local_experts: int, expert_c
   launches = {ordinal: [slab_layout_kernel(layout, ordinal, state.peers.data.ptr, state.rank,
                                            sizes, RUNTIME.device_tail(ordinal, site, timeout_ns))]
               for ordinal, state in (channel.on_device.items() if channel is not None else ())}
-  shapes = kernel_plan.slab_layout_shapes(ep_size, send_capacity, top_k, num_local_experts,
-                                           expert_capacity)
+  shapes = kernel_plan.slab_layout_shapes(slab_sizes)
   return fused_call("slab layout", launches, (meta,), shapes, axis_name)
