@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_ep.activations import ACTIVATIONS, input_projections
-from moe_ep.options import BACKENDS, CHECKPOINT_FIELDS, EXCHANGES, TOKEN_DTYPES, check_wire_dtype
+from moe_ep.options import TRANSPORTS, CHECKPOINT_FIELDS, EXCHANGES, TOKEN_DTYPES, check_wire_dtype
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 # Floating dtypes the layer computes exactly; float64 is refused (see _check_dtype).
@@ -352,7 +352,7 @@ class MoEConfig:
       check_bool(self, field)
     check_choice(self, "score_function", SCORE_FUNCTIONS)
     check_choice(self, "activation", ACTIVATIONS)
-    check_choice(self, "transport", BACKENDS)
+    check_choice(self, "transport", TRANSPORTS)
     check_choice(self, "exchange", EXCHANGES)
     check_number(self, "routed_scaling", 0.0, strict=True)
     for field in ("expert_bias_update_rate", "aux_loss_coeff", "z_loss_coeff"):

@@ -130,7 +130,7 @@ def moe_shard(config: MoEConfig, layout: ShardLayout, mesh, dtype, num_valid: in
       tokens, routing.topk_idx, routing.topk_weights, num_experts=config.num_experts,
       expert_capacity=expert_capacity, axis_name=layout.ep_axis,
       send_capacity=send_capacity_for(*capacity_args, config.capacity_factor),
-      checkpoint_name=remat.name("dispatch"), backend=config.transport,
+      checkpoint_name=remat.name("dispatch"), transport=config.transport,
       exchange=config.exchange, mesh=mesh, wire_dtype=config.dispatch_dtype,
       grouped_rows=grouped_rows, fp8_rows=_fp8_dispatch_feed(config))
 
@@ -156,7 +156,7 @@ def moe_shard(config: MoEConfig, layout: ShardLayout, mesh, dtype, num_valid: in
 
   # Combine.
   y = name("combine.output", combine(out, dispatched.handle, num_tokens=num_tokens,
-                                     axis_name=layout.ep_axis, backend=config.transport,
+                                     axis_name=layout.ep_axis, transport=config.transport,
                                      exchange=config.exchange, mesh=mesh))
   if "shared_w_in" in params:
     with jax.named_scope(NAMED_SCOPES["shared_experts"]):

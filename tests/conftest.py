@@ -152,13 +152,10 @@ def pytest_collection_finish(session):
 
 @pytest.fixture
 def pretend_cupy(monkeypatch):
-  """CuPy reported available (and the backend cache cleared around the test):
-  lowering for CUDA never touches CuPy, only the availability check does."""
-  from moe_ep.transport import backend, kernel_launch
+  """CuPy reported available: lowering for CUDA never touches CuPy, only the
+  availability check does."""
+  from moe_ep.transport import kernel_launch
   monkeypatch.setattr(kernel_launch, "cupy_available", lambda: True)
-  backend.resolve.cache_clear()
-  yield
-  backend.resolve.cache_clear()
 
 
 def devices_for(backend: str, count: int) -> list:

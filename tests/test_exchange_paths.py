@@ -107,12 +107,12 @@ def round_trip_fn(exchange: str, mesh, backend: str, tokens: int, expert_capacit
   def per_rank(x, idx, w, y_grad):
     def forward(x, w):
       d = dispatch(x, idx, w, num_experts=E, expert_capacity=expert_capacity, axis_name="ep",
-                   send_capacity=send_capacity, backend=backend, exchange=exchange, mesh=mesh)
+                   send_capacity=send_capacity, transport=backend, exchange=exchange, mesh=mesh)
       # Each expert row its own values, so the combine sums depend on their order.
       slab_index = jnp.arange(d.weights.size, dtype=jnp.float32).reshape(d.weights.shape)
       out = (jnp.sin(d.tokens.astype(jnp.float32) + slab_index[..., None])
              * d.weights[..., None]).astype(x.dtype)
-      y = combine(out, d.handle, num_tokens=tokens, axis_name="ep", backend=backend,
+      y = combine(out, d.handle, num_tokens=tokens, axis_name="ep", transport=backend,
                   exchange=exchange, mesh=mesh)
       return y, d
     y, vjp, d = jax.vjp(forward, x, w, has_aux=True)
@@ -277,12 +277,12 @@ def test_fused_row_algorithm_is_the_all_to_all_path_bitwise(dtype):
 
   def per_rank(x, idx, w):
     d = dispatch(x, idx, w, num_experts=E, expert_capacity=24, axis_name="ep", send_capacity=20,
-                 backend="xla")
+                 transport="xla")
     # Each expert row its own values: the sums then depend on their order.
     slab_index = jnp.arange(d.tokens.shape[0] * d.tokens.shape[1], dtype=jnp.float32)
     out = jnp.sin(7 * d.tokens.astype(jnp.float32)
                   + slab_index.reshape(d.tokens.shape[:2] + (1,))).astype(x.dtype)
-    y = combine(out, d.handle, num_tokens=tokens, axis_name="ep", backend="xla")
+    y = combine(out, d.handle, num_tokens=tokens, axis_name="ep", transport="xla")
     return d.tokens, d.handle, out, y, d.counts, d.demand
 
   slabs, handle, expert_out, y, counts, demand = jax.jit(jax.shard_map(

@@ -38,11 +38,6 @@ def kernels(ordinal: int) -> dict[str, object]:
   return kl.functions(ordinal, KERNEL_FILES)
 
 
-def _call(scope: str, callback, result_shapes, *inputs) -> list:
-  kl.compile_for_local_gpus(kernels)
-  return kl.call(scope, callback, result_shapes, *inputs)
-
-
 def _on_xla_stream(ctx, buffer):
   return kl.on_xla_stream(ctx, buffer, kernels)
 
@@ -84,8 +79,8 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
              shared_ints=kernel_plan.route_rank_shared_ints(threads, ep_size, top_k, num_experts,
                                                             counted))
 
-  outputs = _call("moe_cupy_route", callback, shapes, topk_idx.astype(jnp.int32),
-                  topk_weights.astype(jnp.float32))
+  outputs = kl.call("moe_cupy_route", callback, shapes, topk_idx.astype(jnp.int32),
+                    topk_weights.astype(jnp.float32), kernels=kernels)
   return tuple(outputs[:4])
 
 
@@ -115,7 +110,8 @@ def slab_layout(recv_meta, *, top_k: int, num_local_experts: int, expert_capacit
              tile_counts, recv_pos, slab_row, slab_weights, counts, demand,
              shared_ints=plan.shared_ints)
 
-  return tuple(_call("moe_cupy_slab_layout", callback, shapes, recv_meta)[:5])
+  return tuple(kl.call("moe_cupy_slab_layout", callback, shapes, recv_meta,
+                       kernels=kernels)[:5])
 
 
 _VECTOR_BYTES = (16, 8, 4, 2)
@@ -143,8 +139,8 @@ def expand_rows(table, targets, sources):
              *i32(num_table_rows, fanout, num_out_rows, row_vecs))
 
   shape = jax.ShapeDtypeStruct((num_out_rows, hidden), table.dtype)
-  return _call("moe_cupy_expand_rows", callback, [shape], table,
-               targets.astype(jnp.int32), sources.astype(jnp.int32))[0]
+  return kl.call("moe_cupy_expand_rows", callback, [shape], table, targets.astype(jnp.int32),
+                 sources.astype(jnp.int32), kernels=kernels)[0]
 
 
 def gather_sum_rows(table, index):
@@ -166,8 +162,8 @@ def gather_sum_rows(table, index):
              *i32(num_table_rows, fanin, num_out_rows, hidden))
 
   shape = jax.ShapeDtypeStruct((num_out_rows, hidden), table.dtype)
-  return _call("moe_cupy_gather_sum_rows", callback, [shape], table,
-               index.astype(jnp.int32))[0]
+  return kl.call("moe_cupy_gather_sum_rows", callback, [shape], table, index.astype(jnp.int32),
+                 kernels=kernels)[0]
 
 
 # --- the FP8 dispatch's fused row passes (kernels/fp8.cu) --------------------------
@@ -203,11 +199,6 @@ def fp8_kernels(ordinal: int) -> dict[str, object]:
         "transport 'cupy' or 'auto' runs these kernels; on this GPU use transport='xla' "
         "(the pure-JAX FP8 path) or no FP8 dispatch") from error
   return kl.functions(ordinal, (FP8,))
-
-
-def _fp8_call(scope: str, callback, result_shape, *inputs):
-  kl.compile_for_local_gpus(fp8_kernels)
-  return kl.call(scope, callback, [result_shape], *inputs)[0]
 
 
 def _maps(targets, sources):
@@ -253,7 +244,8 @@ def quantize_pack_expand(table, targets=None, sources=None):
                          num_rows, 32 * min(_QUANTIZE_WARPS, fp8.num_blocks(hidden)), maps,
                          num_out_rows, maps[0].shape[1] if maps else 1, hidden)
   shape = jax.ShapeDtypeStruct((num_out_rows, fp8.wire_bytes(hidden)), jnp.uint8)
-  return _fp8_call("moe_cupy_fp8_quantize_pack", callback, shape, table, *maps)
+  return kl.call("moe_cupy_fp8_quantize_pack", callback, [shape], table, *maps,
+                 kernels=fp8_kernels)[0]
 
 
 def unpack_dequantize_expand(wire, targets=None, sources=None, *, hidden: int,
@@ -273,7 +265,8 @@ def unpack_dequantize_expand(wire, targets=None, sources=None, *, hidden: int,
                          num_wire_rows, kl.threads_for(-(-hidden // _CHANNELS_PER_THREAD)), maps,
                          num_out_rows, maps[0].shape[1] if maps else 1, hidden)
   shape = jax.ShapeDtypeStruct((num_out_rows, hidden), dtype)
-  return _fp8_call("moe_cupy_fp8_unpack_dequantize_expand", callback, shape, wire, *maps)
+  return kl.call("moe_cupy_fp8_unpack_dequantize_expand", callback, [shape], wire, *maps,
+                 kernels=fp8_kernels)[0]
 
 
 def dequantize_filled_rows(wire, filled, *, hidden: int, dtype):

@@ -192,9 +192,12 @@ def varying_like(outputs, inputs, also=frozenset()) -> list:
   return [vary_like(out, *inputs, also=also) for out in outputs]
 
 
-def call(scope: str, callback, result_shapes, *inputs) -> list:
+def call(scope: str, callback, result_shapes, *inputs, kernels) -> list:
   """One command-buffer-compatible ``buffer_callback`` under the named
-  scope ``scope``, its outputs varying like its inputs."""
+  scope ``scope``, its outputs varying like its inputs; ``kernels(ordinal)``
+  (which compiles the kernels ``callback`` launches) runs for every local GPU
+  first (:func:`compile_for_local_gpus`)."""
+  compile_for_local_gpus(kernels)
   with jax.named_scope(scope):
     outputs = buffer_callback(callback, result_shapes, command_buffer_compatible=True)(*inputs)
   return varying_like(outputs, inputs)

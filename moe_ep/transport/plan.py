@@ -41,21 +41,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name as name_value
 
-from moe_ep.options import EXCHANGES, check_backend, check_wire_dtype
-from moe_ep.transport import backend as transport_backend
-from moe_ep.transport import fp8
+from moe_ep.options import EXCHANGES, check_transport, check_wire_dtype
+from moe_ep.transport import fp8, kernel_launch
 from moe_ep.transport.handle import RoutingHandle
 from moe_ep.transport.kernel_plan import SlabSizes
 from moe_ep.transport.peer import dispatch_layout, fused_layout, reachability
 from moe_ep.transport.peer import rows as peer_rows
 from moe_ep.transport.peer import runtime as peer_runtime
 
-__all__ = ["COMBINE_ROW_PATHS", "DISPATCH_ROW_PATHS", "DispatchPlan", "META_PATHS",
-           "plan_combine", "plan_dispatch", "resolve_exchange"]
+__all__ = ["COMBINE_ROW_PATHS", "DISPATCH_ROW_PATHS", "DispatchPlan", "LOCAL_PASSES",
+           "META_PATHS", "local_passes_for", "plan_combine", "plan_dispatch", "resolve_exchange"]
 
 META_PATHS = ("local", "exchange", "fused_layout")
 DISPATCH_ROW_PATHS = ("local", "exchange", "fused", "fused_wire", "one_launch")
 COMBINE_ROW_PATHS = ("local", "exchange", "fused")
+LOCAL_PASSES = ("xla", "cupy", "per_platform")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +72,10 @@ class DispatchPlan:
     grouped_rows: None: ``[L, C]`` slabs; ``M``: the grouped layout's rows.
     axis_name, mesh: the EP axis and the enclosing ``shard_map``'s mesh
       (None on ``all_to_all`` branches).
-    backend: the local passes' backend name (:data:`~moe_ep.options.BACKENDS`).
+    transport: the local passes' implementation asked for
+      (:data:`~moe_ep.options.TRANSPORTS`).
+    local_passes: :data:`LOCAL_PASSES`, the implementation that runs them
+      (:func:`local_passes_for`).
     exchange: ``"all_to_all"`` or ``"peer"`` (resolved, never ``"auto"``).
     meta_path: :data:`META_PATHS`; None for a combine, which routes nothing.
     dispatch_row_path: :data:`DISPATCH_ROW_PATHS`.
@@ -93,7 +96,7 @@ class DispatchPlan:
   hidden: int
   row_dtype: str
   axis_name: object
-  backend: str
+  transport: str
   exchange: str
   meta_path: str | None
   dispatch_row_path: str
@@ -104,9 +107,11 @@ class DispatchPlan:
   weight_dtype: str = "float32"
   checkpoint_name: str | None = None
   fp8_rows: bool = False
+  local_passes: str = "xla"
 
   def __post_init__(self):
     for field, value, allowed in (("exchange", self.exchange, ("all_to_all", "peer")),
+                                  ("local_passes", self.local_passes, LOCAL_PASSES),
                                   ("meta_path", self.meta_path, META_PATHS + (None,)),
                                   ("dispatch_row_path", self.dispatch_row_path,
                                    DISPATCH_ROW_PATHS),
@@ -114,11 +119,6 @@ class DispatchPlan:
                                    COMBINE_ROW_PATHS)):
       if value not in allowed:
         raise ValueError(f"DispatchPlan.{field}={value!r} must be one of {allowed}")
-
-  @property
-  def ops(self):
-    """The backend running the local passes."""
-    return transport_backend.resolve(self.backend)
 
   @property
   def num_local_experts(self) -> int:
@@ -148,31 +148,46 @@ class DispatchPlan:
     return name_value(value, f"{self.checkpoint_name}.{field}")
 
 
-def auto_exchange_reason(backend: str, axis_name, ep_size: int, mesh) -> str | None:
+def local_passes_for(transport: str) -> str:
+  """Which implementation runs the local passes for ``transport``
+  (:data:`LOCAL_PASSES`): ``"xla"`` pure JAX; ``"cupy"`` the CuPy kernels
+  (ImportError naming the extra where CuPy is missing); ``"auto"`` the
+  kernels where the program is lowered for CUDA and pure JAX elsewhere
+  (``"per_platform"``) where CuPy imports, else pure JAX."""
+  check_transport(transport)
+  if transport == "xla":
+    return "xla"
+  if transport == "cupy":
+    kernel_launch.require_cupy()
+    return "cupy"
+  return "per_platform" if kernel_launch.cupy_available() else "xla"
+
+
+def auto_exchange_reason(transport: str, axis_name, ep_size: int, mesh) -> str | None:
   """Why ``exchange="auto"`` keeps XLA's ``all_to_all`` here (None: it takes
-  the peer path): one rank, the ``"xla"`` backend, no ``mesh``, or GPUs of
+  the peer path): one rank, the ``"xla"`` transport, no ``mesh``, or GPUs of
   the EP groups that do not reach each other by peer access on one host."""
   if ep_size == 1:
     return "one rank"
-  if backend == "xla":
-    return "backend='xla'"
+  if transport == "xla":
+    return "transport='xla'"
   if mesh is None:
     return "no mesh given"
   return reachability.unsupported_reason(mesh, axis_name)
 
 
-def resolve_exchange(exchange: str, backend: str, axis_name, ep_size: int, mesh) -> str:
+def resolve_exchange(exchange: str, transport: str, axis_name, ep_size: int, mesh) -> str:
   """The exchange one dispatch/combine uses: ``"peer"`` or ``"all_to_all"``.
 
   ``"auto"`` takes the peer path where :func:`auto_exchange_reason` finds
-  nothing against it; ``"peer"`` insists (with any backend) and says why
+  nothing against it; ``"peer"`` insists (with any transport) and says why
   not."""
   if exchange not in EXCHANGES:
     raise ValueError(f"exchange={exchange!r} is not one of {EXCHANGES}")
   if ep_size == 1 or exchange == "all_to_all":
     return "all_to_all"
   if exchange == "auto":
-    return ("peer" if auto_exchange_reason(backend, axis_name, ep_size, mesh) is None
+    return ("peer" if auto_exchange_reason(transport, axis_name, ep_size, mesh) is None
             else "all_to_all")
   if mesh is None:
     raise ValueError(f"exchange='peer' needs mesh=, the mesh of the enclosing shard_map over "
@@ -248,20 +263,20 @@ def _meta_path(request: _PathRequest) -> str:
 
 
 def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_capacity: int,
-                  top_k: int, hidden: int, row_dtype, axis_name, backend: str = "auto",
+                  top_k: int, hidden: int, row_dtype, axis_name, transport: str = "auto",
                   exchange: str = "auto", mesh=None, wire_dtype: str | None = None,
                   grouped_rows: int | None = None, checkpoint_name: str | None = None,
                   weight_dtype: str = "float32", fp8_rows: bool = False) -> DispatchPlan:
   """The plan of one dispatch (and of its backward) at these sizes, as
   :func:`~moe_ep.transport.dispatch` resolves it: every path chosen here,
-  the backend resolved now (a missing CuPy fails at trace time).
+  the local passes too (a missing CuPy fails at trace time).
 
   Args:
     num_experts, ep_size, expert_capacity, send_capacity, top_k: ``E``,
       ``R``, ``C``, ``S``, ``K`` (as dispatch clamps them: ``C`` at most the
       dropless bound, ``S`` at most ``T``).
     hidden, row_dtype: ``H`` and the tokens' dtype (a name or a dtype).
-    axis_name, backend, exchange, mesh, wire_dtype, grouped_rows,
+    axis_name, transport, exchange, mesh, wire_dtype, grouped_rows,
       checkpoint_name: as for :func:`~moe_ep.transport.dispatch`
       (``exchange="auto"`` resolved by :func:`resolve_exchange`).
     weight_dtype: the dtype of the routing weights dispatch differentiates
@@ -271,9 +286,9 @@ def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_
   Returns:
     :class:`DispatchPlan`.
   """
-  check_backend(backend)
+  check_transport(transport)
   wire_dtype = check_wire_dtype(wire_dtype)
-  resolved = resolve_exchange(exchange, backend, axis_name, ep_size, mesh)
+  resolved = resolve_exchange(exchange, transport, axis_name, ep_size, mesh)
   dtype = jnp.dtype(row_dtype)
   request = _PathRequest(
       on_peer=resolved == "peer", row_dtype=dtype, hidden=hidden,
@@ -281,44 +296,41 @@ def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_
       wire_dtype=wire_dtype,
       fp8_slabs=wire_dtype is not None and (checkpoint_name is not None or fp8_rows),
       grouped_rows=grouped_rows)
-  plan = DispatchPlan(
+  return DispatchPlan(
       num_experts=num_experts, ep_size=ep_size, expert_capacity=expert_capacity,
       send_capacity=send_capacity, top_k=top_k, hidden=hidden, row_dtype=dtype.name,
-      axis_name=axis_name, backend=backend, exchange=resolved,
+      axis_name=axis_name, transport=transport, exchange=resolved,
       meta_path=_meta_path(request),
       dispatch_row_path="one_launch" if _one_launch(request) else _dispatch_row_path(request),
       combine_row_path=_combine_row_path(request),
       mesh=mesh, grouped_rows=grouped_rows, wire_dtype=wire_dtype, weight_dtype=weight_dtype,
-      checkpoint_name=checkpoint_name, fp8_rows=fp8_rows)
-  plan.ops
-  return plan
+      checkpoint_name=checkpoint_name, fp8_rows=fp8_rows,
+      local_passes=local_passes_for(transport))
 
 
 def plan_combine(handle: RoutingHandle, *, hidden: int, row_dtype, axis_name,
-                 backend: str = "auto", exchange: str = "auto", mesh=None) -> DispatchPlan:
+                 transport: str = "auto", exchange: str = "auto", mesh=None) -> DispatchPlan:
   """The plan of one combine (and of its backward) of expert outputs of
   ``hidden`` channels of ``row_dtype`` along ``handle``, as
   :func:`~moe_ep.transport.combine` resolves it. Combine reads only the
   handle's flat maps: to it a grouped buffer is one group of ``M`` rows. It
   routes nothing (``meta_path`` None) and its rows cross as they are."""
-  check_backend(backend)
+  check_transport(transport)
   local_experts, capacity = ((1, handle.slab_row.shape[0]) if handle.grouped
                              else handle.slab_row.shape)
   ep_size = handle.ep_size
-  resolved = resolve_exchange(exchange, backend, axis_name, ep_size, mesh)
+  resolved = resolve_exchange(exchange, transport, axis_name, ep_size, mesh)
   dtype = jnp.dtype(row_dtype)
   request = _PathRequest(on_peer=resolved == "peer", row_dtype=dtype, hidden=hidden,
                          sizes=SlabSizes(ep_size, handle.send_capacity, handle.top_k,
                                          local_experts, capacity))
-  plan = DispatchPlan(
+  return DispatchPlan(
       num_experts=local_experts * ep_size, ep_size=ep_size, expert_capacity=capacity,
       send_capacity=handle.send_capacity, top_k=handle.top_k, hidden=hidden,
-      row_dtype=dtype.name, axis_name=axis_name, backend=backend, exchange=resolved,
+      row_dtype=dtype.name, axis_name=axis_name, transport=transport, exchange=resolved,
       meta_path=None, dispatch_row_path=_dispatch_row_path(request),
-      combine_row_path=_combine_row_path(request),
-      mesh=mesh)
-  plan.ops
-  return plan
+      combine_row_path=_combine_row_path(request), mesh=mesh,
+      local_passes=local_passes_for(transport))
 
 
 def ep_size_of(axis_name, caller: str) -> int:

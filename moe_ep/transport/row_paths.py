@@ -36,10 +36,36 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_ep.transport import fp8, peer, receive_grouped, receive_slabs
+from moe_ep.transport import cupy_backend, fp8, peer, receive_grouped, receive_slabs, xla
 from moe_ep.transport.handle import RoutingHandle
 from moe_ep.transport.peer import dispatch_layout, fused_layout, rows as peer_rows
 from moe_ep.transport.plan import DispatchPlan
+
+
+# Each local pass as (its CuPy kernels, its pure-JAX twin), the one pair of
+# functions a call through _local_pass may run.
+_ROUTE = (cupy_backend.route, xla.route)
+_SLAB_LAYOUT = (cupy_backend.slab_layout, xla.slab_layout)
+_EXPAND_ROWS = (cupy_backend.expand_rows, xla.expand_rows)
+_GATHER_SUM_ROWS = (cupy_backend.gather_sum_rows, xla.gather_sum_rows)
+_QUANTIZE_PACK_EXPAND = (cupy_backend.quantize_pack_expand, xla.quantize_pack_expand)
+_UNPACK_DEQUANTIZE_EXPAND = (cupy_backend.unpack_dequantize_expand, xla.unpack_dequantize_expand)
+_DEQUANTIZE_FILLED_ROWS = (cupy_backend.dequantize_filled_rows, xla.dequantize_filled_rows)
+
+
+def _local_pass(plan: DispatchPlan, passes: tuple, *args, **static):
+  """One local pass, ``passes = (kernel_pass, xla_pass)``: the CuPy kernels
+  (:mod:`~moe_ep.transport.cupy_backend`) or their pure-JAX twin
+  (:mod:`~moe_ep.transport.xla`), as ``plan.local_passes`` says;
+  ``"per_platform"`` lowers the kernels where the program is lowered for
+  CUDA and the twin elsewhere."""
+  kernel_pass, xla_pass = passes
+  if plan.local_passes == "xla":
+    return xla_pass(*args, **static)
+  if plan.local_passes == "cupy":
+    return kernel_pass(*args, **static)
+  return jax.lax.platform_dependent(*args, cuda=functools.partial(kernel_pass, **static),
+                                    default=functools.partial(xla_pass, **static))
 
 
 def _fused_on_cuda(scope: str, fused, unfused, *args):
@@ -100,13 +126,13 @@ def _rows_to_slabs(plan: DispatchPlan, path: str, rows: jax.Array,
                    handle: RoutingHandle) -> jax.Array:
   """:func:`rows_to_slabs` by ``path``: ``"local"``, ``"fused"`` or ``"exchange"``
   (also for FP8 wire rows of ``W`` bytes, which cross like any rows)."""
-  ops = plan.ops
   hidden = rows.shape[-1]
   shape = receive_slabs.output_shape(handle, hidden)
   output_rows = receive_slabs.output_rows(handle)
   if path == "local":
     token_of_output_row = _lookup(handle.send_token.reshape(-1), output_rows, -1)
-    return ops.expand_rows(rows, _token_member_pos(handle), token_of_output_row).reshape(shape)
+    return _local_pass(plan, _EXPAND_ROWS, rows, _token_member_pos(handle),
+                       token_of_output_row).reshape(shape)
   if path == "fused":
     flat = _fused_on_cuda(
         "exchange_rows",
@@ -123,23 +149,22 @@ def _exchanged_rows_to_slabs(plan: DispatchPlan, rows: jax.Array,
                              handle: RoutingHandle) -> jax.Array:
   """R > 1, unfused: ``expand_rows`` to ``[R, S, H]``, the exchange, ``expand_rows``
   to the flat output rows ``[L * C, H]``."""
-  ops = plan.ops
   hidden = rows.shape[-1]
-  send_rows = ops.expand_rows(rows, _wire_rows(handle), handle.send_token.reshape(-1))
+  send_rows = _local_pass(plan, _EXPAND_ROWS, rows, _wire_rows(handle),
+                          handle.send_token.reshape(-1))
   recv_rows = exchange(plan, send_rows.reshape(plan.ep_size, -1, hidden), "exchange_rows")
-  return ops.expand_rows(recv_rows.reshape(-1, hidden), handle.recv_pos.reshape(-1, handle.top_k),
-                         receive_slabs.output_rows(handle))
+  return _local_pass(plan, _EXPAND_ROWS, recv_rows.reshape(-1, hidden),
+                     handle.recv_pos.reshape(-1, handle.top_k), receive_slabs.output_rows(handle))
 
 
 def slabs_to_rows(plan: DispatchPlan, slab_values: jax.Array, handle: RoutingHandle) -> jax.Array:
   """``slab_values [L, C, H]`` -> ``[T, H]``: each token's sum over its kept
   rows, by ``plan.combine_row_path``."""
-  ops = plan.ops
   hidden = slab_values.shape[-1]
   flat = slab_values.reshape(-1, hidden)
   path = plan.combine_row_path
   if path == "local":
-    return ops.gather_sum_rows(flat, _token_member_pos(handle))
+    return _local_pass(plan, _GATHER_SUM_ROWS, flat, _token_member_pos(handle))
   if path == "fused":
     return _fused_on_cuda(
         "exchange_rows",
@@ -153,11 +178,11 @@ def _exchanged_slabs_to_rows(plan: DispatchPlan, flat: jax.Array,
                              handle: RoutingHandle) -> jax.Array:
   """R > 1, unfused: per received row the sum of its members (``gather_sum_rows``),
   the exchange, per token the sum over ranks: ``[L * C, H]`` -> ``[T, H]``."""
-  ops = plan.ops
   hidden = flat.shape[-1]
-  partial_sums = ops.gather_sum_rows(flat, handle.recv_pos.reshape(-1, handle.top_k))
+  partial_sums = _local_pass(plan, _GATHER_SUM_ROWS, flat,
+                             handle.recv_pos.reshape(-1, handle.top_k))
   returned = exchange(plan, partial_sums.reshape(plan.ep_size, -1, hidden), "exchange_rows")
-  return ops.gather_sum_rows(returned.reshape(-1, hidden), _wire_rows(handle))
+  return _local_pass(plan, _GATHER_SUM_ROWS, returned.reshape(-1, hidden), _wire_rows(handle))
 
 
 def rows_to_slabs_fp8(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
@@ -187,20 +212,19 @@ def rows_to_slabs_fp8(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle
   shape = receive_slabs.output_shape(handle, hidden)
   if plan.fp8_slabs:
     fp8_slabs = plan.name("tokens", rows_to_fp8_slabs(plan, rows, handle))
-    return plan.ops.dequantize_filled_rows(fp8_slabs.reshape(-1, fp8_slabs.shape[-1]),
-                                           receive_slabs.filled(handle), hidden=hidden,
-                                           dtype=rows.dtype).reshape(shape)
-  ops = plan.ops
+    return _local_pass(plan, _DEQUANTIZE_FILLED_ROWS, fp8_slabs.reshape(-1, fp8_slabs.shape[-1]),
+                       receive_slabs.filled(handle), hidden=hidden,
+                       dtype=rows.dtype).reshape(shape)
   output_rows = receive_slabs.output_rows(handle)
   if plan.dispatch_row_path == "local":
-    wire = ops.quantize_pack_expand(rows)
+    wire = _local_pass(plan, _QUANTIZE_PACK_EXPAND, rows)
     targets = _token_member_pos(handle)
     sources = _lookup(handle.send_token.reshape(-1), output_rows, -1)
   else:
     wire = _exchanged_wire_rows(plan, rows, handle)
     targets, sources = handle.recv_pos.reshape(-1, handle.top_k), output_rows
-  return ops.unpack_dequantize_expand(wire, targets, sources, hidden=hidden,
-                                      dtype=rows.dtype).reshape(shape)
+  return _local_pass(plan, _UNPACK_DEQUANTIZE_EXPAND, wire, targets, sources, hidden=hidden,
+                     dtype=rows.dtype).reshape(shape)
 
 
 def rows_to_grouped_fp8(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle):
@@ -223,7 +247,8 @@ def rows_to_grouped_fp8(plan: DispatchPlan, rows: jax.Array, handle: RoutingHand
   fp8_slabs = plan.name("tokens", rows_to_fp8_slabs(plan, rows, handle))
   wire = fp8_slabs.reshape(-1, fp8_slabs.shape[-1])
   filled = receive_slabs.filled(handle)
-  grouped = plan.ops.dequantize_filled_rows(wire, filled, hidden=hidden, dtype=rows.dtype)
+  grouped = _local_pass(plan, _DEQUANTIZE_FILLED_ROWS, wire, filled, hidden=hidden,
+                        dtype=rows.dtype)
   return (grouped.reshape(receive_slabs.output_shape(handle, hidden)),
           fp8.unpack_filled_wire(wire, hidden, filled))
 
@@ -243,7 +268,6 @@ def rows_to_fp8_slabs(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle
   if not plan.fp8_slabs:
     raise ValueError("rows_to_fp8_slabs needs the plan of a dispatch that lands FP8 slabs: "
                      "wire_dtype='float8_e4m3fn' and a checkpoint_name (plan_dispatch)")
-  ops = plan.ops
   width = fp8.wire_bytes(rows.shape[-1])
   shape = receive_slabs.output_shape(handle, width)
   path = plan.dispatch_row_path
@@ -259,18 +283,18 @@ def rows_to_fp8_slabs(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle
     return flat.reshape(shape)
   if path in ("local", "fused_wire"):
     return _rows_to_slabs(plan, "local" if path == "local" else "fused",
-                          ops.quantize_pack_expand(rows), handle)
+                          _local_pass(plan, _QUANTIZE_PACK_EXPAND, rows), handle)
   wire = _exchanged_wire_rows(plan, rows, handle)
-  return ops.expand_rows(wire, handle.recv_pos.reshape(-1, handle.top_k),
-                         receive_slabs.output_rows(handle)).reshape(shape)
+  return _local_pass(plan, _EXPAND_ROWS, wire, handle.recv_pos.reshape(-1, handle.top_k),
+                     receive_slabs.output_rows(handle)).reshape(shape)
 
 
 def _exchanged_wire_rows(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
   """R > 1: each token quantized once, fused with its expand into the send
   rows, and the exchange: ``rows [T, H]`` -> received wire rows ``[R * S,
   W]`` uint8."""
-  send_wire = plan.ops.quantize_pack_expand(rows, _wire_rows(handle),
-                                            handle.send_token.reshape(-1))
+  send_wire = _local_pass(plan, _QUANTIZE_PACK_EXPAND, rows, _wire_rows(handle),
+                          handle.send_token.reshape(-1))
   width = send_wire.shape[-1]
   return exchange(plan, send_wire.reshape(plan.ep_size, -1, width),
                   "exchange_rows").reshape(-1, width)
@@ -301,13 +325,14 @@ def _exchanged_layout(plan: DispatchPlan, meta, top_k: int):
   """The metadata exchange (``meta_path == "exchange"``), then the receiver's layout."""
   if plan.meta_path == "exchange":
     meta = exchange(plan, meta, "exchange_meta")
-  return receive_slabs.lay_out(plan.ops, meta, **_layout_sizes(plan, top_k))
+  return _local_pass(plan, _SLAB_LAYOUT, meta, **_layout_sizes(plan, top_k))
 
 
 def _route(plan: DispatchPlan, topk_idx, topk_weights):
   """The sender's routing: ``(send_slot, send_token, route_slot, meta)``."""
-  return plan.ops.route(topk_idx, topk_weights.astype(jnp.float32), num_experts=plan.num_experts,
-                        ep_size=plan.ep_size, send_capacity=plan.send_capacity)
+  return _local_pass(plan, _ROUTE, topk_idx, topk_weights.astype(jnp.float32),
+                     num_experts=plan.num_experts, ep_size=plan.ep_size,
+                     send_capacity=plan.send_capacity)
 
 
 def routing(plan: DispatchPlan, topk_idx, topk_weights):

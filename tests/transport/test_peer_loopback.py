@@ -49,16 +49,16 @@ def _reference(ep_size: int, dtype, seed: int) -> list[dict]:
   outputs = rng.standard_normal((EXPERTS * capacity, HIDDEN)).astype(dtype)
   fp8_slabs_plan = plan_dispatch(num_experts=EXPERTS, ep_size=ep_size, expert_capacity=capacity,
                                  send_capacity=send_capacity, top_k=TOP_K, hidden=HIDDEN,
-                                 row_dtype=dtype, axis_name="ep", backend="xla",
+                                 row_dtype=dtype, axis_name="ep", transport="xla",
                                  exchange="all_to_all", mesh=mesh, wire_dtype=FP8,
                                  checkpoint_name="moe.dispatch")
 
   def program(x, idx, weights, outputs):
     d = dispatch(x, idx, weights, num_experts=EXPERTS, expert_capacity=capacity,
-                 axis_name="ep", send_capacity=send_capacity, backend="xla", mesh=mesh)
+                 axis_name="ep", send_capacity=send_capacity, transport="xla", mesh=mesh)
     fp8_slabs = row_paths.rows_to_fp8_slabs(fp8_slabs_plan, x, d.handle)
     expert_out = outputs.reshape(d.tokens.shape)
-    y = combine(expert_out, d.handle, num_tokens=TOKENS, axis_name="ep", backend="xla",
+    y = combine(expert_out, d.handle, num_tokens=TOKENS, axis_name="ep", transport="xla",
                 mesh=mesh)
     # route's metadata, before its exchange, from the ids dispatch routes by
     merged = ops.merge_duplicate_routes(ops.valid_ids(idx, EXPERTS), weights)
