@@ -18,7 +18,7 @@ from moe_ep import router
 from moe_ep import sharding
 from moe_ep.config import MoEConfig
 from moe_ep.layer_core import MoEAux
-from moe_ep.layer_mesh import layer_mesh, shard_layout
+from moe_ep.layer_mesh import layer_mesh, mesh_split
 
 
 class ExpertBias(nnx.Variable):
@@ -114,7 +114,7 @@ class ExpertParallelMoE(nnx.Module):
                rngs: nnx.Rngs):
     self.config = config
     self.mesh = layer_mesh(config, mesh)
-    shard_layout(config, self.mesh)  # validates the mesh now
+    mesh_split(config, self.mesh)  # validates the mesh now
     hidden, ffn, experts = config.hidden_size, config.ffn_size, config.num_experts
     n_in = config.num_input_projections
     ep = config.ep_axis if self.mesh is not None else None

@@ -26,7 +26,7 @@ from moe_ep.activations import small_activation
 from moe_ep.config import DTYPES, MoEConfig
 from moe_ep.experts import bank_layout, expert_mlp, grouped_expert_mlp
 from moe_ep.experts import fp8 as fp8_experts
-from moe_ep.layer_mesh import ShardLayout, check_no_ep_mesh, shard_layout
+from moe_ep.layer_mesh import MeshSplit, check_no_ep_mesh, mesh_split
 from moe_ep.transport import (combine, dispatch, expert_capacity_for, grouped_rows_for,
                               send_capacity_for)
 
@@ -64,7 +64,7 @@ def apply(config: MoEConfig, mesh, params: dict, x: jax.Array) -> tuple[jax.Arra
   """
   if mesh is None:
     check_no_ep_mesh(config, x)
-  layout = shard_layout(config, mesh)
+  split = mesh_split(config, mesh)
   if x.ndim < 1 or x.shape[-1] != config.hidden_size:
     raise ValueError(f"x must be [..., hidden_size={config.hidden_size}]; got shape {x.shape}")
   dtype = compute_dtype(config, x)
@@ -73,9 +73,9 @@ def apply(config: MoEConfig, mesh, params: dict, x: jax.Array) -> tuple[jax.Arra
   if num_valid == 0:  # nothing routed, nothing to exchange
     return jnp.zeros(x.shape, x.dtype), zero_aux(config.num_experts)
 
-  rows = -(-num_valid // layout.num_shards) * layout.num_shards
-  tokens = sharding.token_rows(x, rows, mesh, layout.batch_axes)
-  body = functools.partial(moe_shard, config, layout, mesh, dtype, num_valid)
+  rows = -(-num_valid // split.num_shards) * split.num_shards
+  tokens = sharding.token_rows(x, rows, mesh, split.batch_axes)
+  body = functools.partial(moe_shard, config, split, mesh, dtype, num_valid)
   if config.remat.apply:
     body = jax.checkpoint(body, policy=config.remat.policy())
   if mesh is None:
@@ -85,13 +85,13 @@ def apply(config: MoEConfig, mesh, params: dict, x: jax.Array) -> tuple[jax.Arra
                    for key in params}
     params = {key: sharding.place(value, mesh, param_specs[key])
               for key, value in params.items()}
-    token_spec = P(layout.batch_axes)
+    token_spec = P(split.batch_axes)
     y, aux = jax.shard_map(body, mesh=mesh, in_specs=(token_spec, param_specs),
                            out_specs=(token_spec, MoEAux(P(), P(), P(), P())))(tokens, params)
   return sharding.like_input(y, x, mesh), aux
 
 
-def moe_shard(config: MoEConfig, layout: ShardLayout, mesh, dtype, num_valid: int,
+def moe_shard(config: MoEConfig, split: MeshSplit, mesh, dtype, num_valid: int,
               tokens: jax.Array, params: dict) -> tuple[jax.Array, MoEAux]:
   """One shard's MoE: ``tokens [t, H]`` -> ``(y [t, H] in dtype, aux)``.
 
@@ -105,7 +105,7 @@ def moe_shard(config: MoEConfig, layout: ShardLayout, mesh, dtype, num_valid: in
   remat = config.remat
   name = lambda value_name, value: checkpoint_name(value, remat.name(value_name))
   tokens = tokens.astype(dtype)
-  real = _real_rows(layout, num_tokens, num_valid)
+  real = _real_rows(split, num_tokens, num_valid)
 
   # Route (float32 router). The scopes name the layer's parts in profiles.
   with jax.named_scope(NAMED_SCOPES["router"]):
@@ -121,14 +121,14 @@ def moe_shard(config: MoEConfig, layout: ShardLayout, mesh, dtype, num_valid: in
         topk_weights=jnp.where(real[:, None], routing.topk_weights, 0.0))
 
   # Dispatch.
-  capacity_args = (num_tokens, config.top_k, config.num_experts, layout.ep_size)
+  capacity_args = (num_tokens, config.top_k, config.num_experts, split.ep_size)
   expert_capacity = config.expert_capacity or expert_capacity_for(
       *capacity_args, config.capacity_factor)
   grouped_rows = (grouped_rows_for(*capacity_args, config.receive_factor)
                   if _grouped_layout(config, dtype) else None)
   dispatched = dispatch(
       tokens, routing.topk_idx, routing.topk_weights, num_experts=config.num_experts,
-      expert_capacity=expert_capacity, axis_name=layout.ep_axis,
+      expert_capacity=expert_capacity, axis_name=split.ep_axis,
       send_capacity=send_capacity_for(*capacity_args, config.capacity_factor),
       checkpoint_name=remat.name("dispatch"), transport=config.transport,
       exchange=config.exchange, mesh=mesh, wire_dtype=config.dispatch_dtype,
@@ -156,7 +156,7 @@ def moe_shard(config: MoEConfig, layout: ShardLayout, mesh, dtype, num_valid: in
 
   # Combine.
   y = name("combine.output", combine(out, dispatched.handle, num_tokens=num_tokens,
-                                     axis_name=layout.ep_axis, transport=config.transport,
+                                     axis_name=split.ep_axis, transport=config.transport,
                                      exchange=config.exchange, mesh=mesh))
   if "shared_w_in" in params:
     with jax.named_scope(NAMED_SCOPES["shared_experts"]):
@@ -167,7 +167,7 @@ def moe_shard(config: MoEConfig, layout: ShardLayout, mesh, dtype, num_valid: in
         shared = shared * gate
       y = y + shared
 
-  aux = _aux(config, layout, routing, logits, kept=dispatched.counts.sum(), real=real,
+  aux = _aux(config, split, routing, logits, kept=dispatched.counts.sum(), real=real,
              num_valid=num_valid)
   return y, aux
 
@@ -211,21 +211,21 @@ def check_expert_precision(config: MoEConfig, dtype) -> None:
   fp8_experts.check_device()
 
 
-def _real_rows(layout: ShardLayout, num_tokens: int, num_valid: int) -> jax.Array | None:
+def _real_rows(split: MeshSplit, num_tokens: int, num_valid: int) -> jax.Array | None:
   """``[t]`` bool: which of this shard's rows are real tokens (None: all are).
   Padding sits at the end of the global row order, which is the order of the
   batch axes' linear shard index."""
-  if num_valid == num_tokens * layout.num_shards:
+  if num_valid == num_tokens * split.num_shards:
     return None
-  shard = jax.lax.axis_index(layout.batch_axes) if layout.batch_axes else 0
+  shard = jax.lax.axis_index(split.batch_axes) if split.batch_axes else 0
   return shard * num_tokens + jnp.arange(num_tokens) < num_valid
 
 
-def _aux(config: MoEConfig, layout: ShardLayout, routing: router.Routing,
+def _aux(config: MoEConfig, split: MeshSplit, routing: router.Routing,
          logits: jax.Array, kept: jax.Array, real: jax.Array | None,
          num_valid: int) -> MoEAux:
   """Batch-global statistics and losses: one int and one float all-reduce."""
-  total = lambda value: (jax.lax.psum(value, layout.batch_axes) if layout.batch_axes
+  total = lambda value: (jax.lax.psum(value, split.batch_axes) if split.batch_axes
                          else value)
   num_experts = config.num_experts
   counts = total(jnp.concatenate([router.expert_histogram(routing.topk_idx, num_experts),

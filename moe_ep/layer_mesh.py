@@ -1,7 +1,7 @@
 """Which mesh a layer runs on and how one call splits over it: the guards
 that keep a layer from silently running without expert parallelism.
 
-:func:`layer_mesh` picks the mesh when a layer is built, :func:`shard_layout`
+:func:`layer_mesh` picks the mesh when a layer is built, :func:`mesh_split`
 checks it against the configuration (at construction and every call), and
 :func:`check_no_ep_mesh` refuses a layer built without a mesh that is called
 on one with an ``ep`` axis.
@@ -17,7 +17,7 @@ from moe_ep import sharding
 from moe_ep.config import MoEConfig
 
 
-class ShardLayout(NamedTuple):
+class MeshSplit(NamedTuple):
   """Static facts about how one call is split over the mesh."""
 
   ep_axis: str | None  # None: one EP rank, no exchange
@@ -26,15 +26,15 @@ class ShardLayout(NamedTuple):
   num_shards: int  # product of their sizes
 
 
-def shard_layout(config: MoEConfig, mesh) -> ShardLayout:
-  """The :class:`ShardLayout` of ``config`` on ``mesh`` (None: one device).
+def mesh_split(config: MoEConfig, mesh) -> MeshSplit:
+  """The :class:`MeshSplit` of ``config`` on ``mesh`` (None: one device).
 
   Raises:
     ValueError: ``config.ep_axis`` is not an axis of ``mesh``, or
       ``config.num_experts`` does not divide over it.
   """
   if mesh is None:
-    return ShardLayout(None, 1, (), 1)
+    return MeshSplit(None, 1, (), 1)
   if config.ep_axis not in mesh.axis_names:
     raise ValueError(f"MoEConfig.ep_axis={config.ep_axis!r} is not an axis of the mesh "
                      f"{tuple(mesh.axis_names)}")
@@ -43,7 +43,7 @@ def shard_layout(config: MoEConfig, mesh) -> ShardLayout:
     raise ValueError(f"MoEConfig.num_experts={config.num_experts} is not divisible by "
                      f"the ep axis size {ep_size}")
   axes = tuple(a for a in config.batch_axes if a in mesh.axis_names) + (config.ep_axis,)
-  return ShardLayout(config.ep_axis if ep_size > 1 else None, ep_size, axes,
+  return MeshSplit(config.ep_axis if ep_size > 1 else None, ep_size, axes,
                      math.prod(mesh.shape[a] for a in axes))
 
 

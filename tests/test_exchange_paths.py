@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from conftest import custom_call_scopes, devices_for, gpu_devices, make_mesh
-from moe_ep.transport.kernel_plan import SlabSizes
+from moe_ep.transport.launch_geometry import SlabSizes
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
 from moe_ep.bench import hlo
 from moe_ep.transport import NAMED_SCOPES, combine, dispatch, expert_capacity_for, peer

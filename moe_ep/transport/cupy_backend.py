@@ -17,7 +17,7 @@ import numpy as np
 
 from moe_ep.transport import fp8
 from moe_ep.transport import kernel_launch as kl
-from moe_ep.transport import kernel_plan
+from moe_ep.transport import launch_geometry
 from moe_ep.transport import meta as meta_layout
 from moe_ep.transport import xla
 from moe_ep.transport.kernel_launch import KernelFile, i32, pointer
@@ -52,7 +52,7 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
   local_experts = num_experts // ep_size
   width = meta_layout.width(send_capacity, top_k, local_experts)
   demand_offset = meta_layout.demand_offset(send_capacity, top_k)
-  threads = kernel_plan.route_threads(num_tokens, ep_size, num_experts, top_k)
+  threads = launch_geometry.route_threads(num_tokens, ep_size, num_experts, top_k)
   tiles = -(-num_tokens // threads)
   rank_blocks = max(tiles, -(-ep_size * send_capacity // threads))
   workspace = (tiles * ep_size, tiles * num_experts)
@@ -62,7 +62,7 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
             jax.ShapeDtypeStruct((ep_size, width), jnp.int32),
             jax.ShapeDtypeStruct((sum(workspace),), jnp.int32)]
 
-  counted = kernel_plan.route_counted(num_tokens, threads)
+  counted = launch_geometry.route_counted(num_tokens, threads)
 
   def callback(ctx, outs, idx, weights):
     send_slot, send_token, route_slot, meta, scratch = (pointer(b) for b in outs)
@@ -72,12 +72,12 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
       if counted:
         launch("route_count", tiles, threads, pointer(idx), *sizes, dest_counts,
                expert_counts,
-               shared_ints=kernel_plan.route_count_shared_ints(threads, ep_size, num_experts))
+               shared_ints=launch_geometry.route_count_shared_ints(threads, ep_size, num_experts))
       launch("route_rank" if counted else "route_rank_own_count", rank_blocks, threads,
              pointer(idx), pointer(weights), *sizes, *i32(send_capacity, tiles), dest_counts,
              expert_counts, send_slot, send_token, route_slot, meta, *i32(width, demand_offset),
-             shared_ints=kernel_plan.route_rank_shared_ints(threads, ep_size, top_k, num_experts,
-                                                            counted))
+             shared_ints=launch_geometry.route_rank_shared_ints(threads, ep_size, top_k,
+                                                                num_experts, counted))
 
   outputs = kl.call("moe_cupy_route", callback, shapes, topk_idx.astype(jnp.int32),
                     topk_weights.astype(jnp.float32), kernels=kernels)
@@ -90,25 +90,26 @@ def slab_layout(recv_meta, *, top_k: int, num_local_experts: int, expert_capacit
   ep_size, width = recv_meta.shape
   local_experts, capacity = num_local_experts, expert_capacity
   send_capacity = meta_layout.send_capacity(width, top_k, local_experts)
-  sizes = kernel_plan.SlabSizes(ep_size, send_capacity, top_k, local_experts, capacity)
-  plan = kernel_plan.slab_plan(sizes)
-  threads, tiles = plan.threads, plan.tiles
-  shapes = [*kernel_plan.slab_layout_shapes(sizes),
+  sizes = launch_geometry.SlabSizes(ep_size, send_capacity, top_k, local_experts, capacity)
+  geometry = launch_geometry.slab_geometry(sizes)
+  threads, tiles = geometry.threads, geometry.tiles
+  shapes = [*launch_geometry.slab_layout_shapes(sizes),
             jax.ShapeDtypeStruct((tiles * local_experts,), jnp.int32)]
 
   def callback(ctx, outs, meta):
     recv_pos, slab_row, slab_weights, counts, demand, tile_counts = (
         pointer(b) for b in outs)
     with _on_xla_stream(ctx, meta) as launch:
-      if plan.counted:
+      if geometry.counted:
         launch("slab_count", tiles, threads, pointer(meta),
                *i32(ep_size, send_capacity, top_k, local_experts, width), tile_counts,
                shared_ints=threads // 32 * local_experts)
-      launch("slab_rank" if plan.counted else "slab_rank_own_count", plan.rank_blocks, threads,
-             pointer(meta), *i32(ep_size, send_capacity, top_k, local_experts, capacity, width,
-                                   meta_layout.demand_offset(send_capacity, top_k), tiles),
+      launch("slab_rank" if geometry.counted else "slab_rank_own_count", geometry.rank_blocks,
+             threads, pointer(meta),
+             *i32(ep_size, send_capacity, top_k, local_experts, capacity, width,
+                  meta_layout.demand_offset(send_capacity, top_k), tiles),
              tile_counts, recv_pos, slab_row, slab_weights, counts, demand,
-             shared_ints=plan.shared_ints)
+             shared_ints=geometry.shared_ints)
 
   return tuple(kl.call("moe_cupy_slab_layout", callback, shapes, recv_meta,
                        kernels=kernels)[:5])

@@ -44,7 +44,7 @@ from jax.ad_checkpoint import checkpoint_name as name_value
 from moe_ep.options import EXCHANGES, check_transport, check_wire_dtype
 from moe_ep.transport import fp8, kernel_launch
 from moe_ep.transport.handle import RoutingHandle
-from moe_ep.transport.kernel_plan import SlabSizes
+from moe_ep.transport.launch_geometry import SlabSizes
 from moe_ep.transport.peer import dispatch_layout, fused_layout, reachability
 from moe_ep.transport.peer import rows as peer_rows
 from moe_ep.transport.peer import runtime as peer_runtime

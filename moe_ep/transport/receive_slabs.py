@@ -23,7 +23,7 @@ import jax
 from moe_ep.transport.handle import RoutingHandle
 
 
-def output_rows(handle: RoutingHandle) -> jax.Array:
+def output_sources(handle: RoutingHandle) -> jax.Array:
   """``[N]`` int32: the received row ``src * S + s`` feeding each flat output
   row (``N = L * C``), or -1 (a zero row)."""
   return handle.slab_row.reshape(-1)
@@ -37,7 +37,7 @@ def output_shape(handle: RoutingHandle, width: int) -> tuple[int, ...]:
 def filled(handle: RoutingHandle) -> jax.Array:
   """``[N]`` bool: the flat output rows some member fills (the others are
   padding)."""
-  rows = output_rows(handle)
+  rows = output_sources(handle)
   return (rows >= 0) & (rows < handle.send_token.size)
 
 

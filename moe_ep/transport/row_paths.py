@@ -96,7 +96,7 @@ def _lookup(table: jax.Array, index: jax.Array, fill) -> jax.Array:
   return jnp.where(valid.reshape(valid.shape + (1,) * (table.ndim - 1)), rows, fill)
 
 
-def _wire_rows(handle: RoutingHandle) -> jax.Array:
+def _send_positions(handle: RoutingHandle) -> jax.Array:
   """``[T, R]`` flat send-buffer row ``d * S + slot`` of each (token, rank), or -1."""
   ranks = jnp.arange(handle.ep_size, dtype=jnp.int32)
   return jnp.where(handle.send_slot >= 0, ranks * handle.send_capacity + handle.send_slot, -1)
@@ -128,9 +128,9 @@ def _rows_to_slabs(plan: DispatchPlan, path: str, rows: jax.Array,
   (also for FP8 wire rows of ``W`` bytes, which cross like any rows)."""
   hidden = rows.shape[-1]
   shape = receive_slabs.output_shape(handle, hidden)
-  output_rows = receive_slabs.output_rows(handle)
+  output_sources = receive_slabs.output_sources(handle)
   if path == "local":
-    token_of_output_row = _lookup(handle.send_token.reshape(-1), output_rows, -1)
+    token_of_output_row = _lookup(handle.send_token.reshape(-1), output_sources, -1)
     return _local_pass(plan, _EXPAND_ROWS, rows, _token_member_pos(handle),
                        token_of_output_row).reshape(shape)
   if path == "fused":
@@ -138,7 +138,7 @@ def _rows_to_slabs(plan: DispatchPlan, path: str, rows: jax.Array,
         "exchange_rows",
         functools.partial(peer_rows.dispatch_rows, axis_name=plan.axis_name, mesh=plan.mesh),
         lambda rows, *maps: _exchanged_rows_to_slabs(plan.on_all_to_all(), rows, handle),
-        rows, handle.send_token, handle.send_slot, handle.recv_pos, output_rows)
+        rows, handle.send_token, handle.send_slot, handle.recv_pos, output_sources)
     return flat.reshape(shape)
   if path == "exchange":
     return _exchanged_rows_to_slabs(plan, rows, handle).reshape(shape)
@@ -150,11 +150,12 @@ def _exchanged_rows_to_slabs(plan: DispatchPlan, rows: jax.Array,
   """R > 1, unfused: ``expand_rows`` to ``[R, S, H]``, the exchange, ``expand_rows``
   to the flat output rows ``[L * C, H]``."""
   hidden = rows.shape[-1]
-  send_rows = _local_pass(plan, _EXPAND_ROWS, rows, _wire_rows(handle),
+  send_rows = _local_pass(plan, _EXPAND_ROWS, rows, _send_positions(handle),
                           handle.send_token.reshape(-1))
   recv_rows = exchange(plan, send_rows.reshape(plan.ep_size, -1, hidden), "exchange_rows")
   return _local_pass(plan, _EXPAND_ROWS, recv_rows.reshape(-1, hidden),
-                     handle.recv_pos.reshape(-1, handle.top_k), receive_slabs.output_rows(handle))
+                     handle.recv_pos.reshape(-1, handle.top_k),
+                     receive_slabs.output_sources(handle))
 
 
 def slabs_to_rows(plan: DispatchPlan, slab_values: jax.Array, handle: RoutingHandle) -> jax.Array:
@@ -182,7 +183,7 @@ def _exchanged_slabs_to_rows(plan: DispatchPlan, flat: jax.Array,
   partial_sums = _local_pass(plan, _GATHER_SUM_ROWS, flat,
                              handle.recv_pos.reshape(-1, handle.top_k))
   returned = exchange(plan, partial_sums.reshape(plan.ep_size, -1, hidden), "exchange_rows")
-  return _local_pass(plan, _GATHER_SUM_ROWS, returned.reshape(-1, hidden), _wire_rows(handle))
+  return _local_pass(plan, _GATHER_SUM_ROWS, returned.reshape(-1, hidden), _send_positions(handle))
 
 
 def rows_to_slabs_fp8(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
@@ -215,14 +216,14 @@ def rows_to_slabs_fp8(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle
     return _local_pass(plan, _DEQUANTIZE_FILLED_ROWS, fp8_slabs.reshape(-1, fp8_slabs.shape[-1]),
                        receive_slabs.filled(handle), hidden=hidden,
                        dtype=rows.dtype).reshape(shape)
-  output_rows = receive_slabs.output_rows(handle)
+  output_sources = receive_slabs.output_sources(handle)
   if plan.dispatch_row_path == "local":
     wire = _local_pass(plan, _QUANTIZE_PACK_EXPAND, rows)
     targets = _token_member_pos(handle)
-    sources = _lookup(handle.send_token.reshape(-1), output_rows, -1)
+    sources = _lookup(handle.send_token.reshape(-1), output_sources, -1)
   else:
     wire = _exchanged_wire_rows(plan, rows, handle)
-    targets, sources = handle.recv_pos.reshape(-1, handle.top_k), output_rows
+    targets, sources = handle.recv_pos.reshape(-1, handle.top_k), output_sources
   return _local_pass(plan, _UNPACK_DEQUANTIZE_EXPAND, wire, targets, sources, hidden=hidden,
                      dtype=rows.dtype).reshape(shape)
 
@@ -279,21 +280,21 @@ def rows_to_fp8_slabs(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle
         lambda rows, *maps: rows_to_fp8_slabs(plan.on_all_to_all(), rows, handle).reshape(
             -1, width),
         rows, handle.send_token, handle.send_slot, handle.recv_pos,
-        receive_slabs.output_rows(handle))
+        receive_slabs.output_sources(handle))
     return flat.reshape(shape)
   if path in ("local", "fused_wire"):
     return _rows_to_slabs(plan, "local" if path == "local" else "fused",
                           _local_pass(plan, _QUANTIZE_PACK_EXPAND, rows), handle)
   wire = _exchanged_wire_rows(plan, rows, handle)
   return _local_pass(plan, _EXPAND_ROWS, wire, handle.recv_pos.reshape(-1, handle.top_k),
-                     receive_slabs.output_rows(handle)).reshape(shape)
+                     receive_slabs.output_sources(handle)).reshape(shape)
 
 
 def _exchanged_wire_rows(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
   """R > 1: each token quantized once, fused with its expand into the send
   rows, and the exchange: ``rows [T, H]`` -> received wire rows ``[R * S,
   W]`` uint8."""
-  send_wire = _local_pass(plan, _QUANTIZE_PACK_EXPAND, rows, _wire_rows(handle),
+  send_wire = _local_pass(plan, _QUANTIZE_PACK_EXPAND, rows, _send_positions(handle),
                           handle.send_token.reshape(-1))
   width = send_wire.shape[-1]
   return exchange(plan, send_wire.reshape(plan.ep_size, -1, width),
@@ -316,16 +317,16 @@ def weights_to_routes(plan: DispatchPlan, slab_values: jax.Array,
 # --- routing: the metadata exchange and the receiver's layout ------------------
 
 
-def _layout_sizes(plan: DispatchPlan, top_k: int) -> dict:
+def _slab_sizes(plan: DispatchPlan, top_k: int) -> dict:
   return dict(top_k=top_k, num_local_experts=plan.num_local_experts,
               expert_capacity=plan.expert_capacity)
 
 
-def _exchanged_layout(plan: DispatchPlan, meta, top_k: int):
+def _exchanged_slab_layout(plan: DispatchPlan, meta, top_k: int):
   """The metadata exchange (``meta_path == "exchange"``), then the receiver's layout."""
   if plan.meta_path == "exchange":
     meta = exchange(plan, meta, "exchange_meta")
-  return _local_pass(plan, _SLAB_LAYOUT, meta, **_layout_sizes(plan, top_k))
+  return _local_pass(plan, _SLAB_LAYOUT, meta, **_slab_sizes(plan, top_k))
 
 
 def _route(plan: DispatchPlan, topk_idx, topk_weights):
@@ -344,14 +345,14 @@ def routing(plan: DispatchPlan, topk_idx, topk_weights):
   send_slot, send_token, route_slot, meta = _route(plan, topk_idx, topk_weights)
   top_k = topk_idx.shape[1]
   if plan.meta_path == "fused_layout":  # decode: the exchange and the layout in one launch
-    layout = _fused_on_cuda(
+    laid_out = _fused_on_cuda(
         "exchange_meta",
-        functools.partial(fused_layout.slab_layout, **_layout_sizes(plan, top_k),
+        functools.partial(fused_layout.slab_layout, **_slab_sizes(plan, top_k),
                           axis_name=plan.axis_name, mesh=plan.mesh),
-        lambda meta: _exchanged_layout(plan.on_all_to_all(), meta, top_k), meta)
+        lambda meta: _exchanged_slab_layout(plan.on_all_to_all(), meta, top_k), meta)
   else:
-    layout = _exchanged_layout(plan, meta, top_k)
-  recv_pos, slab_row, slab_weights, counts, demand = layout
+    laid_out = _exchanged_slab_layout(plan, meta, top_k)
+  recv_pos, slab_row, slab_weights, counts, demand = laid_out
   if plan.grouped_rows is not None:
     recv_pos, slab_row, slab_weights, counts = receive_grouped.from_slabs(
         recv_pos, slab_row, slab_weights, counts, plan.grouped_rows)
@@ -369,13 +370,13 @@ def dispatch_in_one_launch(plan: DispatchPlan, tokens, topk_idx, topk_weights):
 
   def all_to_all_path(rows, meta, *maps):  # the maps: send_token, send_slot, as outside
     on_all_to_all = plan.on_all_to_all()
-    recv_pos, slab_row, *rest = _exchanged_layout(on_all_to_all, meta, top_k)
+    recv_pos, slab_row, *rest = _exchanged_slab_layout(on_all_to_all, meta, top_k)
     handle = RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row)
     return (_exchanged_rows_to_slabs(on_all_to_all, rows, handle), recv_pos, slab_row, *rest)
 
   flat, recv_pos, slab_row, slab_weights, counts, demand = _fused_on_cuda(
       "exchange_rows",
-      functools.partial(dispatch_layout.dispatch_with_layout, **_layout_sizes(plan, top_k),
+      functools.partial(dispatch_layout.dispatch_with_layout, **_slab_sizes(plan, top_k),
                         axis_name=plan.axis_name, mesh=plan.mesh),
       all_to_all_path, tokens, meta, send_token, send_slot)
   handle = RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row)

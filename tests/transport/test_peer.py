@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import custom_call_scopes, gpu_devices, make_mesh
-from moe_ep.transport.kernel_plan import SlabSizes
+from moe_ep.transport.launch_geometry import SlabSizes
 from moe_ep.launch import launch
 from moe_ep.transport import kernel_source, peer
 from moe_ep.transport.peer import (channel, dispatch_layout, dropin, failures, fused_layout,

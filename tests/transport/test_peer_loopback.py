@@ -16,10 +16,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_ep.transport.kernel_plan import SlabSizes
 from moe_ep.transport import combine, dispatch, ops, row_paths
 from moe_ep.transport import xla as xla_backend
-from moe_ep.transport.kernel_plan import slab_plan
+from moe_ep.transport.launch_geometry import SlabSizes, slab_geometry
 from moe_ep.transport.plan import plan_dispatch
 from moe_ep.transport.peer import channel, dispatch_layout, fused_layout
 from moe_ep.bench import peer_loopback
@@ -164,7 +163,7 @@ def test_fused_slab_layout_at_decode_counts_the_other_tile():
                                               ep_size=ranks, send_capacity=tokens)[3]))
   sizes = (tokens, top_k, experts // ranks, capacity)
   assert fused_layout.fused_layout_fits(SlabSizes(ranks, *sizes))
-  assert slab_plan(SlabSizes(ranks, *sizes)).tiles == 2
+  assert slab_geometry(SlabSizes(ranks, *sizes)).tiles == 2
   for rank in range(ranks):
     got = peer_loopback.slab_layout_rank(metas, sizes, rank=rank)
     want = xla_backend.slab_layout(np.stack([m[rank] for m in metas]), top_k=top_k,

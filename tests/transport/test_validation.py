@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import make_mesh, x64_enabled
 from moe_ep.transport import combine, dispatch, expert_capacity_for, send_capacity_for
 from moe_ep.transport import cupy_backend
-from moe_ep.transport import kernel_launch, kernel_plan
+from moe_ep.transport import kernel_launch, launch_geometry
 
 TOKENS = jnp.zeros((6, 4), jnp.float32)
 IDX = jnp.zeros((6, 2), jnp.int32)
@@ -129,20 +129,20 @@ def test_routing_tiles_fit_shared_memory_and_spread(tokens, ep_size, num_experts
   tokens one tile of 8 warps, beyond that ``ROUTE_WARPS`` warps (fewer
   only where one more warp would not fit)."""
   def fits(threads):
-    count_ints = kernel_plan.route_count_shared_ints(threads, ep_size, num_experts)
-    rank_ints = kernel_plan.route_rank_shared_ints(threads, ep_size, top_k, num_experts,
+    count_ints = launch_geometry.route_count_shared_ints(threads, ep_size, num_experts)
+    rank_ints = launch_geometry.route_rank_shared_ints(threads, ep_size, top_k, num_experts,
                                                      counted=tokens > threads)
     return max(count_ints, rank_ints) <= kernel_launch.SHARED_INTS
 
-  threads = kernel_plan.route_threads(tokens, ep_size, num_experts, top_k)
+  threads = launch_geometry.route_threads(tokens, ep_size, num_experts, top_k)
   assert threads % 32 == 0 and 32 <= threads <= 256 and fits(threads)
-  wanted = 256 if tokens <= 256 else 32 * kernel_plan.ROUTE_WARPS
+  wanted = 256 if tokens <= 256 else 32 * launch_geometry.ROUTE_WARPS
   assert threads == wanted or (threads < wanted and not fits(threads + 32))
 
 
 def test_routing_that_cannot_fit_shared_memory_is_named():
   with pytest.raises(ValueError, match="ep_size=512, num_experts=512 and top_k=8 do not fit"):
-    kernel_plan.route_threads(1024, 512, 512, 8)
+    launch_geometry.route_threads(1024, 512, 512, 8)
 
 
 def test_slab_layout_beyond_int32_positions_is_named():

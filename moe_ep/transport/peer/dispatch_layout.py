@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from moe_ep.transport import kernel_plan
+from moe_ep.transport import launch_geometry
 from moe_ep.transport import meta as meta_format
 from moe_ep.transport.peer.callback import fused_call
 from moe_ep.transport.peer.channel import ChannelLayout, check_axis, meta_channel_layout
@@ -46,7 +46,7 @@ def _shared_ints(tiles: int, local_experts: int, counted: bool) -> int:
   return (ROW_WARPS + 2 + (0 if counted else tiles)) * local_experts
 
 
-def dispatch_layout_fits(dtype, hidden: int, sizes: kernel_plan.SlabSizes,
+def dispatch_layout_fits(dtype, hidden: int, sizes: launch_geometry.SlabSizes,
                          wire_dtype: str | None = None) -> bool:
   """Whether :func:`dispatch_with_layout` runs at this shape: the fused
   dispatch kernel moves these rows (:func:`fused_rows_problem`; no FP8 wire
@@ -108,11 +108,11 @@ def dispatch_layout_shapes(row_kernel: RowKernel, ep_size: int, slab_dtype,
                            slab_width: int) -> list:
   """``row_kernel``'s (:func:`dispatch_layout_kernel`) outputs at EP size
   ``ep_size``: slabs ``[L * C, slab_width]`` of ``slab_dtype``, the slab
-  layout's maps (:func:`moe_ep.transport.kernel_plan.slab_layout_shapes`) and the
+  layout's maps (:func:`moe_ep.transport.launch_geometry.slab_layout_shapes`) and the
   layout's scratch (:func:`dispatch_layout_tiles` ``* L`` int32)."""
   send_capacity, top_k, slab_rows, _, local_experts, capacity, _ = row_kernel.sizes
   return [jax.ShapeDtypeStruct((slab_rows, slab_width), slab_dtype),
-          *kernel_plan.slab_layout_shapes(kernel_plan.SlabSizes(
+          *launch_geometry.slab_layout_shapes(launch_geometry.SlabSizes(
               ep_size, send_capacity, top_k, local_experts, capacity)),
           jax.ShapeDtypeStruct((dispatch_layout_tiles(ep_size, send_capacity, top_k)
                                 * local_experts,), np.int32)]
@@ -147,7 +147,7 @@ def dispatch_with_layout(rows: jax.Array, meta: jax.Array, send_token: jax.Array
   check_axis(mesh, axis_name)
   ep_size, send_capacity = send_token.shape
   num_tokens, hidden = rows.shape
-  if not dispatch_layout_fits(rows.dtype, hidden, kernel_plan.SlabSizes(
+  if not dispatch_layout_fits(rows.dtype, hidden, launch_geometry.SlabSizes(
       ep_size, send_capacity, top_k, num_local_experts, expert_capacity)):
     raise ValueError(f"no fused dispatch with layout at R={ep_size}, S={send_capacity}, "
                      f"K={top_k}, L={num_local_experts}, H={hidden} (dispatch_layout_fits)")

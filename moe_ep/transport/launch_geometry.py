@@ -2,7 +2,7 @@
 and the peer launches that lay the slabs out themselves): threads per tile,
 grids, dynamic shared memory, and the shape checks that go with them. Pure
 Python, no CuPy: the CuPy backend (:mod:`~moe_ep.transport.cupy_backend`)
-and the peer path (:mod:`~moe_ep.transport.peer`) both plan from here.
+and the peer path (:mod:`~moe_ep.transport.peer`) both size their launches here.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def slab_layout_shapes(sizes: SlabSizes) -> list:
 
 
 @dataclasses.dataclass(frozen=True)
-class SlabPlan:
+class SlabGeometry:
   """The receiver's slab-layout launches at one shape: ``tiles`` member
   tiles of ``threads``; ``slab_rank``'s grid of ``rank_blocks`` with
   ``shared_ints`` of dynamic shared memory; ``counted``: a ``slab_count``
@@ -107,8 +107,8 @@ class SlabPlan:
   counted: bool
 
 
-def slab_plan(sizes: SlabSizes) -> SlabPlan:
-  """:class:`SlabPlan` for ``R * S * K`` received members and ``[L, C]`` slabs."""
+def slab_geometry(sizes: SlabSizes) -> SlabGeometry:
+  """:class:`SlabGeometry` for ``R * S * K`` received members and ``[L, C]`` slabs."""
   local_experts, expert_capacity = sizes.local_experts, sizes.expert_capacity
   num_members = sizes.ep_size * sizes.send_capacity * sizes.top_k
   for name, size in (("R * S * K received members", num_members),
@@ -121,7 +121,7 @@ def slab_plan(sizes: SlabSizes) -> SlabPlan:
   # Few tiles (decode): slab_rank's blocks count them themselves, one launch fewer.
   counted = (tiles > SLAB_TILES_COUNTED_IN_RANK
              or rank_ints + tiles * local_experts > SHARED_INTS)
-  return SlabPlan(threads=threads, tiles=tiles,
+  return SlabGeometry(threads=threads, tiles=tiles,
                   rank_blocks=max(tiles, -(-local_experts * expert_capacity // threads)),
                   shared_ints=rank_ints + (0 if counted else tiles * local_experts),
                   counted=counted)
