@@ -23,12 +23,13 @@ from jax.sharding import PartitionSpec as P
 from moe_ep import router
 from moe_ep import sharding
 from moe_ep.activations import small_activation
+from moe_ep.capacity import expert_capacity_for, send_capacity_for
 from moe_ep.config import DTYPES, MoEConfig
 from moe_ep.experts import bank_layout, expert_mlp, grouped_expert_mlp
 from moe_ep.experts import fp8 as fp8_experts
 from moe_ep.layer_mesh import MeshSplit, check_no_ep_mesh, mesh_split
-from moe_ep.transport import (combine, dispatch, expert_capacity_for, grouped_rows_for,
-                              send_capacity_for)
+from moe_ep.row_groups import grouped_rows_for
+from moe_ep.transport.ops import combine, dispatch
 
 # jax.named_scope names of the layer's parts (the transport's are
 # moe_ep.transport.NAMED_SCOPES): they reach the compiled HLO's op_name

@@ -92,11 +92,13 @@ _REPO = pathlib.Path(__file__).resolve().parents[1]
 QUICK = {
     "tests/test_config.py": None,
     "tests/test_router.py": None,
+    "tests/test_activations.py": None,
     "tests/interop/test_families.py": None,
     "tests/test_layer.py": ("test_layer_matches_dense_reference",),
     "tests/experts/test_slabs.py": None,
     "tests/experts/test_grouped.py": None,
     "tests/transport/test_transforms.py": None,
+    "tests/transport/test_call_path.py": None,
     "tests/transport/test_kernel_source.py": None,
     "tests/transport/test_kernel_loading.py": None,
     "tests/bench/test_main.py": None,

@@ -41,9 +41,10 @@ def _dispatch_forward(plan: DispatchPlan, tokens, topk_idx, topk_weights) -> Dis
       handle, slab_weights, counts, demand = row_paths.routing(plan, topk_idx, topk_weights)
       if plan.fp8_rows:
         slab_values, fp8_tokens = row_paths.rows_to_grouped_fp8(plan, tokens, handle)
+      elif plan.wire_dtype is not None:
+        slab_values, fp8_tokens = row_paths.rows_to_slabs_fp8(plan, tokens, handle), None
       else:
-        to_slabs = row_paths.rows_to_slabs_fp8 if plan.wire_dtype else row_paths.rows_to_slabs
-        slab_values, fp8_tokens = to_slabs(plan, tokens, handle), None
+        slab_values, fp8_tokens = row_paths.rows_to_slabs(plan, tokens, handle), None
   # Names go on the outputs here, inside the forward rule, so they also mark
   # the residual (the handle) that the backward rule reads.
   # The FP8 path names its FP8 slabs (the smaller residual) itself.
@@ -57,9 +58,7 @@ def _dispatch_forward(plan: DispatchPlan, tokens, topk_idx, topk_weights) -> Dis
   )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dispatch(plan, tokens, topk_idx, topk_weights):
-  return _dispatch_forward(plan, tokens, topk_idx, topk_weights)
+_dispatch = jax.custom_vjp(_dispatch_forward, nondiff_argnums=(0,))
 
 
 def _dispatch_fwd(plan, tokens, topk_idx, topk_weights):

@@ -134,11 +134,13 @@ class DispatchPlan:
 
   def on_all_to_all(self) -> "DispatchPlan":
     """This plan (``R > 1``) on XLA's ``all_to_all``: a fused peer launch's
-    other branch, which runs where the program is not lowered for CUDA."""
+    other branch, which runs where the program is not lowered for CUDA, so
+    per-platform local passes are the pure-JAX ones there."""
     return dataclasses.replace(
         self, exchange="all_to_all", mesh=None,
         meta_path=None if self.meta_path is None else "exchange",
-        dispatch_row_path="exchange", combine_row_path="exchange")
+        dispatch_row_path="exchange", combine_row_path="exchange",
+        local_passes="xla" if self.local_passes == "per_platform" else self.local_passes)
 
   def name(self, field: str, value):
     """``value`` named ``f"{checkpoint_name}.{field}"`` for remat policies

@@ -111,21 +111,19 @@ def _token_member_pos(handle: RoutingHandle) -> jax.Array:
 # --- the row paths ------------------------------------------------------------
 
 
-def rows_to_slabs(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+def rows_to_slabs(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle,
+                  path: str | None = None) -> jax.Array:
   """``rows [T, H]`` (one per token) -> ``[L, C, H]`` slabs along ``handle``,
-  by ``plan.dispatch_row_path`` (the one-launch dispatch's rows alone: its
-  fused row launch); FP8 plans: :func:`rows_to_slabs_fp8`."""
-  if plan.wire_dtype is not None:
-    raise ValueError(f"rows_to_slabs moves rows as they are, not on a {plan.wire_dtype} wire; "
-                     "use rows_to_slabs_fp8 or rows_to_fp8_slabs")
-  path = plan.dispatch_row_path
-  return _rows_to_slabs(plan, "fused" if path == "one_launch" else path, rows, handle)
-
-
-def _rows_to_slabs(plan: DispatchPlan, path: str, rows: jax.Array,
-                   handle: RoutingHandle) -> jax.Array:
-  """:func:`rows_to_slabs` by ``path``: ``"local"``, ``"fused"`` or ``"exchange"``
-  (also for FP8 wire rows of ``W`` bytes, which cross like any rows)."""
+  by ``path``: ``"local"``, ``"fused"`` or ``"exchange"``. None: the plan's
+  ``dispatch_row_path`` (the one-launch dispatch's rows alone: its fused row
+  launch), of a plan whose rows cross as they are (FP8 plans:
+  :func:`rows_to_slabs_fp8`); :func:`rows_to_fp8_slabs` passes the path of
+  its wire rows of ``W`` bytes, which cross like any rows."""
+  if path is None:
+    if plan.wire_dtype is not None:
+      raise ValueError(f"rows_to_slabs moves rows as they are, not on a {plan.wire_dtype} "
+                       "wire; use rows_to_slabs_fp8 or rows_to_fp8_slabs")
+    path = "fused" if plan.dispatch_row_path == "one_launch" else plan.dispatch_row_path
   hidden = rows.shape[-1]
   shape = receive_slabs.output_shape(handle, hidden)
   output_sources = receive_slabs.output_sources(handle)
@@ -283,8 +281,8 @@ def rows_to_fp8_slabs(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle
         receive_slabs.output_sources(handle))
     return flat.reshape(shape)
   if path in ("local", "fused_wire"):
-    return _rows_to_slabs(plan, "local" if path == "local" else "fused",
-                          _local_pass(plan, _QUANTIZE_PACK_EXPAND, rows), handle)
+    return rows_to_slabs(plan, _local_pass(plan, _QUANTIZE_PACK_EXPAND, rows), handle,
+                         path="local" if path == "local" else "fused")
   wire = _exchanged_wire_rows(plan, rows, handle)
   return _local_pass(plan, _EXPAND_ROWS, wire, handle.recv_pos.reshape(-1, handle.top_k),
                      receive_slabs.output_sources(handle)).reshape(shape)
@@ -322,11 +320,11 @@ def _slab_sizes(plan: DispatchPlan, top_k: int) -> dict:
               expert_capacity=plan.expert_capacity)
 
 
-def _exchanged_slab_layout(plan: DispatchPlan, meta, top_k: int):
-  """The metadata exchange (``meta_path == "exchange"``), then the receiver's layout."""
-  if plan.meta_path == "exchange":
-    meta = exchange(plan, meta, "exchange_meta")
-  return _local_pass(plan, _SLAB_LAYOUT, meta, **_slab_sizes(plan, top_k))
+def _slab_layout(plan: DispatchPlan, recv_meta, top_k: int):
+  """The receiver's slab layout of the received metadata ``[R, W]``:
+  ``(recv_pos [R, S, K], slab_row [L, C], slab_weights [L, C], counts [L],
+  demand [L])``."""
+  return _local_pass(plan, _SLAB_LAYOUT, recv_meta, **_slab_sizes(plan, top_k))
 
 
 def _route(plan: DispatchPlan, topk_idx, topk_weights):
@@ -349,9 +347,13 @@ def routing(plan: DispatchPlan, topk_idx, topk_weights):
         "exchange_meta",
         functools.partial(fused_layout.slab_layout, **_slab_sizes(plan, top_k),
                           axis_name=plan.axis_name, mesh=plan.mesh),
-        lambda meta: _exchanged_slab_layout(plan.on_all_to_all(), meta, top_k), meta)
+        lambda meta: _slab_layout(plan.on_all_to_all(),
+                                  exchange(plan.on_all_to_all(), meta, "exchange_meta"), top_k),
+        meta)
   else:
-    laid_out = _exchanged_slab_layout(plan, meta, top_k)
+    if plan.meta_path == "exchange":
+      meta = exchange(plan, meta, "exchange_meta")
+    laid_out = _slab_layout(plan, meta, top_k)
   recv_pos, slab_row, slab_weights, counts, demand = laid_out
   if plan.grouped_rows is not None:
     recv_pos, slab_row, slab_weights, counts = receive_grouped.from_slabs(
@@ -370,7 +372,8 @@ def dispatch_in_one_launch(plan: DispatchPlan, tokens, topk_idx, topk_weights):
 
   def all_to_all_path(rows, meta, *maps):  # the maps: send_token, send_slot, as outside
     on_all_to_all = plan.on_all_to_all()
-    recv_pos, slab_row, *rest = _exchanged_slab_layout(on_all_to_all, meta, top_k)
+    recv_pos, slab_row, *rest = _slab_layout(
+        on_all_to_all, exchange(on_all_to_all, meta, "exchange_meta"), top_k)
     handle = RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row)
     return (_exchanged_rows_to_slabs(on_all_to_all, rows, handle), recv_pos, slab_row, *rest)
 
