@@ -52,7 +52,8 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
   local_experts = num_experts // ep_size
   width = meta_layout.width(send_capacity, top_k, local_experts)
   demand_offset = meta_layout.demand_offset(send_capacity, top_k)
-  threads = launch_geometry.route_threads(num_tokens, ep_size, num_experts, top_k)
+  route_sizes = launch_geometry.RouteSizes(num_tokens, ep_size, num_experts, top_k)
+  threads = launch_geometry.route_threads(route_sizes)
   tiles = -(-num_tokens // threads)
   rank_blocks = max(tiles, -(-ep_size * send_capacity // threads))
   workspace = (tiles * ep_size, tiles * num_experts)
@@ -63,6 +64,8 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
             jax.ShapeDtypeStruct((sum(workspace),), jnp.int32)]
 
   counted = launch_geometry.route_counted(num_tokens, threads)
+  count_ints = launch_geometry.route_count_shared_ints(threads, route_sizes)
+  rank_ints = launch_geometry.route_rank_shared_ints(threads, route_sizes, counted)
 
   def callback(ctx, outs, idx, weights):
     send_slot, send_token, route_slot, meta, scratch = (pointer(b) for b in outs)
@@ -72,12 +75,11 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
       if counted:
         launch("route_count", tiles, threads, pointer(idx), *sizes, dest_counts,
                expert_counts,
-               shared_ints=launch_geometry.route_count_shared_ints(threads, ep_size, num_experts))
+               shared_ints=count_ints)
       launch("route_rank" if counted else "route_rank_own_count", rank_blocks, threads,
              pointer(idx), pointer(weights), *sizes, *i32(send_capacity, tiles), dest_counts,
              expert_counts, send_slot, send_token, route_slot, meta, *i32(width, demand_offset),
-             shared_ints=launch_geometry.route_rank_shared_ints(threads, ep_size, top_k,
-                                                                num_experts, counted))
+             shared_ints=rank_ints)
 
   outputs = kl.call("moe_cupy_route", callback, shapes, topk_idx.astype(jnp.int32),
                     topk_weights.astype(jnp.float32), kernels=kernels)

@@ -25,15 +25,24 @@ def tile_threads(num_keys: int, extra_ints: int = 0) -> int:
   return 32 * min(32, warps)
 
 
-def route_count_shared_ints(threads: int, ep_size: int, num_experts: int) -> int:
-  return threads // 32 * ep_size + num_experts
+class RouteSizes(NamedTuple):
+  """The sizes of one dispatch's routing (the notation of :mod:`moe_ep.capacity`)."""
+
+  num_tokens: int  # T
+  ep_size: int  # R
+  num_experts: int  # E
+  top_k: int  # K
 
 
-def route_rank_shared_ints(threads: int, ep_size: int, top_k: int, num_experts: int,
-                            counted: bool) -> int:
+def route_count_shared_ints(threads: int, sizes: RouteSizes) -> int:
+  return threads // 32 * sizes.ep_size + sizes.num_experts
+
+
+def route_rank_shared_ints(threads: int, sizes: RouteSizes, counted: bool) -> int:
   """``route_rank``'s; ``counted=False``: it counts its one tile itself."""
-  own_counts = 0 if counted else ep_size + num_experts
-  return (threads // 32 + 3) * ep_size + threads * (ep_size + 1 + 3 * top_k) + own_counts
+  ep_size = sizes.ep_size
+  own_counts = 0 if counted else ep_size + sizes.num_experts
+  return (threads // 32 + 3) * ep_size + threads * (ep_size + 1 + 3 * sizes.top_k) + own_counts
 
 
 # Up to this many member tiles, slab_rank counts them itself (no slab_count
@@ -52,22 +61,21 @@ def route_counted(num_tokens: int, threads: int) -> bool:
   return num_tokens > threads
 
 
-def route_threads(num_tokens: int, ep_size: int, num_experts: int, top_k: int) -> int:
+def route_threads(sizes: RouteSizes) -> int:
   """Threads per token tile of ``route_count``/``route_rank``: up to 256
   tokens (decode) one tile of 8 warps, which leaves each thread the fewest
   serial loads (the faster route_rank: ``docs/benchmarks.md``, "Tuning"),
   else :data:`ROUTE_WARPS` warps; fewer where both kernels' shared memory
   would not fit."""
-  most = 8 if num_tokens <= 32 * 8 else ROUTE_WARPS
+  most = 8 if sizes.num_tokens <= 32 * 8 else ROUTE_WARPS
   for warps in range(most, 0, -1):
     threads = 32 * warps
-    counted = route_counted(num_tokens, threads)
-    if max(route_count_shared_ints(threads, ep_size, num_experts),
-           route_rank_shared_ints(threads, ep_size, top_k, num_experts,
-                                   counted)) <= SHARED_INTS:
+    counted = route_counted(sizes.num_tokens, threads)
+    if max(route_count_shared_ints(threads, sizes),
+           route_rank_shared_ints(threads, sizes, counted)) <= SHARED_INTS:
       return threads
-  raise ValueError(f"ep_size={ep_size}, num_experts={num_experts} and top_k={top_k} do not "
-                   "fit the routing kernels' shared memory")
+  raise ValueError(f"ep_size={sizes.ep_size}, num_experts={sizes.num_experts} and "
+                   f"top_k={sizes.top_k} do not fit the routing kernels' shared memory")
 
 
 class SlabSizes(NamedTuple):

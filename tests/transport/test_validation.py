@@ -128,13 +128,14 @@ def test_routing_tiles_fit_shared_memory_and_spread(tokens, ep_size, num_experts
   kernels' dynamic shared memory within the 48 KiB default; up to 256
   tokens one tile of 8 warps, beyond that ``ROUTE_WARPS`` warps (fewer
   only where one more warp would not fit)."""
+  sizes = launch_geometry.RouteSizes(tokens, ep_size, num_experts, top_k)
+
   def fits(threads):
-    count_ints = launch_geometry.route_count_shared_ints(threads, ep_size, num_experts)
-    rank_ints = launch_geometry.route_rank_shared_ints(threads, ep_size, top_k, num_experts,
-                                                     counted=tokens > threads)
+    count_ints = launch_geometry.route_count_shared_ints(threads, sizes)
+    rank_ints = launch_geometry.route_rank_shared_ints(threads, sizes, counted=tokens > threads)
     return max(count_ints, rank_ints) <= kernel_launch.SHARED_INTS
 
-  threads = launch_geometry.route_threads(tokens, ep_size, num_experts, top_k)
+  threads = launch_geometry.route_threads(sizes)
   assert threads % 32 == 0 and 32 <= threads <= 256 and fits(threads)
   wanted = 256 if tokens <= 256 else 32 * launch_geometry.ROUTE_WARPS
   assert threads == wanted or (threads < wanted and not fits(threads + 32))
@@ -142,7 +143,7 @@ def test_routing_tiles_fit_shared_memory_and_spread(tokens, ep_size, num_experts
 
 def test_routing_that_cannot_fit_shared_memory_is_named():
   with pytest.raises(ValueError, match="ep_size=512, num_experts=512 and top_k=8 do not fit"):
-    launch_geometry.route_threads(1024, 512, 512, 8)
+    launch_geometry.route_threads(launch_geometry.RouteSizes(1024, 512, 512, 8))
 
 
 def test_slab_layout_beyond_int32_positions_is_named():
