@@ -52,15 +52,17 @@ def _from_name(path: pathlib.Path) -> tuple[str, str]:
 
 
 def _commit(record: dict, env: dict) -> str:
-  """The commit (10 hex digits, ``+dirty`` where so recorded) a result ran,
-  else its source digest, else not recorded."""
+  """The commit (10 hex digits, ``+dirty`` where so recorded, or where a
+  note beside it says the working tree's changes ran too) a result ran, else
+  its source digest, else not recorded."""
   if record.get("traced_commit"):
     return f"{record['traced_commit'][:10]} (by source digest)"
   for value in (env.get("commit"), env.get("kernel_commit"), env.get("code"),
                 record.get("git_commit"), record.get("commit")):
     match = re.match(r"([0-9a-f]{7,40})(\+dirty)?", str(value or ""))
     if match:
-      return match.group(1)[:10] + (match.group(2) or "")
+      dirty = match.group(2) or "working tree" in str(value)
+      return match.group(1)[:10] + ("+dirty" if dirty else "")
   digest = env.get("source_digest") or record.get("source_digest")
   return f"source digest {digest}" if digest else NOT_RECORDED
 
@@ -85,21 +87,25 @@ def facts(path: pathlib.Path) -> dict[str, str]:
 
 
 def traceable(path: pathlib.Path) -> bool:
-  """False where the file (or its JSON twin) is marked ``"traceable": false``
-  (``moe_ep.bench.common.write_result``: no clean commit names its code)
-  and not traced to a commit by its source digest (``--trace``); results
-  written before the mark count as traceable."""
+  """Whether a clean commit names the code the file (or its JSON twin) ran:
+  one it records (not ``+dirty``; ``benchmarks.common.write_result`` marks
+  the others ``"traceable": false``) or the one its source digest was traced
+  to (``--trace``)."""
   record = _record(path)
-  return record.get("traceable", True) is not False or bool(record.get("traced_commit"))
+  if record.get("traced_commit"):
+    return True
+  env = record.get("environment") if isinstance(record.get("environment"), dict) else {}
+  return (record.get("traceable", True) is not False
+          and re.fullmatch(r"[0-9a-f]{7,10}", _commit(record, env)) is not None)
 
 
 def source_digest_at(commit: str) -> str:
-  """``moe_ep.bench.common.source_digest`` of ``commit``'s tree: the same
+  """``benchmarks.common.source_digest`` of ``commit``'s tree: the same
   files and bytes, read from git in one batch."""
-  from moe_ep.bench.common import digest_sources, is_source_file  # noqa: PLC0415  (jax)
+  from benchmarks.common import digest_sources, source_files  # noqa: PLC0415  (jax)
   names = subprocess.run(["git", "ls-tree", "-r", "--name-only", commit], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout.splitlines()
-  names = [name for name in names if is_source_file(name)]
+  names = source_files(names)
   batch = subprocess.run(["git", "cat-file", "--batch"], cwd=REPO, capture_output=True,
                          check=True, input="".join(f"{commit}:{n}\n" for n in names).encode()
                          ).stdout
@@ -161,4 +167,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  if not __package__:  # run as a file: the checkout, not benchmarks/, heads sys.path
+    sys.path[0] = str(REPO)
   main(sys.argv[1:])

@@ -52,11 +52,11 @@ from examples.mesh import request_cpu_devices
 from examples.train_config import (DEFAULT_CONFIG, Config, config_to_yaml,
                                    load_config, split_config_path)
 from moe_ep import distributed
-from moe_ep.bench import common
-from moe_ep.bench.hlo import parse_hlo
-from moe_ep.bench.step_profile import (
+from benchmarks import common
+from benchmarks.hlo import parse_hlo
+from benchmarks.step_profile import (
     BACKWARD, CATEGORIES, FORWARD, IDLE, Classifier, breakdown, xla_instruction_profile)
-from moe_ep.bench.timeline import op_events, read_trace
+from benchmarks.timeline import op_events, read_trace
 
 _COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
 

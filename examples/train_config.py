@@ -151,6 +151,9 @@ class TrainConfig:
       :attr:`warmup_steps_used`.
     weight_decay: AdamW decoupled decay of matrices (not norm scales).
     grad_clip_norm: clip the global gradient norm to this (None: no clipping).
+    adam_mu_dtype: the dtype of AdamW's first moment ("bfloat16" halves its
+      bytes, optax's ``mu_dtype``; the second moment stays float32); None:
+      the parameters' dtype.
     skip_nonfinite: a step whose loss, gradient norm or updated parameters
       are not finite (NaN or inf) stops the run, unsaved, naming the step;
       with N > 0 up to N such steps in a row are skipped instead (their
@@ -187,6 +190,7 @@ class TrainConfig:
   final_lr_fraction: float = 0.1
   weight_decay: float = 0.1
   grad_clip_norm: float | None = 1.0
+  adam_mu_dtype: str | None = None
   skip_nonfinite: int = 0
   checkpoint_every: int = 100
   log_every: int = 25
@@ -210,6 +214,7 @@ class TrainConfig:
     check_number(self, "learning_rate", 0.0)
     check_number(self, "weight_decay", 0.0)
     check_number(self, "grad_clip_norm", 0.0, optional=True)
+    check_choice(self, "adam_mu_dtype", (None, "float32", "bfloat16"))
     peak = self.peak_tflops
     if peak is not None and (not isinstance(peak, (int, float)) or isinstance(peak, bool)
                              or not 0 < peak < math.inf):

@@ -51,7 +51,7 @@ def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
   schedule = make_schedule(train)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=train.weight_decay,
-                      mask=decay_mask)
+                      mask=decay_mask, mu_dtype=train.adam_mu_dtype)
   if train.grad_clip_norm is None:
     return adamw
   return optax.chain(optax.clip_by_global_norm(train.grad_clip_norm), adamw)

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_ep.activations import ACTIVATIONS, input_projections
-from moe_ep.options import TRANSPORTS, CHECKPOINT_FIELDS, EXCHANGES, TOKEN_DTYPES, check_wire_dtype
+from moe_ep.options import CHECKPOINT_FIELDS, EXCHANGES, TOKEN_DTYPES, TRANSPORTS, check_wire_dtype
+from moe_ep.row_groups import GROUP_ALIGN, GROUP_ALIGNS
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 # Floating dtypes the layer computes exactly; float64 is refused (see _check_dtype).
@@ -307,6 +308,10 @@ class MoEConfig:
     shared_expert_gate: scale the shared experts' output per token by
       ``sigmoid(x @ shared_gate)``, a learned ``[H, 1]`` parameter
       (Qwen2-MoE). Needs ``num_shared_experts >= 1``.
+    group_align: grouped layout: each expert's rows start at a multiple of
+      it, 128 (whole row tiles of the grouped GEMMs, the default) or 64 (half
+      tiles: at most 63 padding rows per expert, not 127; measured no faster
+      on one H200, docs/grouped.md). The FP8 bank needs 128.
   """
 
   hidden_size: int
@@ -341,6 +346,7 @@ class MoEConfig:
   group_score: str = "top2_sum"
   shared_ffn_size: int | None = None
   shared_expert_gate: bool = False
+  group_align: int = GROUP_ALIGN
 
   def __post_init__(self):
     cls = type(self)
@@ -365,6 +371,8 @@ class MoEConfig:
     check_choice(self, "expert_layout", EXPERT_LAYOUTS)
     if self.receive_factor is not None:
       check_number(self, "receive_factor", 0.0, strict=True)
+    check_int(self, "group_align", 1)
+    check_choice(self, "group_align", GROUP_ALIGNS)
     self._check_groups()
     self._check_shared()
     if not isinstance(self.ep_axis, str) or not self.ep_axis:
@@ -393,6 +401,10 @@ class MoEConfig:
     if self.dtype not in (None, "bfloat16"):
       fail(self, "expert_precision", f"computes in bfloat16: it needs dtype='bfloat16' or None "
            f"(bfloat16 inputs), not dtype={self.dtype!r}")
+    if self.group_align != GROUP_ALIGN:
+      fail(self, "expert_precision", f"needs groups on whole {GROUP_ALIGN}-row tiles (its weight "
+           f"gradient's 128-row scale blocks): group_align={GROUP_ALIGN}, not "
+           f"group_align={self.group_align}")
     for field in ("hidden_size", "ffn_size"):
       if getattr(self, field) % FP8_SIZE_MULTIPLE:
         fail(self, "expert_precision", f"needs {field} a multiple of {FP8_SIZE_MULTIPLE} "

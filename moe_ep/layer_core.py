@@ -125,7 +125,7 @@ def moe_shard(config: MoEConfig, split: MeshSplit, mesh, dtype, num_valid: int,
   capacity_args = (num_tokens, config.top_k, config.num_experts, split.ep_size)
   expert_capacity = config.expert_capacity or expert_capacity_for(
       *capacity_args, config.capacity_factor)
-  grouped_rows = (grouped_rows_for(*capacity_args, config.receive_factor)
+  grouped_rows = (grouped_rows_for(*capacity_args, config.receive_factor, config.group_align)
                   if _grouped_layout(config, dtype) else None)
   dispatched = dispatch(
       tokens, routing.topk_idx, routing.topk_weights, num_experts=config.num_experts,
@@ -133,7 +133,8 @@ def moe_shard(config: MoEConfig, split: MeshSplit, mesh, dtype, num_valid: int,
       send_capacity=send_capacity_for(*capacity_args, config.capacity_factor),
       checkpoint_name=remat.name("dispatch"), transport=config.transport,
       exchange=config.exchange, mesh=mesh, wire_dtype=config.dispatch_dtype,
-      grouped_rows=grouped_rows, fp8_rows=_fp8_dispatch_feed(config))
+      grouped_rows=grouped_rows, group_align=config.group_align,
+      fp8_rows=_fp8_dispatch_feed(config))
 
   # Experts, their outputs weighted in float32 for the unweighted combine:
   # through the activation [M, F] where that costs less than a pass over the
@@ -182,7 +183,8 @@ def _expert_mlp(config: MoEConfig, dtype, name, dispatched, params: dict,
     return expert_mlp(dispatched.tokens, w_in, w_out, config.activation, name,
                       row_weights=weights)
   return grouped_expert_mlp(dispatched.tokens, dispatched.counts, w_in, w_out,
-                            config.activation, name, row_weights=weights)
+                            config.activation, name, row_weights=weights,
+                            group_align=config.group_align)
 
 
 def _grouped_layout(config: MoEConfig, dtype) -> bool:

@@ -101,9 +101,9 @@ QUICK = {
     "tests/transport/test_call_path.py": None,
     "tests/transport/test_kernel_source.py": None,
     "tests/transport/test_kernel_loading.py": None,
-    "tests/bench/test_main.py": None,
-    "tests/bench/test_common.py": None,
-    "tests/bench/test_results.py": None,
+    "tests/benchmarks/test_main.py": None,
+    "tests/benchmarks/test_common.py": None,
+    "tests/benchmarks/test_results.py": None,
     "tests/examples/test_train_config.py": None,
     "tests/examples/test_token_data.py": None,
     "tests/examples/test_plots.py": None,
@@ -207,9 +207,8 @@ def nested_jaxprs(jaxpr):
 
 
 @pytest.fixture(params=[128, 64], ids=lambda align: f"align{align}")
-def group_align(request, monkeypatch):
+def group_align(request):
   """Groups of the grouped layout on whole row tiles and on half tiles: the
-  layout's alignment set for the test (the transport's and the bank's alike)."""
-  from moe_ep import row_groups
-  monkeypatch.setattr(row_groups, "GROUP_ALIGN", request.param)
+  ``group_align`` a test passes to the layout's sizes, the transport and the
+  bank alike."""
   return request.param

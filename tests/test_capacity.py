@@ -60,13 +60,13 @@ def test_grouped_worst_case_holds_the_worst_routing_and_caps_every_factor(
     num_tokens, top_k, num_experts, ep_size, group_align):
   local_experts = num_experts // ep_size
   routed = ep_size * num_tokens * worst_rows_into_one_rank(top_k, num_experts, ep_size)
-  rows = grouped_rows_for(num_tokens, top_k, num_experts, ep_size)
+  rows = grouped_rows_for(num_tokens, top_k, num_experts, ep_size, group_align=group_align)
   # Every group may waste up to group_align - 1 rows rounding its start.
   need = routed + local_experts * (group_align - 1)
   assert rows % ROW_TILE == 0 and need <= rows < need + ROW_TILE
   # A factor scales the balanced load T * K and is capped at the worst case.
   for factor in (0.25, 1.0, 2.0, 1e6):
-    sized = grouped_rows_for(num_tokens, top_k, num_experts, ep_size, factor)
+    sized = grouped_rows_for(num_tokens, top_k, num_experts, ep_size, factor, group_align)
     kept = min(routed, math.ceil(factor * num_tokens * top_k))
     want = kept + local_experts * (group_align - 1)
     assert want <= sized < want + ROW_TILE and sized <= rows

@@ -83,6 +83,11 @@ BASE = dict(hidden_size=8, ffn_size=16, num_experts=8, top_k=2)
      r"MoEConfig.expert_precision='fp8' needs hidden_size a multiple of 16"),
     (dict(expert_precision="fp8", hidden_size=16, ffn_size=24),
      r"MoEConfig.expert_precision='fp8' needs ffn_size a multiple of 16"),
+    # The grouped layout's alignment: whole or half row tiles; FP8 on whole ones.
+    (dict(group_align=32), r"MoEConfig.group_align=32 must be one of \(128, 64\)"),
+    (dict(group_align=True), r"MoEConfig.group_align=True must be an integer >= 1"),
+    (dict(expert_precision="fp8", hidden_size=16, group_align=64),
+     r"MoEConfig.expert_precision='fp8' needs groups on whole 128-row tiles .*not group_align=64"),
 ])
 def test_bad_moe_config_names_field_and_rule(overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -203,3 +208,13 @@ def test_expert_precision_is_appended_and_round_trips():
   assert MoEConfig(**BASE).expert_precision is None
   config = MoEConfig(**{**BASE, "hidden_size": 16}, expert_precision="fp8", dtype="bfloat16")
   assert from_dict(MoEConfig, to_dict(config)) == config
+
+
+def test_group_align_is_appended_and_round_trips():
+  """The last field (positional construction keeps the fields before it);
+  whole row tiles by default, half tiles from YAML as from Python."""
+  names = [f.name for f in dataclasses.fields(MoEConfig)]
+  assert names[-1] == "group_align"
+  assert MoEConfig(**BASE).group_align == 128
+  config = MoEConfig(**BASE, group_align=np.int64(64))
+  assert type(config.group_align) is int and from_dict(MoEConfig, to_dict(config)) == config

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import custom_call_scopes, devices_for, gpu_devices, make_mesh
 from moe_ep.transport.launch_geometry import SlabSizes
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
-from moe_ep.bench import hlo
+from benchmarks import hlo
 from moe_ep.transport import NAMED_SCOPES, combine, dispatch, expert_capacity_for, peer
 from moe_ep.transport.plan import resolve_exchange
 from moe_ep.transport.peer import dispatch_layout, fused_layout, reachability

@@ -74,14 +74,13 @@ def test_dropless_grouped_equals_slabs_at_the_dropless_capacity(backend, mesh_sh
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 1), (2, 4)])
-def test_grouped_on_half_tiles_equals_slabs(mesh_shape, monkeypatch):
-  """Groups starting at multiples of half a row tile (the transport fills
-  them, the bank's tile list reads them): the same layer as the slabs."""
-  from moe_ep import row_groups
-  monkeypatch.setattr(row_groups, "GROUP_ALIGN", row_groups.ROW_TILE // 2)
+def test_grouped_on_half_tiles_equals_slabs(mesh_shape):
+  """Groups starting at multiples of half a row tile (``group_align=64``: the
+  transport fills them, the bank's tile list reads them): the same layer as
+  the slabs."""
   mesh = make_mesh(mesh_shape, ("dp", "ep"))
   x = np.random.default_rng(5).normal(size=(8, 6, HIDDEN)).astype(np.float32)
-  results = both_layouts(mesh, x)
+  results = both_layouts(mesh, x, group_align=64)
   (loss_s, (y_s, aux_s)), grads_s = results["slabs"]
   (loss_g, (y_g, aux_g)), grads_g = results["grouped"]
   assert float(aux_g.dropped_fraction) == 0.0 == float(aux_s.dropped_fraction)
@@ -165,7 +164,7 @@ def test_hopper_grouped_layer_matches_slabs_in_bfloat16(group_align):
   mesh = make_mesh((1, 1), ("dp", "ep"), "cupy")
   x = np.random.default_rng(4).normal(size=(4, 512, 256)).astype(np.float32)
   outs = both_layouts(mesh, x, hidden_size=256, ffn_size=256, dtype="bfloat16",
-                      transport="cupy")
+                      transport="cupy", group_align=group_align)
   (_, (y_s, _)), grads_s = outs["slabs"]
   (_, (y_g, aux_g)), grads_g = outs["grouped"]
   assert float(aux_g.dropped_fraction) == 0.0
@@ -177,3 +176,22 @@ def test_hopper_grouped_layer_matches_slabs_in_bfloat16(group_align):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
       np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max())
+
+
+@pytest.mark.parametrize("group_align", [128, 64])
+def test_the_layers_group_align_sizes_the_row_buffer(group_align):
+  """``MoEConfig.group_align`` reaches the layout: the dispatched buffer has
+  the rows ``grouped_rows_for`` gives at that alignment (one rank, 2 x 8
+  tokens, 8 experts: 32 routed rows plus 8 x 63 or 8 x 127 of padding)."""
+  from moe_ep.transport import grouped_rows_for
+  layer = skewed_layer(config(expert_layout="grouped", group_align=group_align,
+                              remat=RematConfig(save=("dispatch",), apply=True)),
+                       make_mesh((1, 1), ("dp", "ep")))
+  x = np.random.default_rng(3).normal(size=(2, 8, HIDDEN)).astype(np.float32)
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  text = str(jax.make_jaxpr(lambda p: nnx.merge(graphdef, p, rest)(x)[0])(params))
+  other = 64 if group_align == 128 else 128
+  rows, other_rows = (grouped_rows_for(16, TOP_K, EXPERTS, 1, group_align=align)
+                      for align in (group_align, other))
+  assert rows != other_rows
+  assert f"f32[{rows},{HIDDEN}]" in text and f"f32[{other_rows},{HIDDEN}]" not in text

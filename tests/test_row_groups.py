@@ -27,7 +27,7 @@ def reference_groups(counts, num_rows, align):
     ([0] * 5, 2 * ROW_TILE),  # no rows at all
 ])
 def test_each_row_and_tile_gets_the_group_that_holds_it(counts, num_rows, group_align):
-  starts, rows = group_starts(jnp.asarray(counts, jnp.int32), num_rows)  # at the layout's
+  starts, rows = group_starts(jnp.asarray(counts, jnp.int32), num_rows, group_align)
   want = reference_groups(counts, num_rows, group_align)
   got_rows = group_of_rows(starts, rows, jnp.arange(num_rows, dtype=jnp.int32))
   np.testing.assert_array_equal(np.asarray(got_rows), want)

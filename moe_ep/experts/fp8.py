@@ -45,7 +45,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_ep import fp8_blocks, row_groups, sharding
+from moe_ep import fp8_blocks, sharding
 from moe_ep.experts import grouped, hopper_fp8
 from moe_ep.experts.grouped import GroupTiles, check_implementation, group_tiles
 from moe_ep.experts.slabs import Namer, _no_name, activate
@@ -198,17 +198,17 @@ def _uses_kernels(implementation: str) -> bool:
   return grouped.hopper_available()
 
 
-def _forward(implementation, a_codes, a_scales, b_codes, b_scales, tile_group):
+def _forward(implementation, config, a_codes, a_scales, b_codes, b_scales, tile_group):
   if _uses_kernels(implementation):
     return jax.lax.platform_dependent(
         a_codes, a_scales, b_codes, b_scales, tile_group,
         cuda=lambda a, sa, b, sb, t: sharding.vary_like(
-            hopper_fp8.grouped_matmul_fp8(a, sa, b, sb, t), a, b),
+            hopper_fp8.grouped_matmul_fp8(a, sa, b, sb, t, config=config), a, b),
         default=grouped_matmul_fp8)
   return grouped_matmul_fp8(a_codes, a_scales, b_codes, b_scales, tile_group)
 
 
-def _wgrad(implementation, a_codes, a_scales, b_codes, b_scales, tiles: GroupTiles):
+def _wgrad(implementation, config, a_codes, a_scales, b_codes, b_scales, tiles: GroupTiles):
   # With groups on whole tiles their rows are whole 128-row blocks.
   group_blocks = tiles.group_rows // BLOCK
   num_groups = tiles.group_start.shape[0]
@@ -217,7 +217,7 @@ def _wgrad(implementation, a_codes, a_scales, b_codes, b_scales, tiles: GroupTil
         a_codes, a_scales, b_codes, b_scales, tiles.group_start, group_blocks,
         cuda=lambda a, sa, b, sb, start, blocks: sharding.vary_like(
             hopper_fp8.grouped_matmul_fp8_wgrad(a, sa, b, sb, start, blocks, num_groups,
-                                                out_dtype=jnp.float32), a, b),
+                                                config=config, out_dtype=jnp.float32), a, b),
         default=lambda *args: grouped_matmul_fp8_wgrad(*args, num_groups))
   return grouped_matmul_fp8_wgrad(a_codes, a_scales, b_codes, b_scales, tiles.group_start,
                                   group_blocks, num_groups)
@@ -240,32 +240,32 @@ def _input_codes(rows, rows_fp8):
   return rows_fp8, quantize_columns(dequantize_rows(*rows_fp8))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _fp8_matmul(implementation, weight_dtype, name, residual, rows, rows_fp8, weights,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _fp8_matmul(implementation, config, weight_dtype, name, residual, rows, rows_fp8, weights,
                 weights_fp8, tiles):
   del weight_dtype, name, residual, weights
   codes, scales = quantize_rows(rows) if rows_fp8 is None else rows_fp8
-  return _forward(implementation, codes, scales, weights_fp8.codes_t,
+  return _forward(implementation, config, codes, scales, weights_fp8.codes_t,
                   jnp.swapaxes(weights_fp8.scales, 1, 2), tiles.tile_group)
 
 
-def _fp8_matmul_fwd(implementation, weight_dtype, name, residual, rows, rows_fp8, weights,
-                    weights_fp8, tiles):
+def _fp8_matmul_fwd(implementation, config, weight_dtype, name, residual, rows, rows_fp8,
+                    weights, weights_fp8, tiles):
   del weights  # its gradient comes from the residuals alone
   (codes, scales), columns = _input_codes(rows, rows_fp8)
   # Named inside the forward rule, so the residual itself carries the name.
   columns = name(residual, columns)
-  out = _forward(implementation, codes, scales, weights_fp8.codes_t,
+  out = _forward(implementation, config, codes, scales, weights_fp8.codes_t,
                  jnp.swapaxes(weights_fp8.scales, 1, 2), tiles.tile_group)
   return out, (columns, weights_fp8.codes, weights_fp8.scales, tiles)
 
 
-def _fp8_matmul_bwd(implementation, weight_dtype, name, residual, residuals, out_grad):
+def _fp8_matmul_bwd(implementation, config, weight_dtype, name, residual, residuals, out_grad):
   (column_codes, column_scales), weight_codes, weight_scales, tiles = residuals
   out_grad = out_grad.astype(jnp.bfloat16)
-  rows_grad = _forward(implementation, *quantize_rows(out_grad), weight_codes, weight_scales,
-                       tiles.tile_group)
-  weights_grad = _wgrad(implementation, column_codes, column_scales,
+  rows_grad = _forward(implementation, config, *quantize_rows(out_grad), weight_codes,
+                       weight_scales, tiles.tile_group)
+  weights_grad = _wgrad(implementation, config, column_codes, column_scales,
                         *quantize_columns(out_grad), tiles)
   return (rows_grad, None, weights_grad.astype(weight_dtype), None, _no_gradient(tiles))
 
@@ -284,10 +284,6 @@ def _check_product(rows, weights, weights_fp8, tiles, rows_fp8):
   if contraction % SIZE_MULTIPLE or columns % SIZE_MULTIPLE:
     raise ValueError(f"the FP8 expert bank needs sizes that are multiples of {SIZE_MULTIPLE} "
                      f"(16-byte FP8 rows); got K={contraction}, N={columns}")
-  if row_groups.GROUP_ALIGN != ROW_TILE:
-    raise ValueError(f"the FP8 expert bank needs groups on whole {ROW_TILE}-row tiles "
-                     f"(row_groups.GROUP_ALIGN == {ROW_TILE}, its weight gradient's 128-row "
-                     f"scale blocks); got row_groups.GROUP_ALIGN={row_groups.GROUP_ALIGN}")
   if num_rows % ROW_TILE or tiles.tile_group.shape[0] * ROW_TILE != num_rows:
     raise ValueError(f"rows has {num_rows} rows: the grouped layout needs a multiple of "
                      f"{ROW_TILE} matching tiles.tile_group {tiles.tile_group.shape}")
@@ -309,7 +305,9 @@ def _check_product(rows, weights, weights_fp8, tiles, rows_fp8):
 def fp8_grouped_matmul(rows: jax.Array, weights: jax.Array, weights_fp8: FP8Weights,
                        tiles: GroupTiles, implementation: str = "auto",
                        rows_fp8: tuple[jax.Array, jax.Array] | None = None,
-                       name: Namer = _no_name, residual: str = INPUT_CODES) -> jax.Array:
+                       name: Namer = _no_name, residual: str = INPUT_CODES,
+                       tile_config: hopper_fp8.FP8TileConfig = hopper_fp8.FP8TileConfig()
+                       ) -> jax.Array:
   """``out[rows_g] = rows[rows_g] @ weights[g]`` in block-scaled FP8,
   differentiable in ``rows`` and ``weights``.
 
@@ -326,6 +324,7 @@ def fp8_grouped_matmul(rows: jax.Array, weights: jax.Array, weights_fp8: FP8Weig
       ``rows`` then only receives the input gradient.
     name, residual: the weight gradient's column-wise codes of ``rows``
       (the residual) are named ``name(residual, ...)``.
+    tile_config: the Hopper kernels' tiles and schedule.
 
   Returns:
     ``[M, N]`` bfloat16, zero on rows of no group (as is the gradient of ``rows``).
@@ -334,7 +333,8 @@ def fp8_grouped_matmul(rows: jax.Array, weights: jax.Array, weights_fp8: FP8Weig
   weights = sharding.vary_like(weights, rows)
   weights_fp8 = jax.tree.map(lambda v: sharding.vary_like(jax.lax.stop_gradient(v), rows),
                              weights_fp8)
-  return _fp8_matmul(implementation, jnp.dtype(weights.dtype).name, name, residual, rows,
+  return _fp8_matmul(implementation, tile_config, jnp.dtype(weights.dtype).name, name,
+                     residual, rows,
                      rows_fp8, weights, weights_fp8, tiles)
 
 
@@ -343,7 +343,9 @@ def fp8_grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array,
                            activation: str, name: Namer = _no_name,
                            implementation: str = "auto",
                            row_weights: jax.Array | None = None,
-                           rows_fp8: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                           rows_fp8: tuple[jax.Array, jax.Array] | None = None,
+                           tile_config: hopper_fp8.FP8TileConfig = hopper_fp8.FP8TileConfig()
+                           ) -> jax.Array:
   """Expert ``l``'s MLP on the rows of group ``l``, both GEMMs in FP8 (the
   FP8 sibling of :func:`~moe_ep.experts.grouped.grouped_expert_mlp`).
 
@@ -360,6 +362,7 @@ def fp8_grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array,
       (:func:`moe_ep.experts.activate`).
     rows_fp8: None, or the rows as the FP8 dispatch's codes and scales
       (:func:`fp8_grouped_matmul`): the first GEMM reads them directly.
+    tile_config: the Hopper kernels' tiles and schedule (both GEMMs).
 
   Returns:
     ``[M, H]`` bfloat16, zero on rows of no group, where the gradient of
@@ -367,8 +370,8 @@ def fp8_grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array,
   """
   tiles = group_tiles(counts, rows.shape[0], ROW_TILE)
   hidden = fp8_grouped_matmul(rows, w_in, w_in_fp8, tiles, implementation, rows_fp8, name,
-                              INPUT_CODES)
+                              INPUT_CODES, tile_config)
   hidden = name("expert_hidden", hidden)
   out = fp8_grouped_matmul(activate(hidden, activation, row_weights), w_out, w_out_fp8, tiles,
-                           implementation, None, name, HIDDEN_CODES)
+                           implementation, None, name, HIDDEN_CODES, tile_config)
   return name("expert_output", out)

@@ -2,22 +2,24 @@
 which each local expert's rows are contiguous.
 
 Group ``l`` holds ``counts[l]`` rows from row ``start[l]`` on, where the
-starts are the exclusive running sum of the counts rounded up to
-``GROUP_ALIGN`` (:mod:`moe_ep.row_groups`; its padding rows are zero); rows
-past the last group belong to none. So every GEMM costs the routed rows plus
-at most ``GROUP_ALIGN - 1`` rows per expert, whatever the worst case the
-static ``M`` must hold.
+starts are the exclusive running sum of the counts rounded up to the
+layout's ``group_align`` (:mod:`moe_ep.row_groups`; its padding rows are
+zero); rows past the last group belong to none. So every GEMM costs the
+routed rows plus at most ``group_align - 1`` rows per expert, whatever the
+worst case the static ``M`` must hold.
 
 :func:`grouped_matmul` is a ``custom_vjp`` product with two implementations
 of the same three passes (forward, input gradient, weight gradient over the
 ragged rows): the Hopper kernels of :mod:`moe_ep.experts.hopper` where they
 apply (a CUDA device of compute capability 9.0, 16-bit operands, sizes that
 are multiples of 8), ``jax.lax.ragged_dot`` elsewhere. Both
-accumulate in float32 and round once.
+accumulate in float32 and round once. The Hopper kernels' tile
+configurations are the caller's (:class:`BankKernels`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import NamedTuple
@@ -25,31 +27,67 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_ep import row_groups, sharding
+from moe_ep import sharding
 from moe_ep.capacity import round_up
 from moe_ep.experts import hopper, hopper_fused, hopper_wgrad
 from moe_ep.activations import activate, small_activation
 from moe_ep.experts.slabs import Namer, _no_name
-from moe_ep.row_groups import ROW_TILE, group_of_rows, group_starts
+from moe_ep.row_groups import GROUP_ALIGN, ROW_TILE, check_group_align, group_of_rows, group_starts
 
 IMPLEMENTATIONS = ("auto", "hopper", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class BankKernels:
+  """The tile configurations of the grouped bank's Hopper kernels (hashable:
+  the products' custom rules take it as a static argument).
+
+  Attributes:
+    matmul: :func:`moe_ep.experts.hopper.grouped_matmul` (the forward and the
+      input gradients) and the fused forward
+      (:func:`moe_ep.experts.hopper_fused.activation_matmul`).
+    activation_grad: the fused input gradient through the activation
+      (:func:`moe_ep.experts.hopper_fused.activation_grad_matmul`).
+    wgrad: the weight gradient
+      (:func:`moe_ep.experts.hopper_wgrad.grouped_matmul_wgrad`); its
+      ``chain_tiles`` is its ring's.
+  """
+
+  matmul: hopper.TileConfig = hopper.TileConfig()
+  activation_grad: hopper.TileConfig = hopper_fused.GRAD_CONFIG
+  wgrad: hopper.TileConfig = hopper.TileConfig()
+
+  def scheduled(self, *, cluster_columns: int | None = None, chain_tiles: bool | None = None,
+                chain_wgrad: bool | None = None) -> BankKernels:
+    """These configurations with every kernel in clusters of
+    ``cluster_columns``, the row-tile kernels' tiles chained or not
+    (``chain_tiles``) and the weight gradient's (``chain_wgrad``); None keeps
+    a field as it is."""
+    def set_fields(config, chain):
+      fields = {"cluster_columns": cluster_columns, "chain_tiles": chain}
+      return dataclasses.replace(config, **{k: v for k, v in fields.items() if v is not None})
+    return BankKernels(set_fields(self.matmul, chain_tiles),
+                       set_fields(self.activation_grad, chain_tiles),
+                       set_fields(self.wgrad, chain_wgrad))
+
+
 # Rows of a step of the Hopper weight gradient (its tile_k): it divides
-# GROUP_ALIGN, so a group's blocks start and end within its rows.
-WGRAD_BLOCK = hopper.TileConfig().tile_k
+# every group alignment, so a group's blocks start and end within its rows.
+WGRAD_BLOCK = BankKernels().wgrad.tile_k
 
 
 class GroupTiles(NamedTuple):
   """Where each group sits in the row buffer: int32 data derived from the counts.
 
-  The GEMMs walk row tiles. With groups on whole tiles (``GROUP_ALIGN ==
+  The GEMMs walk row tiles. With groups on whole tiles (``group_align ==
   ROW_TILE``) tile ``i`` is rows ``[i * ROW_TILE, (i + 1) * ROW_TILE)``;
   with groups on half tiles each group's rows are whole tiles and at most
   one half tile, listed in row order with the rows of no group after them
   (``tile_start`` and ``tile_rows``).
 
   Attributes:
-    group_start: ``[G]`` first row of each group (a multiple of ``GROUP_ALIGN``).
-    group_rows: ``[G]`` the group's rows rounded up to ``GROUP_ALIGN`` (its
+    group_start: ``[G]`` first row of each group (a multiple of ``group_align``).
+    group_rows: ``[G]`` the group's rows rounded up to ``group_align`` (its
       padding rows are zero); a group that would run past the buffer is cut
       at its end.
     group_blocks: ``[G]`` the ``WGRAD_BLOCK``-row blocks that hold each
@@ -70,20 +108,16 @@ class GroupTiles(NamedTuple):
   tile_rows: jax.Array | None = None
 
 
-def group_tiles(counts: jax.Array, num_rows: int, align: int | None = None) -> GroupTiles:
+def group_tiles(counts: jax.Array, num_rows: int, align: int = GROUP_ALIGN) -> GroupTiles:
   """The :class:`GroupTiles` of groups of ``counts [G]`` rows in ``num_rows``
   (a multiple of ``ROW_TILE``) rows, starting at multiples of ``align``
-  (``ROW_TILE`` or half of it; default the layout's,
-  :data:`moe_ep.row_groups.GROUP_ALIGN`)."""
-  align = align or row_groups.GROUP_ALIGN
+  (``ROW_TILE``, the default, or half of it: the layout's ``group_align``)."""
+  align = check_group_align(align, "align")
   starts, rows = group_starts(counts, num_rows, align)
   blocks = jnp.minimum(round_up(counts.astype(jnp.int32), WGRAD_BLOCK), rows) // WGRAD_BLOCK
   if align == ROW_TILE:
     tile_firsts = jnp.arange(num_rows // ROW_TILE, dtype=jnp.int32) * ROW_TILE
     return GroupTiles(starts, rows, blocks, group_of_rows(starts, rows, tile_firsts))
-  if align != ROW_TILE // 2:
-    raise ValueError(f"align={align}: groups start on whole tiles ({ROW_TILE}) or half tiles "
-                     f"({ROW_TILE // 2})")
   return GroupTiles(starts, rows, blocks, *_half_tile_list(starts, rows, num_rows))
 
 
@@ -211,24 +245,26 @@ def _wgrad_xla(lhs, rhs, tiles: GroupTiles):
   return out.astype(lhs.dtype)
 
 
-def _forward(implementation, lhs, rhs, tiles, transpose_rhs):
+def _forward(implementation, kernels: BankKernels, lhs, rhs, tiles, transpose_rhs):
   columns = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   if _uses_hopper(implementation, lhs.dtype, lhs.shape[0], lhs.shape[1], columns):
     return jax.lax.platform_dependent(
         lhs, rhs, tiles,
         cuda=lambda a, b, t: sharding.vary_like(
             hopper.grouped_matmul(a, b, t.tile_group, transpose_rhs=transpose_rhs,
-                                  tile_start=t.tile_start, tile_rows=t.tile_rows), a, b),
+                                  config=kernels.matmul, tile_start=t.tile_start,
+                                  tile_rows=t.tile_rows), a, b),
         default=lambda a, b, t: _forward_xla(a, b, t, transpose_rhs))
   return _forward_xla(lhs, rhs, tiles, transpose_rhs)
 
 
-def _wgrad(implementation, lhs, rhs, tiles):
+def _wgrad(implementation, kernels: BankKernels, lhs, rhs, tiles):
   if _uses_hopper(implementation, lhs.dtype, lhs.shape[0], lhs.shape[1], rhs.shape[1]):
     return jax.lax.platform_dependent(
         lhs, rhs, tiles,
         cuda=lambda a, b, t: sharding.vary_like(hopper_wgrad.grouped_matmul_wgrad(
-            a, b, t.group_start, t.group_blocks, t.group_start.shape[0]), a, b),
+            a, b, t.group_start, t.group_blocks, t.group_start.shape[0],
+            config=kernels.wgrad), a, b),
         default=_wgrad_xla)
   return _wgrad_xla(lhs, rhs, tiles)
 
@@ -245,20 +281,20 @@ def _weights_like(weights: jax.Array, rows: jax.Array) -> jax.Array:
   return sharding.vary_like(weights.astype(rows.dtype), rows)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _grouped_matmul(implementation, lhs, rhs, tiles):
-  return _forward(implementation, lhs, rhs, tiles, False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _grouped_matmul(implementation, kernels, lhs, rhs, tiles):
+  return _forward(implementation, kernels, lhs, rhs, tiles, False)
 
 
-def _grouped_matmul_fwd(implementation, lhs, rhs, tiles):
-  return _forward(implementation, lhs, rhs, tiles, False), (lhs, rhs, tiles)
+def _grouped_matmul_fwd(implementation, kernels, lhs, rhs, tiles):
+  return _forward(implementation, kernels, lhs, rhs, tiles, False), (lhs, rhs, tiles)
 
 
-def _grouped_matmul_bwd(implementation, residuals, out_grad):
+def _grouped_matmul_bwd(implementation, kernels, residuals, out_grad):
   lhs, rhs, tiles = residuals
   out_grad = out_grad.astype(lhs.dtype)
-  lhs_grad = _forward(implementation, out_grad, rhs, tiles, True)
-  rhs_grad = _wgrad(implementation, lhs, out_grad, tiles)
+  lhs_grad = _forward(implementation, kernels, out_grad, rhs, tiles, True)
+  rhs_grad = _wgrad(implementation, kernels, lhs, out_grad, tiles)
   tiles_grad = _no_gradient(tiles)
   return lhs_grad, rhs_grad, tiles_grad
 
@@ -267,7 +303,8 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tiles: GroupTiles,
-                   implementation: str = "auto") -> jax.Array:
+                   implementation: str = "auto",
+                   kernels: BankKernels = BankKernels()) -> jax.Array:
   """``out[rows_g] = lhs[rows_g] @ rhs[g]`` for every group ``g``, differentiable
   in ``lhs`` and ``rhs``.
 
@@ -277,6 +314,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tiles: GroupTiles,
     tiles: the :class:`GroupTiles` of the layout (:func:`group_tiles`).
     implementation: ``"auto"`` (the Hopper kernels where they apply),
       ``"hopper"`` or ``"xla"``.
+    kernels: the Hopper kernels' tile configurations.
 
   Returns:
     ``[M, N]`` in ``lhs.dtype``, zero on rows of no group (and so is the
@@ -293,7 +331,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tiles: GroupTiles,
     raise ValueError(f"lhs has {lhs.shape[0]} rows: the grouped layout needs a multiple of "
                      f"{ROW_TILE} matching tiles.tile_group {tiles.tile_group.shape}")
   rhs = _weights_like(rhs, lhs)
-  return _grouped_matmul(implementation, lhs, rhs, tiles)
+  return _grouped_matmul(implementation, kernels, lhs, rhs, tiles)
 
 
 # --- the activation fused into the two GEMMs (Hopper) ------------------------
@@ -317,27 +355,27 @@ def _activation_xla(lhs, rhs, tiles, row_weights, activation):
   return hidden, activate(hidden, activation, row_weights)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _activation_matmul(implementation, activation, lhs, rhs, row_weights, tiles):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _activation_matmul(implementation, kernels, activation, lhs, rhs, row_weights, tiles):
   return jax.lax.platform_dependent(
       lhs, rhs, row_weights, tiles,
       cuda=lambda a, b, w, t: tuple(
           sharding.vary_like(v, a, b) for v in hopper_fused.activation_matmul(
-              a, b, t.tile_group, w, activation, tile_start=t.tile_start,
-              tile_rows=t.tile_rows)),
+              a, b, t.tile_group, w, activation, config=kernels.matmul,
+              tile_start=t.tile_start, tile_rows=t.tile_rows)),
       default=lambda a, b, w, t: _activation_xla(a, b, t, w, activation))
 
 
-def _activation_matmul_fwd(implementation, activation, lhs, rhs, row_weights, tiles):
-  out = _activation_matmul(implementation, activation, lhs, rhs, row_weights, tiles)
+def _activation_matmul_fwd(implementation, kernels, activation, lhs, rhs, row_weights, tiles):
+  out = _activation_matmul(implementation, kernels, activation, lhs, rhs, row_weights, tiles)
   return out, (lhs, rhs, row_weights, tiles)
 
 
-def _activation_matmul_bwd(implementation, activation, residuals, grads):
+def _activation_matmul_bwd(implementation, kernels, activation, residuals, grads):
   lhs, rhs, row_weights, tiles = residuals
   hidden_grad = grads[0].astype(lhs.dtype)  # act's is taken through hidden: zero here
-  lhs_grad = _forward(implementation, hidden_grad, rhs, tiles, True)
-  rhs_grad = _wgrad(implementation, lhs, hidden_grad, tiles)
+  lhs_grad = _forward(implementation, kernels, hidden_grad, rhs, tiles, True)
+  rhs_grad = _wgrad(implementation, kernels, lhs, hidden_grad, tiles)
   weights_grad = (None if row_weights is None else
                   sharding.vary_like(jnp.zeros_like(row_weights), row_weights))
   tiles_grad = _no_gradient(tiles)
@@ -354,17 +392,19 @@ def _activation_grad_xla(out_grad, w_out, hidden, tiles, row_weights, activation
   return vjp(act_grad)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _activated_matmul(implementation, activation, act, hidden, w_out, row_weights, tiles):
-  return _forward(implementation, act, w_out, tiles, False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _activated_matmul(implementation, kernels, activation, act, hidden, w_out, row_weights,
+                      tiles):
+  return _forward(implementation, kernels, act, w_out, tiles, False)
 
 
-def _activated_matmul_fwd(implementation, activation, act, hidden, w_out, row_weights, tiles):
-  out = _forward(implementation, act, w_out, tiles, False)
+def _activated_matmul_fwd(implementation, kernels, activation, act, hidden, w_out, row_weights,
+                          tiles):
+  out = _forward(implementation, kernels, act, w_out, tiles, False)
   return out, (act, hidden, w_out, row_weights, tiles)
 
 
-def _activated_matmul_bwd(implementation, activation, residuals, out_grad):
+def _activated_matmul_bwd(implementation, kernels, activation, residuals, out_grad):
   act, hidden, w_out, row_weights, tiles = residuals
   out_grad = out_grad.astype(act.dtype)
   hidden_grad, weights_grad = jax.lax.platform_dependent(
@@ -372,9 +412,10 @@ def _activated_matmul_bwd(implementation, activation, residuals, out_grad):
       cuda=lambda g, b, h, w, t: jax.tree.map(
           lambda v: sharding.vary_like(v, g, b, h),
           hopper_fused.activation_grad_matmul(g, b, h, t.tile_group, w, activation,
+                                              config=kernels.activation_grad,
                                               tile_start=t.tile_start, tile_rows=t.tile_rows)),
       default=lambda g, b, h, w, t: _activation_grad_xla(g, b, h, t, w, activation))
-  w_out_grad = _wgrad(implementation, act, out_grad, tiles)
+  w_out_grad = _wgrad(implementation, kernels, act, out_grad, tiles)
   tiles_grad = _no_gradient(tiles)
   act_grad = sharding.vary_like(jnp.zeros_like(act), act)  # all of it went through hidden
   return act_grad, hidden_grad, w_out_grad, weights_grad, tiles_grad
@@ -388,7 +429,8 @@ def grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array, w_ou
                        implementation: str = "auto",
                        row_weights: jax.Array | None = None,
                        fuse_activation: bool | None = None,
-                       group_align: int | None = None) -> jax.Array:
+                       group_align: int = GROUP_ALIGN,
+                       kernels: BankKernels = BankKernels()) -> jax.Array:
   """Applies expert ``l``'s MLP to the rows of group ``l``.
 
   Args:
@@ -407,9 +449,10 @@ def grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array, w_ou
       second's input gradient (:mod:`moe_ep.experts.hopper_fused`); False
       runs them as XLA passes between the GEMMs; None: where
       :func:`moe_ep.activations.small_activation`.
-    group_align: where the groups of ``rows`` start (:func:`group_tiles`):
-      multiples of ``ROW_TILE`` or half of it; None: the layout's,
-      :data:`moe_ep.row_groups.GROUP_ALIGN`.
+    group_align: where the groups of ``rows`` start, as dispatch filled them
+      (:func:`group_tiles`): multiples of ``ROW_TILE`` (the default) or half
+      of it.
+    kernels: the Hopper kernels' tile configurations.
 
   Returns:
     ``[M, H]`` in ``rows.dtype``, zero on rows of no group, where the
@@ -422,12 +465,13 @@ def grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array, w_ou
   if fuse_activation and _fuses_activation(implementation, rows.dtype, rows.shape[0],
                                            rows.shape[1], ffn, activation):
     w_in, w_out = _weights_like(w_in, rows), _weights_like(w_out, rows)
-    hidden, act = _activation_matmul(implementation, activation, rows, w_in, row_weights,
-                                     tiles)
+    hidden, act = _activation_matmul(implementation, kernels, activation, rows, w_in,
+                                     row_weights, tiles)
     hidden, act = name("expert_hidden", hidden), name("expert_hidden", act)
-    out = _activated_matmul(implementation, activation, act, hidden, w_out, row_weights,
-                            tiles)
+    out = _activated_matmul(implementation, kernels, activation, act, hidden, w_out,
+                            row_weights, tiles)
     return name("expert_output", out)
-  hidden = name("expert_hidden", grouped_matmul(rows, w_in, tiles, implementation))
-  out = grouped_matmul(activate(hidden, activation, row_weights), w_out, tiles, implementation)
+  hidden = name("expert_hidden", grouped_matmul(rows, w_in, tiles, implementation, kernels))
+  out = grouped_matmul(activate(hidden, activation, row_weights), w_out, tiles, implementation,
+                       kernels)
   return name("expert_output", out)

@@ -54,16 +54,6 @@ SIZE_MULTIPLE = 8
 # 16 (a 32-byte swizzle; 64: the full 128-byte one). Sizes of only 8 | size are
 # padded to it, a copy of at most 8 columns.
 _SWIZZLED_MULTIPLE = 16
-# CTAs per cluster of the kernels (TileConfig.cluster_columns
-# unless a config sets it): 2 shares each row block between two CTAs by TMA
-# multicast, a sixth less traffic from L2 at [128, 256] CTA tiles. Read when a
-# kernel is traced.
-CLUSTER_COLUMNS = 1
-# Whether the kernels over row tiles run their tiles' pipelines as one chain
-# (TileConfig.chain_tiles unless a config sets it; :func:`chain`): 1-3% faster
-# on the Qwen3 bank's GEMMs, the same bits (docs/grouped.md). Read when a
-# kernel is traced.
-CHAIN_TILES = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +70,16 @@ class TileConfig:
     delay_release: wgmma groups a compute warpgroup keeps in flight before it
       releases their stage (0: each product completes before the next).
     cluster_columns: CTAs of a cluster, computing neighbouring column tiles of
-      one row tile, which load its rows once for all by TMA multicast (1: no
-      clusters; a kernel whose column tiles it does not divide runs without;
-      None: :data:`CLUSTER_COLUMNS` when the kernel is traced).
+      one row tile, which load its rows once for all by TMA multicast (1, the
+      default: no clusters; a kernel whose column tiles it does not divide
+      runs without). 2 shares each row block between two CTAs, a sixth less
+      traffic from L2 at ``[128, 256]`` CTA tiles.
     chain_tiles: the memory warpgroup loads a tile's first blocks while the
       compute warpgroups finish the tile before and store it, where
-      :func:`chain` allows (None: :data:`CHAIN_TILES` when traced).
+      :func:`chain` allows (the weight gradient: on one ring of stages,
+      :func:`moe_ep.experts.hopper_wgrad.chains`). On by default: 1-3% faster
+      on the Qwen3 bank's GEMMs and 3-5% on its weight gradient, the same
+      bits (docs/grouped.md).
   """
 
   tile_n: int = 128
@@ -95,12 +89,19 @@ class TileConfig:
   grid_minor_dim: int = 0
   epi_tile: int = 64
   delay_release: int = 0
-  cluster_columns: int | None = None
-  chain_tiles: bool | None = None
+  cluster_columns: int = 1
+  chain_tiles: bool = True
+
+  def __post_init__(self):
+    if isinstance(self.cluster_columns, bool) or not (isinstance(self.cluster_columns, int)
+                                                      and self.cluster_columns >= 1):
+      raise ValueError(f"TileConfig.cluster_columns={self.cluster_columns!r} must be an int >= 1")
+    if not isinstance(self.chain_tiles, bool):
+      raise ValueError(f"TileConfig.chain_tiles={self.chain_tiles!r} must be a bool")
 
   def cluster(self, column_tiles: int) -> int:
     """CTAs per cluster of a kernel of ``column_tiles`` column tiles."""
-    columns = self.cluster_columns or CLUSTER_COLUMNS
+    columns = self.cluster_columns
     return columns if column_tiles % columns == 0 else 1
 
 
@@ -246,8 +247,7 @@ def chain(allocs: dict, config: TileConfig, k_iters: int) -> tuple[dict, int] | 
   (``config``'s choice, and JAX's pipeline of pipelines needs whole rounds of
   the stages and no delayed release)."""
   stages = min(config.max_concurrent_steps, k_iters)
-  chained = config.chain_tiles if config.chain_tiles is not None else CHAIN_TILES
-  if chained and config.delay_release == 0 and k_iters % stages == 0:
+  if config.chain_tiles and config.delay_release == 0 and k_iters % stages == 0:
     return allocs, stages
   return None
 

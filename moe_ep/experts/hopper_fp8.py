@@ -24,7 +24,7 @@ and the weight gradient reads both of its operands quantized along the rows
 Both are persistent, warp-specialized kernels like
 :mod:`moe_ep.experts.hopper`'s (one memory warpgroup streaming 128-deep
 blocks by TMA, two compute warpgroups of ``[128, tile_n]`` tiles), on groups
-of whole 128-row tiles (``row_groups.GROUP_ALIGN == ROW_TILE``). Scales
+of whole 128-row tiles (``MoEConfig.group_align == ROW_TILE``). Scales
 travel with the blocks: each stage also holds the step's ``[128]`` row scales
 and the weights' scales for the CTA's columns.
 """
@@ -73,6 +73,14 @@ class FP8TileConfig:
     max_concurrent_steps: shared-memory pipeline stages of 128-deep blocks.
     grid_tile_width, grid_minor_dim: the snake order over output tiles.
     epi_tile: side of the square pieces the epilogue stores.
+    chain_tiles: the forward's tiles run as one chain of pipelines (the
+      memory warpgroup loads a tile's first blocks while the compute
+      warpgroups finish the tile before), where the contraction's blocks are
+      whole rounds of the stages (:func:`moe_ep.experts.hopper.chain`).
+    overlap_promotion: each step promotes the previous step's products
+      while the tensor cores compute its own (a third ``[64, 128]`` float32
+      array a thread's registers hold: with ``split_rows`` only), rather
+      than after them.
   """
 
   split_rows: bool = True
@@ -80,6 +88,13 @@ class FP8TileConfig:
   grid_tile_width: int = 8
   grid_minor_dim: int = 0
   epi_tile: int = 64
+  chain_tiles: bool = False
+  overlap_promotion: bool = False
+
+  def __post_init__(self):
+    if self.overlap_promotion and not self.split_rows:
+      raise ValueError("FP8TileConfig.overlap_promotion needs split_rows=True: a [128, 128] "
+                       "warpgroup tile has no registers for a third accumulator")
 
   @property
   def wg_rows(self) -> int:
@@ -96,27 +111,62 @@ class FP8TileConfig:
     return pl.ds(0, ROW_TILE), pl.ds(wg_idx * BLOCK, BLOCK)
 
   def snake(self) -> hopper.TileConfig:
-    """The bf16 kernels' config of the same snake order (no clusters)."""
+    """The bf16 kernels' config of the same snake order and stages (no clusters)."""
     return hopper.TileConfig(tile_n=self.cta_columns // 2, tile_k=BLOCK,
+                             max_concurrent_steps=self.max_concurrent_steps,
                              grid_tile_width=self.grid_tile_width,
                              grid_minor_dim=self.grid_minor_dim, epi_tile=self.epi_tile,
-                             cluster_columns=1, chain_tiles=False)
+                             cluster_columns=1, chain_tiles=self.chain_tiles)
 
 
-def _scaled_product(acc, a_smem, b_smem, scale):
-  """``acc + (a_smem @ b_smem.T) * scale``: one 128-deep step's wgmma into a
-  fresh float32 accumulator, promoted into ``acc`` (the warpgroup's tile,
-  float32) with ``scale`` broadcast to its shape."""
+# The promotion's carry through a tile's steps: ``(sum,)``, or with
+# ``overlap_promotion`` ``(sum, pending products, their scale factors)``.
+# A step's scale is the product of its factors, each a vector broadcast along
+# a dimension of the tile (``dims``: the rows' scales along 0, columns' along 1).
+
+
+def _promote(acc, part, factors, dims):
+  """``acc + part * factor_0 * factor_1 ...``, each factor broadcast along its dim."""
+  for factor, dim in zip(factors, dims):
+    part = part * lax.broadcast_in_dim(factor, part.shape, (dim,))
+  return acc + part
+
+
+def _start_promotion(shape, dims, overlap: bool):
+  acc = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+  if not overlap:
+    return (acc,)
+  layouts = (_ROW_LAYOUT, _COLUMN_LAYOUT)
+  factors = tuple(plgpu.layout_cast(jnp.zeros((shape[dim],), jnp.float32), layouts[dim])
+                  for dim in dims)
+  return acc, acc, factors
+
+
+def _scaled_step(carry, a_smem, b_smem, factors, dims, overlap: bool):
+  """One 128-deep step: its wgmma into a fresh float32 accumulator, promoted
+  into the tile's sum with the step's scale factors, now or (``overlap``) in
+  the next step, while that step's wgmma runs."""
   def product(part_ref):
     plgpu.wgmma(part_ref, a_smem, hopper.transposed(b_smem))
-    return part_ref[...]
+    if not overlap:
+      return part_ref[...]
+    acc, pending, pending_factors = carry
+    promoted = _promote(acc, pending, pending_factors, dims)  # beside the wgmma in flight
+    return promoted, part_ref[...]
 
-  part = pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
-  return acc + part * scale
+  shape = carry[0].shape
+  if not overlap:
+    part = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+    return (_promote(carry[0], part, factors, dims),)
+  acc, part = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+  return acc, part, tuple(factors)
 
 
-def _zero_accumulator(shape):
-  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+def _finish_promotion(carry, dims):
+  if len(carry) == 1:
+    return carry[0]
+  acc, pending, pending_factors = carry
+  return _promote(acc, pending, pending_factors, dims)
 
 
 def _column_block_scales(b_scales: jax.Array, n_iters: int, per_cta: int) -> jax.Array:
@@ -154,6 +204,7 @@ def grouped_matmul_fp8(a_codes: jax.Array, a_scales: jax.Array, b_codes: jax.Arr
   m, k = a_codes.shape
   padded_n = b_codes.shape[1]
   epi, wg_rows, cta_columns = config.epi_tile, config.wg_rows, config.cta_columns
+  overlap = config.overlap_promotion
   m_iters, n_iters, k_iters = tile_group.shape[0], pl.cdiv(padded_n, cta_columns), pl.cdiv(k, BLOCK)
   if a_scales.shape != (m, k_iters) or b_scales.shape[2] != k_iters:
     raise ValueError(f"grouped_matmul_fp8: scales {a_scales.shape}, {b_scales.shape} do not "
@@ -202,17 +253,16 @@ def grouped_matmul_fp8(a_codes: jax.Array, a_scales: jax.Array, b_codes: jax.Arr
         @pl.when(group >= 0)
         def _():
           def compute_context(eval_pipeline):
-            acc = eval_pipeline(_zero_accumulator((wg_rows, BLOCK)))
-            hopper.store_tile(acc, out_smem, out_view, wg_idx, epi)
+            carry = eval_pipeline(_start_promotion((wg_rows, BLOCK), (0,), overlap))
+            hopper.store_tile(_finish_promotion(carry, (0,)), out_smem, out_view, wg_idx, epi)
 
-          def mma(_, a_smem, b_smem, row_scale_smem, column_scale_smem, acc):
+          def mma(_, a_smem, b_smem, row_scale_smem, column_scale_smem, carry):
             column_scale = (column_scale_smem[0, 0] if config.split_rows else
                             jnp.where(wg_idx == 0, column_scale_smem[0, 0],
                                       column_scale_smem[0, 1]))
             scale = hopper.load(row_scale_smem.at[0, wg_row_slice], _ROW_LAYOUT) * column_scale
-            return _scaled_product(acc, a_smem.at[wg_row_slice, :],
-                                   b_smem.at[wg_column_slice, :],
-                                   lax.broadcast_in_dim(scale, acc.shape, (0,)))
+            return _scaled_step(carry, a_smem.at[wg_row_slice, :], b_smem.at[wg_column_slice, :],
+                                (scale,), (0,), overlap)
 
           pipeline(mma, compute_context, state)(
               a_gmem.at[tile.rows, :], b_gmem.at[group].at[tile.columns, :],
@@ -221,7 +271,7 @@ def grouped_matmul_fp8(a_codes: jax.Array, a_scales: jax.Array, b_codes: jax.Arr
 
       hopper.for_each_tile(tile_body, tile_group_gmem, wg_idx, m_iters=m_iters, n_iters=n_iters,
                            wg_columns=cta_columns // 2, config=snake, tables=(),
-                           tile_rows=None)
+                           tile_rows=None, chain=hopper.chain(allocs, snake, k_iters))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -254,6 +304,7 @@ def grouped_matmul_fp8_wgrad(a_codes: jax.Array, a_scales: jax.Array, b_codes: j
   a_codes, b_codes = hopper.pad_minor(a_codes, 0, 16), hopper.pad_minor(b_codes, 0, 16)
   padded_p, padded_q = a_codes.shape[0], b_codes.shape[0]
   epi, wg_rows, cta_columns = config.epi_tile, config.wg_rows, config.cta_columns
+  overlap = config.overlap_promotion
   p_iters, q_iters = pl.cdiv(padded_p, ROW_TILE), pl.cdiv(padded_q, cta_columns)
   # [Mb, channels]: a step's scales of a tile's channels contiguous.
   row_scales = hopper.pad_minor(a_scales.astype(jnp.float32), 0, 16).T
@@ -300,16 +351,14 @@ def grouped_matmul_fp8_wgrad(a_codes: jax.Array, a_scales: jax.Array, b_codes: j
         out_view = out_gmem.at[group].at[p_slice, q_slice].at[wg_row_slice, wg_column_slice]
 
         def compute_context(eval_pipeline):
-          acc = eval_pipeline(_zero_accumulator((wg_rows, BLOCK)))
-          hopper.store_tile(acc, out_smem, out_view, wg_idx, epi)
+          carry = eval_pipeline(_start_promotion((wg_rows, BLOCK), (0, 1), overlap))
+          hopper.store_tile(_finish_promotion(carry, (0, 1)), out_smem, out_view, wg_idx, epi)
 
-        def mma(_, a_smem, b_smem, row_scale_smem, column_scale_smem, acc):
+        def mma(_, a_smem, b_smem, row_scale_smem, column_scale_smem, carry):
           rows = hopper.load(row_scale_smem.at[0, wg_row_slice], _ROW_LAYOUT)
           columns = hopper.load(column_scale_smem.at[0, wg_column_slice], _COLUMN_LAYOUT)
-          scale = (lax.broadcast_in_dim(rows, acc.shape, (0,))
-                   * lax.broadcast_in_dim(columns, acc.shape, (1,)))
-          return _scaled_product(acc, a_smem.at[wg_row_slice, :],
-                                 b_smem.at[wg_column_slice, :], scale)
+          return _scaled_step(carry, a_smem.at[wg_row_slice, :], b_smem.at[wg_column_slice, :],
+                              (rows, columns), (0, 1), overlap)
 
         pipeline(mma, compute_context, steps, first_block)(
             a_gmem.at[p_slice, :], b_gmem.at[q_slice, :], row_scales_gmem.at[:, p_slice],

@@ -8,7 +8,7 @@ experts a few (256 rows of an expert are four blocks), so each tile's own
 pipeline would begin with a full load latency and end with its stages
 drained. Two implementations behind :func:`grouped_matmul_wgrad`:
 
-* chained (:data:`CHAIN_TILES`, no clusters): one ring
+* chained (``config.chain_tiles``, no clusters): one ring
   of shared-memory stages for all of a CTA's tiles, written directly on
   barriers and TMA; the memory warpgroup counts blocks across tiles, so it
   loads the next tile's first blocks while the compute warpgroups multiply
@@ -34,12 +34,6 @@ from moe_ep.experts import hopper
 from moe_ep.experts.hopper import TileConfig
 from moe_ep.row_groups import ROW_TILE
 
-# Whether the weight gradient runs its tiles as one chain where
-# :func:`chains` allows (TileConfig.chain_tiles unless a config sets it); the
-# other kernels chain by :data:`moe_ep.experts.hopper.CHAIN_TILES`. On one
-# H200 it made the bank 3-5% faster in three of four runs and no slower in
-# the fourth (docs/grouped.md). Read when a kernel is traced.
-CHAIN_TILES = True
 # Registers per thread of the memory warpgroup, as JAX's pipeline sets them;
 # the compute warpgroups share the rest of the 64K-register file.
 _MEMORY_REGISTERS = 40
@@ -76,10 +70,11 @@ def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
 
 def chains(config: TileConfig, column_tiles: int) -> bool:
   """Whether the kernel of ``column_tiles`` column tiles runs its tiles as
-  one chain: ``config``'s choice (or :data:`CHAIN_TILES`), without clusters
-  (their shared row blocks need cluster-wide barriers) or delayed release."""
-  chained = config.chain_tiles if config.chain_tiles is not None else CHAIN_TILES
-  return chained and config.cluster(column_tiles) == 1 and config.delay_release == 0
+  one chain: ``config.chain_tiles``, without clusters (their shared row
+  blocks need cluster-wide barriers) or delayed release. On one H200 the
+  chain made the bank 3-5% faster in three of four runs and no slower in the
+  fourth (docs/grouped.md)."""
+  return config.chain_tiles and config.cluster(column_tiles) == 1 and config.delay_release == 0
 
 
 def _operands(lhs, rhs, config: TileConfig):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from moe_ep.transport import receive_grouped, receive_slabs, row_paths
 from moe_ep.transport.plan import DispatchPlan, ep_size_of, plan_combine, plan_dispatch
 from moe_ep.capacity import check_experts, check_num_tokens, expert_capacity_for, positive_int
-from moe_ep.row_groups import ROW_TILE
+from moe_ep.row_groups import GROUP_ALIGN, ROW_TILE, check_group_align
 from moe_ep.transport.handle import Dispatched, RoutingHandle
 from moe_ep.options import TOKEN_DTYPES, check_transport, check_wire_dtype
 from moe_ep.transport.scopes import NAMED_SCOPES
@@ -145,7 +145,7 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
              send_capacity: int | None = None, checkpoint_name: str | None = None,
              transport: str = "auto", exchange: str = "auto", mesh=None,
              wire_dtype: str | None = None, grouped_rows: int | None = None,
-             fp8_rows: bool = False) -> Dispatched:
+             group_align: int = GROUP_ALIGN, fp8_rows: bool = False) -> Dispatched:
   """Sends each token's rows to the experts it is routed to.
 
   Call it per rank inside ``shard_map`` over the EP mesh axis ``axis_name``
@@ -201,9 +201,12 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
     grouped_rows: None: the rows land in ``[L, C, H]`` slabs. ``M`` (a
       multiple of ``ROW_TILE``, see :func:`~moe_ep.row_groups.grouped_rows_for`):
       in the grouped layout, ``[M, H]`` with each local expert's kept rows
-      contiguous from a multiple of ``ROW_TILE`` on
+      contiguous from a multiple of ``group_align`` on
       (:mod:`~moe_ep.transport.receive_grouped`); ``expert_capacity`` still caps each
       expert, and rows past ``M`` are dropped and counted like capacity drops.
+    group_align: where the grouped layout's groups start: ``ROW_TILE`` (the
+      default) or half of it (:data:`~moe_ep.row_groups.GROUP_ALIGNS`), as
+      the bank that reads them is told.
     fp8_rows: with ``wire_dtype="float8_e4m3fn"`` and ``grouped_rows``, also
       return the grouped rows as they crossed, e4m3 codes and their scales
       (``Dispatched.fp8_tokens``), for a consumer that multiplies FP8 rows
@@ -244,6 +247,7 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
   if grouped_rows is not None and positive_int("grouped_rows", grouped_rows) % ROW_TILE:
     raise ValueError(f"grouped_rows={grouped_rows} must be a multiple of {ROW_TILE} "
                      "(the grouped GEMM's row tile); see grouped_rows_for")
+  group_align = check_group_align(group_align)
   if not isinstance(fp8_rows, bool):
     raise ValueError(f"fp8_rows={fp8_rows!r} must be a bool")
   if fp8_rows and (wire_dtype is None or grouped_rows is None):
@@ -258,7 +262,7 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
                        axis_name=axis_name, transport=transport, exchange=exchange, mesh=mesh,
                        wire_dtype=wire_dtype,
                        grouped_rows=None if grouped_rows is None else int(grouped_rows),
-                       checkpoint_name=checkpoint_name,
+                       group_align=group_align, checkpoint_name=checkpoint_name,
                        weight_dtype=jnp.dtype(topk_weights.dtype).name, fp8_rows=fp8_rows)
   return _dispatch(plan, tokens, topk_idx, topk_weights)
 

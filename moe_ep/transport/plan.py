@@ -42,6 +42,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name as name_value
 
 from moe_ep.options import EXCHANGES, check_transport, check_wire_dtype
+from moe_ep.row_groups import GROUP_ALIGN
 from moe_ep.transport import fp8, kernel_launch
 from moe_ep.transport.handle import RoutingHandle
 from moe_ep.transport.launch_geometry import SlabSizes
@@ -70,6 +71,7 @@ class DispatchPlan:
     hidden, row_dtype: ``H`` and the dtype name of the rows the plan moves
       (the tokens and their slabs; a combine's expert outputs).
     grouped_rows: None: ``[L, C]`` slabs; ``M``: the grouped layout's rows.
+    group_align: where the grouped layout's groups start.
     axis_name, mesh: the EP axis and the enclosing ``shard_map``'s mesh
       (None on ``all_to_all`` branches).
     transport: the local passes' implementation asked for
@@ -103,6 +105,7 @@ class DispatchPlan:
   combine_row_path: str
   mesh: object = None
   grouped_rows: int | None = None
+  group_align: int = GROUP_ALIGN
   wire_dtype: str | None = None
   weight_dtype: str = "float32"
   checkpoint_name: str | None = None
@@ -267,8 +270,9 @@ def _meta_path(request: _PathRequest) -> str:
 def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_capacity: int,
                   top_k: int, hidden: int, row_dtype, axis_name, transport: str = "auto",
                   exchange: str = "auto", mesh=None, wire_dtype: str | None = None,
-                  grouped_rows: int | None = None, checkpoint_name: str | None = None,
-                  weight_dtype: str = "float32", fp8_rows: bool = False) -> DispatchPlan:
+                  grouped_rows: int | None = None, group_align: int = GROUP_ALIGN,
+                  checkpoint_name: str | None = None, weight_dtype: str = "float32",
+                  fp8_rows: bool = False) -> DispatchPlan:
   """The plan of one dispatch (and of its backward) at these sizes, as
   :func:`~moe_ep.transport.dispatch` resolves it: every path chosen here,
   the local passes too (a missing CuPy fails at trace time).
@@ -278,7 +282,7 @@ def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_
       ``R``, ``C``, ``S``, ``K`` (as dispatch clamps them: ``C`` at most the
       dropless bound, ``S`` at most ``T``).
     hidden, row_dtype: ``H`` and the tokens' dtype (a name or a dtype).
-    axis_name, transport, exchange, mesh, wire_dtype, grouped_rows,
+    axis_name, transport, exchange, mesh, wire_dtype, grouped_rows, group_align,
       checkpoint_name: as for :func:`~moe_ep.transport.dispatch`
       (``exchange="auto"`` resolved by :func:`resolve_exchange`).
     weight_dtype: the dtype of the routing weights dispatch differentiates
@@ -305,8 +309,8 @@ def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_
       meta_path=_meta_path(request),
       dispatch_row_path="one_launch" if _one_launch(request) else _dispatch_row_path(request),
       combine_row_path=_combine_row_path(request),
-      mesh=mesh, grouped_rows=grouped_rows, wire_dtype=wire_dtype, weight_dtype=weight_dtype,
-      checkpoint_name=checkpoint_name, fp8_rows=fp8_rows,
+      mesh=mesh, grouped_rows=grouped_rows, group_align=group_align, wire_dtype=wire_dtype,
+      weight_dtype=weight_dtype, checkpoint_name=checkpoint_name, fp8_rows=fp8_rows,
       local_passes=local_passes_for(transport))
 
 

@@ -4,9 +4,9 @@
 Instead of ``[L, C, H]`` slabs of a fixed capacity, each local expert's rows
 sit contiguously in one ``[M, H]`` buffer: group ``l`` starts at row
 ``start[l]``, the exclusive running sum of the kept counts rounded up to
-``GROUP_ALIGN`` (:mod:`moe_ep.row_groups`; the grouped GEMM's row tile or
-half of it, so every tile of rows belongs to one expert), and its padding
-rows up to the next multiple are zero. The buffer is static: ``M``
+the layout's ``group_align`` (:mod:`moe_ep.row_groups`; the grouped GEMM's
+row tile or half of it, so every tile of rows belongs to one expert), and
+its padding rows up to the next multiple are zero. The buffer is static: ``M``
 (:func:`moe_ep.row_groups.grouped_rows_for`) holds every routed row at one
 rank (``T * K`` plus the alignment) and, across ranks, a rank-level bound;
 rows past it are dropped and counted like capacity drops.
@@ -25,11 +25,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_ep.row_groups import group_of_rows, group_starts
+from moe_ep.row_groups import GROUP_ALIGN, group_of_rows, group_starts
 from moe_ep.transport.handle import DROPPED_MEMBER, RoutingHandle
 
 def from_slabs(recv_pos: jax.Array, slab_row: jax.Array, slab_weights: jax.Array,
-               counts: jax.Array, num_rows: int):
+               counts: jax.Array, num_rows: int, group_align: int = GROUP_ALIGN):
   """The grouped layout of a slab layout.
 
   Args:
@@ -38,6 +38,7 @@ def from_slabs(recv_pos: jax.Array, slab_row: jax.Array, slab_weights: jax.Array
     slab_weights: ``[L, C]`` float32.
     counts: ``[L]`` rows kept per expert.
     num_rows: ``M``, a multiple of ``ROW_TILE``.
+    group_align: where the groups start (:data:`moe_ep.row_groups.GROUP_ALIGNS`).
 
   Returns:
     ``recv_pos [R, S, K]`` (rows of the buffer; -2 also where the buffer
@@ -45,7 +46,7 @@ def from_slabs(recv_pos: jax.Array, slab_row: jax.Array, slab_weights: jax.Array
     ``slab_weights``, per buffer row), ``counts [L]`` rows kept.
   """
   num_local_experts, capacity = slab_row.shape
-  starts, rows = group_starts(counts, num_rows)
+  starts, rows = group_starts(counts, num_rows, group_align)
   kept = jnp.clip(num_rows - starts, 0, counts)
   expert = jnp.clip(recv_pos // capacity, 0, num_local_experts - 1)
   column = recv_pos % capacity

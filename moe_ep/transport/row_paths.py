@@ -357,7 +357,7 @@ def routing(plan: DispatchPlan, topk_idx, topk_weights):
   recv_pos, slab_row, slab_weights, counts, demand = laid_out
   if plan.grouped_rows is not None:
     recv_pos, slab_row, slab_weights, counts = receive_grouped.from_slabs(
-        recv_pos, slab_row, slab_weights, counts, plan.grouped_rows)
+        recv_pos, slab_row, slab_weights, counts, plan.grouped_rows, plan.group_align)
   return (RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row), slab_weights,
           counts, demand)
 

@@ -1,5 +1,5 @@
 """examples/profile_step.py and the classifier and attribution it runs
-(moe_ep/bench/step_profile.py): overlapping and nested ops split the busy time
+(benchmarks/step_profile.py): overlapping and nested ops split the busy time
 exactly, the classifier's rules on a hand-labelled program, and a traced CPU
 run whose rows add up to the step, whose busy time is the union of the raw
 trace's op intervals and whose trace holds exactly the traced steps."""
@@ -12,8 +12,8 @@ import pytest
 
 from tiny_run import FAST_OVERRIDES, TINY_YAML, skip_unless_devices_fit
 from examples import profile_step as ps
-from moe_ep.bench import common, hlo, timeline
-from moe_ep.bench import step_profile as sp
+from benchmarks import common, hlo, timeline
+from benchmarks import step_profile as sp
 from examples.train_config import load_config
 
 STEPS = 2

@@ -10,11 +10,11 @@ for memcheck, not inside XLA's pool):
     (the same with --tool racecheck and --no-reference: the reference's
     cuBLAS kernels report shared-memory hazards of their own under racecheck,
     and make the run many times longer; ``--align 64``: groups on half
-    tiles, ``moe_ep.row_groups.GROUP_ALIGN`` set to 64; ``--cluster 2``:
-    the kernels in clusters of two CTAs, ``moe_ep.experts.hopper.CLUSTER_COLUMNS``;
-    ``--no-chain``: each CTA's tiles' pipelines one by one, not chained,
-    ``moe_ep.experts.hopper.CHAIN_TILES``, and the weight gradient's tiles
-    too, not on its ring, ``moe_ep.experts.hopper_wgrad.CHAIN_TILES``)
+    tiles, ``group_align=64``; ``--cluster 2``: the kernels in clusters of
+    two CTAs, ``TileConfig.cluster_columns``; ``--no-chain``: each CTA's
+    tiles' pipelines one by one, not chained, and the weight gradient's
+    tiles too, not on its ring, ``TileConfig.chain_tiles``: the bank's
+    ``BankKernels``)
 
 It runs the forward, the input gradient and the weight gradient of
 ``grouped_matmul`` on the edge cases of the layout: empty groups, a group of
@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_ep import row_groups
 from moe_ep.experts import grouped
 from moe_ep.experts.grouped import ROW_TILE
 from moe_ep.capacity import round_up
@@ -59,14 +58,14 @@ def progress(done: str):
   print(f"{time.monotonic() - START:7.1f} s  {done}", file=sys.stderr, flush=True)
 
 
-def grouped_problem(rng, sizes, spare_tiles, contraction, columns):
+def grouped_problem(rng, sizes, spare_tiles, contraction, columns, align):
   """``(lhs [M, K], rhs [G, K, N], cotangent [M, N], tiles, in_group [M])``:
   bf16 operands with zero rows outside the groups, the layout's
-  :class:`GroupTiles` and which rows hold a group's row."""
-  align = row_groups.GROUP_ALIGN
+  :class:`GroupTiles` (groups at multiples of ``align``) and which rows hold
+  a group's row."""
   num_rows = round_up(sum(round_up(s, align) for s in sizes), ROW_TILE) + spare_tiles * ROW_TILE
   counts = jnp.asarray(sizes, jnp.int32)
-  tiles = grouped.group_tiles(counts, num_rows)
+  tiles = grouped.group_tiles(counts, num_rows, align)
   in_group = np.zeros(num_rows, bool)
   for start, rows, size in zip(np.asarray(tiles.group_start), np.asarray(tiles.group_rows), sizes):
     in_group[start:start + min(rows, size)] = True
@@ -77,25 +76,28 @@ def grouped_problem(rng, sizes, spare_tiles, contraction, columns):
   return cast(lhs), cast(rhs), cast(cotangent), tiles, in_group
 
 
-def passes(implementation):
+def passes(implementation, kernels):
   def run(lhs, rhs, cotangent, tiles):
-    out, vjp = jax.vjp(lambda a, b: grouped.grouped_matmul(a, b, tiles, implementation), lhs, rhs)
+    out, vjp = jax.vjp(lambda a, b: grouped.grouped_matmul(a, b, tiles, implementation, kernels),
+                       lhs, rhs)
     return (out, *vjp(cotangent))
   return jax.jit(run)
 
 
-def main(check_reference: bool = True):
+def main(check_reference: bool = True, align: int = ROW_TILE,
+         kernels: grouped.BankKernels = grouped.BankKernels()):
   if not grouped.hopper_available():
     raise SystemExit("needs a GPU of compute capability 9.0")
   rng = np.random.default_rng(0)
   failures = []
   for sizes, spare, contraction, columns in CASES:
-    lhs, rhs, cotangent, tiles, in_group = grouped_problem(rng, sizes, spare, contraction, columns)
-    got = jax.block_until_ready(passes("hopper")(lhs, rhs, cotangent, tiles))
+    lhs, rhs, cotangent, tiles, in_group = grouped_problem(rng, sizes, spare, contraction, columns,
+                                                           align)
+    got = jax.block_until_ready(passes("hopper", kernels)(lhs, rhs, cotangent, tiles))
     progress(f"grouped_matmul {sizes} K={contraction} N={columns}")
     if not check_reference:
       continue
-    want = passes("xla")(lhs, rhs, cotangent, tiles)
+    want = passes("xla", kernels)(lhs, rhs, cotangent, tiles)
     for name, g, w in zip(("forward", "input gradient", "weight gradient"), got, want):
       g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
       if name != "weight gradient":  # rows of no group are unspecified
@@ -104,19 +106,19 @@ def main(check_reference: bool = True):
       if not np.allclose(g, w, rtol=2 ** -7, atol=2 ** -7 * np.abs(w).max()):
         failures.append(f"{name} of {sizes}: max error {np.abs(g - w).max()}")
   hidden, ffn, counts = 256, 512, jnp.asarray([300, 0, 129, 1], jnp.int32)
-  rows = round_up(sum(round_up(int(c), row_groups.GROUP_ALIGN) for c in counts),
-                  ROW_TILE) + ROW_TILE
+  rows = round_up(sum(round_up(int(c), align) for c in counts), ROW_TILE) + ROW_TILE
   x = jnp.asarray(rng.normal(size=(rows, hidden)), jnp.bfloat16)
   w_in = jnp.asarray(rng.normal(size=(4, hidden, 2 * ffn)) / hidden ** 0.5, jnp.bfloat16)
   w_out = jnp.asarray(rng.normal(size=(4, ffn, hidden)) / ffn ** 0.5, jnp.bfloat16)
   loss = lambda x, a, b: jnp.sum(grouped.grouped_expert_mlp(
-      x, counts, a, b, "swiglu", implementation="hopper").astype(jnp.float32) ** 2)
+      x, counts, a, b, "swiglu", implementation="hopper", group_align=align,
+      kernels=kernels).astype(jnp.float32) ** 2)
   value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, w_in, w_out)
   progress("the SwiGLU bank")
   if not (np.isfinite(float(value)) and all(np.isfinite(np.asarray(g, np.float32)).all()
                                             for g in grads)):
     failures.append("the SwiGLU bank's loss or gradients are not finite")
-  failures += fused_activation_cases(rng, check_reference)
+  failures += fused_activation_cases(rng, check_reference, align, kernels)
   if failures:
     raise SystemExit("\n".join(failures))
   print(f"hopper sanitizer workload done: {len(CASES)} grouped_matmul cases, the SwiGLU bank "
@@ -134,13 +136,14 @@ FUSED_CASES = [  # group sizes, spare row tiles, H, F, activation
 ]
 
 
-def fused_activation_cases(rng, check_reference: bool) -> list[str]:
+def fused_activation_cases(rng, check_reference: bool, align: int,
+                           kernels: grouped.BankKernels) -> list[str]:
   """The bank with its activation in the kernels' epilogues, weighted, forward
   and every gradient, against the same bank on ``ragged_dot``."""
   failures = []
   for sizes, spare, hidden, ffn, activation in FUSED_CASES:
     n = 1 if activation == "gelu" else 2
-    x, w_in, _, tiles, in_group = grouped_problem(rng, sizes, spare, hidden, n * ffn)
+    x, w_in, _, tiles, in_group = grouped_problem(rng, sizes, spare, hidden, n * ffn, align)
     w_out = jnp.asarray(rng.normal(size=(len(sizes), ffn, hidden)) / ffn ** 0.5, jnp.bfloat16)
     weights = jnp.asarray(rng.uniform(0.1, 1, x.shape[0]) * in_group, jnp.float32)
     cotangent = jnp.asarray(rng.normal(size=x.shape) * in_group[:, None], jnp.bfloat16)
@@ -149,7 +152,7 @@ def fused_activation_cases(rng, check_reference: bool) -> list[str]:
     def run(implementation, fuse):
       mlp = lambda r, a, b, w: grouped.grouped_expert_mlp(
           r, counts, a, b, activation, implementation=implementation, row_weights=w,
-          fuse_activation=fuse)
+          fuse_activation=fuse, group_align=align, kernels=kernels)
       out, vjp = jax.vjp(mlp, x, w_in, w_out, weights)
       return (out, *vjp(cotangent))
 
@@ -168,12 +171,13 @@ def fused_activation_cases(rng, check_reference: bool) -> list[str]:
   return failures
 
 
+def option(name: str) -> int | None:
+  """The integer after ``name`` on the command line, or None."""
+  return int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv[1:] else None
+
+
 if __name__ == "__main__":
-  if "--align" in sys.argv[1:]:
-    row_groups.GROUP_ALIGN = int(sys.argv[sys.argv.index("--align") + 1])
-  from moe_ep.experts import hopper, hopper_wgrad
-  if "--cluster" in sys.argv[1:]:
-    hopper.CLUSTER_COLUMNS = int(sys.argv[sys.argv.index("--cluster") + 1])
-  if "--no-chain" in sys.argv[1:]:
-    hopper.CHAIN_TILES = hopper_wgrad.CHAIN_TILES = False
-  main(check_reference="--no-reference" not in sys.argv[1:])
+  chain = False if "--no-chain" in sys.argv[1:] else None
+  main(check_reference="--no-reference" not in sys.argv[1:], align=option("--align") or ROW_TILE,
+       kernels=grouped.BankKernels().scheduled(cluster_columns=option("--cluster"),
+                                               chain_tiles=chain, chain_wgrad=chain))

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
-from moe_ep import row_groups
 from moe_ep.experts import fp8, grouped, hopper
 from moe_ep.row_groups import ROW_TILE
 
@@ -353,9 +352,6 @@ def test_refusals_name_the_rule(monkeypatch):
   with pytest.raises(ValueError, match="compute capability 9.0"):
     fp8.fp8_grouped_expert_mlp(rows, counts, w_in, w_out, fp8.quantize_weights(w_in),
                                fp8.quantize_weights(w_out), "swiglu", implementation="hopper")
-  monkeypatch.setattr(row_groups, "GROUP_ALIGN", 64)
-  with pytest.raises(ValueError, match="GROUP_ALIGN"):
-    _fp8_mlp(rows, counts, w_in, w_out, weights)
 
 
 def test_a_gpu_other_than_hopper_is_refused_not_run_in_bf16(monkeypatch):

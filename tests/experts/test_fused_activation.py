@@ -13,7 +13,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 import pytest
 
-from moe_ep.experts import grouped, hopper, hopper_fused, hopper_wgrad
+from moe_ep.experts import grouped, hopper, hopper_fused
 from moe_ep.experts.grouped import ROW_TILE
 
 SIZES = [300, 0, 1, 129, 128]  # an empty group, one row, one tile exactly, more
@@ -39,13 +39,17 @@ def _bank(rng, sizes, hidden, ffn, activation, dtype, align=ROW_TILE):
           jnp.asarray(weights, jnp.float32), member)
 
 
-def _loss_and_grads(bank, activation, weighted, fuse, cotangent):
+def _loss_and_grads(bank, activation, weighted, fuse, cotangent, align=ROW_TILE,
+                    kernels=grouped.BankKernels()):
+  """The bank's output and gradients on groups starting at multiples of
+  ``align`` (as ``_bank`` laid them out), its kernels configured by ``kernels``."""
   rows, counts, w_in, w_out, weights, _ = bank
 
   def run(r, a, b, w):
     return grouped.grouped_expert_mlp(r, counts, a, b, activation,
                                       row_weights=w if weighted else None,
-                                      fuse_activation=fuse)
+                                      fuse_activation=fuse, group_align=align,
+                                      kernels=kernels)
 
   out, vjp = jax.vjp(run, rows, w_in, w_out, weights)
   return (out, *vjp(cotangent))
@@ -113,22 +117,23 @@ def test_saving_expert_hidden_recomputes_no_expert_gemm(monkeypatch):
 @pytest.mark.parametrize("hidden, ffn", [(2880, 1408), (200, 72), (72, 200), (2048, 768)])
 @pytest.mark.parametrize("activation", hopper_fused.ACTIVATIONS)
 def test_fused_kernels_lower_for_sizes_off_the_tiles(hidden, ffn, activation, cluster_columns,
-                                                     chain_tiles, monkeypatch):
+                                                     chain_tiles):
   """Both kernels, weighted and not, lower to Mosaic GPU on any machine
   (layout inference and shared-memory budget included), alone and in
   clusters of two CTAs, each with and without its tiles chained (where H
   allows)."""
-  monkeypatch.setattr(hopper, "CLUSTER_COLUMNS", cluster_columns)
-  monkeypatch.setattr(hopper, "CHAIN_TILES", chain_tiles)
+  kernels = grouped.BankKernels().scheduled(cluster_columns=cluster_columns,
+                                            chain_tiles=chain_tiles)
   n, groups, rows = hopper_fused.gate_count(activation), 3, 4 * ROW_TILE
   spec = jax.ShapeDtypeStruct
   tile_group = spec((rows // ROW_TILE,), jnp.int32)
   for weights in (spec((rows,), jnp.float32), None):
     calls = [
-        (lambda a, b, t, w: hopper_fused.activation_matmul(a, b, t, w, activation, num_sms=132),
+        (lambda a, b, t, w: hopper_fused.activation_matmul(a, b, t, w, activation,
+                                                           config=kernels.matmul, num_sms=132),
          (spec((rows, hidden), jnp.bfloat16), spec((groups, hidden, n * ffn), jnp.bfloat16))),
-        (lambda g, b, h, t, w: hopper_fused.activation_grad_matmul(g, b, h, t, w, activation,
-                                                                   num_sms=132),
+        (lambda g, b, h, t, w: hopper_fused.activation_grad_matmul(
+            g, b, h, t, w, activation, config=kernels.activation_grad, num_sms=132),
          (spec((rows, hidden), jnp.bfloat16), spec((groups, ffn, hidden), jnp.bfloat16),
           spec((rows, n * ffn), jnp.bfloat16))),
     ]
@@ -193,7 +198,7 @@ def test_fused_kernels_match_float64(hidden, ffn, activation, weighted, group_al
                           * (member.any(0) | no_group)[:, None], jnp.bfloat16)
   wants = _reference(bank, activation, weighted, cotangent)
   for fuse in (True, False):
-    gots = _loss_and_grads(bank, activation, weighted, fuse, cotangent)
+    gots = _loss_and_grads(bank, activation, weighted, fuse, cotangent, group_align)
     for name, got, want in zip(("out", "d_rows", "d_w_in", "d_w_out", "d_weights"), gots,
                                wants):
       got = np.asarray(got, np.float64)
@@ -205,9 +210,9 @@ def test_fused_kernels_match_float64(hidden, ffn, activation, weighted, group_al
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden, ffn", [(1024, 512), (2880, 1408)])
-def test_clusters_of_two_ctas_change_no_bit(hidden, ffn, group_align, monkeypatch):
+def test_clusters_of_two_ctas_change_no_bit(hidden, ffn, group_align):
   """Two CTAs of a cluster sharing their row blocks by TMA multicast
-  (``hopper.CLUSTER_COLUMNS = 2``) compute each output tile as one CTA
+  (every kernel's ``TileConfig.cluster_columns = 2``) compute each output tile as one CTA
   alone does, in the same order: the fused and the unfused bank's outputs
   and every gradient equal bit for bit. Both shapes give some kernels an
   even number of column tiles (clustered) and (2880, 1408) others an odd
@@ -220,8 +225,9 @@ def test_clusters_of_two_ctas_change_no_bit(hidden, ffn, group_align, monkeypatc
   for fuse in (True, False):
     results = []
     for columns in (1, 2):
-      monkeypatch.setattr(hopper, "CLUSTER_COLUMNS", columns)
-      results.append(_loss_and_grads(bank, "swiglu", True, fuse, cotangent))
+      kernels = grouped.BankKernels().scheduled(cluster_columns=columns)
+      results.append(_loss_and_grads(bank, "swiglu", True, fuse, cotangent, group_align,
+                                     kernels))
     for single, clustered in zip(*results):
       np.testing.assert_array_equal(np.asarray(clustered, np.float32),
                                     np.asarray(single, np.float32))
@@ -229,14 +235,14 @@ def test_clusters_of_two_ctas_change_no_bit(hidden, ffn, group_align, monkeypatc
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden, ffn", [(768, 512), (2048, 768)])
-def test_chained_tiles_change_no_bit(hidden, ffn, group_align, monkeypatch):
-  """A CTA's tiles' pipelines run as one chain (``hopper.CHAIN_TILES``: the
+def test_chained_tiles_change_no_bit(hidden, ffn, group_align):
+  """A CTA's tiles' pipelines run as one chain (``TileConfig.chain_tiles``: the
   next tile's blocks load while this one is finished and stored) compute
   each output tile in the same order as tile by tile: the fused and the
   unfused bank's outputs and every gradient equal bit for bit. Every kernel
   over row tiles chains at both shapes (H, F and 2F whole rounds of four
   stages), but the fused input gradient's three stages at H = 2048; the
-  weight gradient chains on its own ring (``hopper_wgrad.CHAIN_TILES``)."""
+  weight gradient chains on its own ring (its config's ``chain_tiles``)."""
   if not grouped.hopper_available():
     pytest.skip("needs a GPU of compute capability 9.0")
   chained = hopper.TileConfig(chain_tiles=True)
@@ -249,30 +255,33 @@ def test_chained_tiles_change_no_bit(hidden, ffn, group_align, monkeypatch):
   cotangent = jnp.asarray(rng.normal(size=(bank[0].shape[0], hidden)), jnp.bfloat16)
   for fuse in (True, False):
     results = []
-    for chain in (False, True):
-      monkeypatch.setattr(hopper, "CHAIN_TILES", chain)
-      monkeypatch.setattr(hopper_wgrad, "CHAIN_TILES", chain)  # the weight gradient's ring
-      results.append(_loss_and_grads(bank, "swiglu", True, fuse, cotangent))
+    for chain in (False, True):  # the weight gradient's ring too
+      kernels = grouped.BankKernels().scheduled(chain_tiles=chain, chain_wgrad=chain)
+      results.append(_loss_and_grads(bank, "swiglu", True, fuse, cotangent, group_align,
+                                     kernels))
     for alone, chained_result in zip(*results):
       np.testing.assert_array_equal(np.asarray(chained_result, np.float32),
                                     np.asarray(alone, np.float32))
 
 
-def test_tiles_chain_on_whole_rounds_of_the_stages_without_delayed_release(monkeypatch):
+def test_tiles_chain_on_whole_rounds_of_the_stages_without_delayed_release():
   config = hopper.TileConfig(chain_tiles=True, max_concurrent_steps=4)
   assert [hopper.chain({}, config, k) is not None for k in (12, 32, 22, 45, 2, 3)] == [
       True, True, False, False, True, True]  # fewer steps than stages: the stages shrink
   assert hopper.chain({}, dataclasses.replace(config, delay_release=1), 32) is None
   assert hopper.chain({}, hopper.TileConfig(), 32) is not None  # on by default
-  monkeypatch.setattr(hopper, "CHAIN_TILES", False)  # read when a kernel is traced
-  assert hopper.chain({}, hopper.TileConfig(), 32) is None
-  assert hopper.chain({}, hopper.TileConfig(chain_tiles=True), 32) is not None
   assert hopper.chain({}, hopper.TileConfig(chain_tiles=False), 32) is None
 
 
-def test_clusters_divide_the_column_tiles_or_are_not_formed(monkeypatch):
+def test_clusters_divide_the_column_tiles_or_are_not_formed():
   config = hopper.TileConfig(cluster_columns=2)
   assert (config.cluster(4), config.cluster(3)) == (2, 1)
-  monkeypatch.setattr(hopper, "CLUSTER_COLUMNS", 2)  # read when a kernel is traced
-  assert (hopper.TileConfig().cluster(6), hopper.TileConfig(cluster_columns=1).cluster(6)) == (2, 1)
+  assert hopper.TileConfig().cluster(6) == 1  # no clusters by default
+
+
+def test_a_bad_tile_schedule_is_refused_naming_the_field():
+  with pytest.raises(ValueError, match=r"TileConfig.cluster_columns=0 must be an int >= 1"):
+    hopper.TileConfig(cluster_columns=0)
+  with pytest.raises(ValueError, match=r"TileConfig.chain_tiles=None must be a bool"):
+    hopper.TileConfig(chain_tiles=None)
 

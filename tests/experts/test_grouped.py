@@ -63,7 +63,7 @@ def test_grouped_matmul_and_its_gradients_match_float64(case, implementation, dt
   num_rows = _layout_rows(sizes, group_align)
   lhs, group_of_row = _grouped_rows(sizes, num_rows, hidden, rng, group_align)
   rhs = rng.normal(size=(groups, hidden, columns)) / hidden ** 0.5
-  tiles = grouped.group_tiles(jnp.asarray(sizes, jnp.int32), num_rows)
+  tiles = grouped.group_tiles(jnp.asarray(sizes, jnp.int32), num_rows, group_align)
   # The cotangent is zero on a group's padding rows (as combine leaves it)
   # and nonzero on rows of no group, where the input gradient must still be
   # exactly zero.
@@ -211,26 +211,27 @@ def test_auto_says_once_per_shape_where_a_gpu_runs_slabs(monkeypatch):
 @pytest.mark.parametrize("cluster_columns, chain_tiles", itertools.product([1, 2], [False, True]))
 @pytest.mark.parametrize("hidden, columns", [(2880, 1408), (200, 72), (2048, 1024)])
 def test_hopper_kernels_lower_for_sizes_off_the_tiles(hidden, columns, cluster_columns,
-                                                      chain_tiles, monkeypatch):
+                                                      chain_tiles):
   """The three kernels lower to Mosaic GPU (on any machine) for sizes that
   are not multiples of their tiles: edge tiles and 8 | size alone (the GPU
   tests check their values); alone and in clusters of two CTAs, each with
   and without its tiles chained (where the contraction allows: not 2880 or
   1408)."""
   from moe_ep.experts import hopper, hopper_wgrad
-  monkeypatch.setattr(hopper, "CLUSTER_COLUMNS", cluster_columns)
-  monkeypatch.setattr(hopper, "CHAIN_TILES", chain_tiles)
-  monkeypatch.setattr(hopper_wgrad, "CHAIN_TILES", chain_tiles)
+  kernels = grouped.BankKernels().scheduled(cluster_columns=cluster_columns,
+                                            chain_tiles=chain_tiles, chain_wgrad=chain_tiles)
   groups, rows = 3, 4 * ROW_TILE
   lhs = jax.ShapeDtypeStruct((rows, hidden), jnp.bfloat16)
   tile_group = jax.ShapeDtypeStruct((rows // ROW_TILE,), jnp.int32)
   per_group = jax.ShapeDtypeStruct((groups,), jnp.int32)
   calls = [
-      (lambda a, b, t: hopper.grouped_matmul(a, b, t, num_sms=132),
+      (lambda a, b, t: hopper.grouped_matmul(a, b, t, config=kernels.matmul, num_sms=132),
        (lhs, jax.ShapeDtypeStruct((groups, hidden, columns), jnp.bfloat16), tile_group)),
-      (lambda a, b, t: hopper.grouped_matmul(a, b, t, transpose_rhs=True, num_sms=132),
+      (lambda a, b, t: hopper.grouped_matmul(a, b, t, transpose_rhs=True, config=kernels.matmul,
+                                             num_sms=132),
        (lhs, jax.ShapeDtypeStruct((groups, columns, hidden), jnp.bfloat16), tile_group)),
-      (lambda a, b, s, n: hopper_wgrad.grouped_matmul_wgrad(a, b, s, n, groups, num_sms=132),
+      (lambda a, b, s, n: hopper_wgrad.grouped_matmul_wgrad(a, b, s, n, groups,
+                                                            config=kernels.wgrad, num_sms=132),
        (lhs, jax.ShapeDtypeStruct((rows, columns), jnp.bfloat16), per_group, per_group)),
   ]
   for fn, args in calls:
@@ -284,3 +285,62 @@ def test_kernels_apply_rule_with_the_device_patched(monkeypatch, platform, capab
               and hidden % 8 == 0 and ffn % 8 == 0)
       assert grouped.kernels_apply(dtype, hidden, ffn) == want, (dtype, hidden, ffn)
       assert grouped.bank_layout("auto", dtype, hidden, ffn) == ("grouped" if want else "slabs")
+
+
+def test_scheduling_the_bank_sets_only_the_fields_asked_for():
+  """``BankKernels.scheduled``: clusters for every kernel, the row-tile chain
+  for the three row-tile kernels, the ring for the weight gradient alone;
+  every other field (the fused gradient's three stages) as it was."""
+  from moe_ep.experts import hopper, hopper_fused
+  base = grouped.BankKernels()
+  assert base.scheduled() == base
+  assert (base.matmul, base.activation_grad, base.wgrad) == (
+      hopper.TileConfig(), hopper_fused.GRAD_CONFIG, hopper.TileConfig())
+  clustered = base.scheduled(cluster_columns=2)
+  assert {c.cluster_columns for c in (clustered.matmul, clustered.activation_grad,
+                                      clustered.wgrad)} == {2}
+  assert clustered.activation_grad.max_concurrent_steps == 3
+  unchained = base.scheduled(chain_tiles=False)
+  assert (unchained.matmul.chain_tiles, unchained.activation_grad.chain_tiles,
+          unchained.wgrad.chain_tiles) == (False, False, True)
+  no_ring = base.scheduled(chain_wgrad=False)
+  assert (no_ring.matmul, no_ring.activation_grad) == (base.matmul, base.activation_grad)
+  assert no_ring.wgrad.chain_tiles is False
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_the_bank_hands_each_kernel_its_tile_config(fuse, monkeypatch):
+  """Traced with the kernels pretended present (on CPU the programs run
+  their pure-JAX branches), the bank's forward and backward call each
+  Hopper kernel with its own configuration of ``kernels``: the products and
+  input gradients ``matmul``'s, the fused input gradient
+  ``activation_grad``'s, the weight gradients ``wgrad``'s."""
+  from moe_ep.experts import hopper, hopper_fused, hopper_wgrad
+  monkeypatch.setattr(grouped, "hopper_available", lambda: True)
+  monkeypatch.setattr(hopper, "num_sms_here", lambda: 132)
+  kernels = grouped.BankKernels(matmul=hopper.TileConfig(cluster_columns=2),
+                                activation_grad=hopper.TileConfig(max_concurrent_steps=2),
+                                wgrad=hopper.TileConfig(chain_tiles=False))
+  seen = []
+  for module, name in ((hopper, "grouped_matmul"), (hopper_fused, "activation_matmul"),
+                       (hopper_fused, "activation_grad_matmul"),
+                       (hopper_wgrad, "grouped_matmul_wgrad")):
+    def recording(*args, _kernel=getattr(module, name), _name=name, **kwargs):
+      seen.append((_name, kwargs["config"]))
+      return _kernel(*args, **kwargs)
+    monkeypatch.setattr(module, name, recording)
+  rows = jnp.zeros((2 * ROW_TILE, 64), jnp.bfloat16)
+  counts = jnp.asarray([100, 60], jnp.int32)
+  w_in, w_out = jnp.zeros((2, 64, 2 * 48), jnp.bfloat16), jnp.zeros((2, 48, 64), jnp.bfloat16)
+  loss = lambda r, a, b: jnp.sum(grouped.grouped_expert_mlp(
+      r, counts, a, b, "swiglu", fuse_activation=fuse, kernels=kernels).astype(jnp.float32))
+  with jax.default_device(jax.devices("cpu")[0]):
+    jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(rows, w_in, w_out)
+  want = {"grouped_matmul": kernels.matmul, "activation_matmul": kernels.matmul,
+          "activation_grad_matmul": kernels.activation_grad,
+          "grouped_matmul_wgrad": kernels.wgrad}
+  called = {name for name, _ in seen}
+  assert called == ({"grouped_matmul", "activation_matmul", "activation_grad_matmul",
+                     "grouped_matmul_wgrad"} if fuse else {"grouped_matmul",
+                                                          "grouped_matmul_wgrad"})
+  assert all(config == want[name] for name, config in seen), seen

@@ -70,13 +70,19 @@ def _forward_case(k, n, seed=0):
   return a, sa, b, sb, starts, tile_group
 
 
+def test_overlapping_the_promotion_needs_the_rows_split():
+  with pytest.raises(ValueError, match="overlap_promotion needs split_rows=True"):
+    hopper_fp8.FP8TileConfig(split_rows=False, overlap_promotion=True)
+
+
 def test_fp8_kernels_lower_for_sizes_off_the_blocks():
   """Both kernels lower to Mosaic GPU, their shared memory within Hopper's,
   for whole and partial blocks (the GPU tests check their values)."""
   S = jax.ShapeDtypeStruct
-  for (k, n), split_rows in zip(SHAPES, (True, False, True)):
-    config = hopper_fp8.FP8TileConfig(split_rows=split_rows,
-                                      max_concurrent_steps=4 if split_rows else 3)
+  configs = (hopper_fp8.FP8TileConfig(), hopper_fp8.FP8TileConfig(split_rows=False,
+                                                                   max_concurrent_steps=3),
+             hopper_fp8.FP8TileConfig(overlap_promotion=True, chain_tiles=True))
+  for (k, n), config in zip(SHAPES, configs):
     kb, nb, m, g = -(-k // BLOCK), -(-n // BLOCK), 4 * ROW_TILE, 3
     calls = [
         (lambda *x: hopper_fp8.grouped_matmul_fp8(*x, num_sms=132, config=config),
@@ -91,11 +97,15 @@ def test_fp8_kernels_lower_for_sizes_off_the_blocks():
       assert "mosaic_gpu" in text
 
 
-# The warpgroups splitting the CTA's rows (the default) or its columns.
+# The warpgroups splitting the CTA's rows (the default) or its columns, and
+# the forward's tiles chained (where the blocks are whole rounds of the stages),
+# and each step's promotion beside the next step's wgmma.
 CONFIGS = pytest.mark.parametrize(
     "config", [hopper_fp8.FP8TileConfig(),
-               hopper_fp8.FP8TileConfig(split_rows=False, max_concurrent_steps=3)],
-    ids=["split_rows", "split_columns"])
+               hopper_fp8.FP8TileConfig(split_rows=False, max_concurrent_steps=3),
+               hopper_fp8.FP8TileConfig(chain_tiles=True),
+               hopper_fp8.FP8TileConfig(overlap_promotion=True)],
+    ids=["split_rows", "split_columns", "chained", "overlapped"])
 needs_hopper = pytest.mark.skipif(not grouped.hopper_available(),
                                   reason="needs a GPU of compute capability 9.0")
 

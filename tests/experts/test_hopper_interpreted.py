@@ -64,7 +64,7 @@ def _tables(tiles):
   return dict(tile_start=tiles.tile_start, tile_rows=tiles.tile_rows)
 
 
-# Each CTA's tiles alone, and chained (hopper.CHAIN_TILES) over a contraction
+# Each CTA's tiles alone, and chained (TileConfig.chain_tiles) over a contraction
 # of two rounds of the four stages: the interpreter also checks that every
 # barrier phase is waited for.
 CHAINS = pytest.mark.parametrize("chain_tiles, contraction", [(False, 128), (True, 512)],

@@ -24,7 +24,7 @@ sanitizer (which serializes the kernels of its own process only):
 
 (``application-only``: following the workload's child processes, its
 default, the sanitizer's front end segfaulted at start-up in a third of the
-runs, benchmarks/gpu_peer_check.sh.)
+runs.)
 """
 
 import jax

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import moe_ep.transport as transport
 from conftest import make_mesh
-from moe_ep.bench import hlo
+from benchmarks import hlo
 from moe_ep.transport import combine, dispatch, expert_capacity_for, row_paths
 from reference import kept_routes, make_routing
 from test_transport import HIDDEN, NUM_EXPERTS, TOKENS

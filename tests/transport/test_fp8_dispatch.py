@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import cpu_compiler_options, custom_call_scopes, make_mesh
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
-from moe_ep.bench import hlo
+from benchmarks import hlo
 from moe_ep.config import from_dict
 from moe_ep.transport import NAMED_SCOPES, dispatch, expert_capacity_for, fp8
 from reference import make_routing

@@ -88,7 +88,7 @@ def test_installed_wheel_ships_and_finds_kernels(tmp_path):
   assert {"moe_ep/transport/cupy_backend.py", "moe_ep/transport/peer/__init__.py",
           "moe_ep/kernels/layout.cu", "moe_ep/kernels/peer.cuh"} <= names
   # What measures stays in the checkout.
-  assert not [name for name in names if name.startswith("moe_ep/bench/")]
+  assert not [name for name in names if name.startswith("benchmarks/")]
   site = tmp_path / "site"
   zipfile.ZipFile(wheel).extractall(site)
   check = ("from moe_ep.transport import kernel_source as k; "

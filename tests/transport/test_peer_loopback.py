@@ -1,5 +1,5 @@
 """The peer kernels at EP = 2, 4 and 8 on ONE GPU
-(moe_ep/bench/peer_loopback.py): every rank's output of the dispatch
+(benchmarks/peer_loopback.py): every rank's output of the dispatch
 (bf16 rows, and FP8 quantizing float32 and bf16 rows) and of the combine,
 bit for bit against the pure-JAX path run on R CPU devices; and of the
 drop-in exchange (every vector width) against all_to_all's definition. The maps carry
@@ -21,7 +21,7 @@ from moe_ep.transport import xla as xla_backend
 from moe_ep.transport.launch_geometry import SlabSizes, slab_geometry
 from moe_ep.transport.plan import plan_dispatch
 from moe_ep.transport.peer import channel, dispatch_layout, fused_layout
-from moe_ep.bench import peer_loopback
+from benchmarks import peer_loopback
 from moe_ep.transport.peer import rows as peer_rows
 
 pytestmark = pytest.mark.gpu

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import make_mesh
-from moe_ep.bench import ep_inputs
+from benchmarks import ep_inputs
 from moe_ep.transport import dispatch, ops, row_paths
 from moe_ep.transport.handle import RoutingHandle
 from moe_ep.transport.peer import reachability

@@ -28,7 +28,7 @@ channel's byte layout, the EP groups), ``reachability`` (who may use it),
 ``callback`` (compiling and launching), ``dropin`` (the drop-in exchange),
 ``rows``, ``fused_layout``, ``dispatch_layout`` (the fused launches).
 Every rank's kernels on one GPU, for tests and benchmarks, is
-:mod:`moe_ep.bench.peer_loopback` (in the checkout, not the wheel).
+:mod:`benchmarks.peer_loopback` (in the checkout, not the wheel).
 """
 
 from moe_ep.transport.peer.dropin import exchange, write_ceiling
