@@ -251,9 +251,12 @@ def start_run(config: Config, *, resume: bool, stop_at: int | None, progress: bo
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_config(run_dir, config, resumed_from=start if resume else None, changes=changes)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in previous))
-  return Run(config, run_dir, name, created, is_main, devices, setup, train_step, compile_s,
-             corpus, eval_corpus, None, checkpoints, state, start, end, previous,
-             flops_per_token, peak, wall_start, say, notice)
+  return Run(config=config, run_dir=run_dir, name=name, created=created, is_main=is_main,
+             devices=devices, setup=setup, train_step=train_step, compile_s=compile_s,
+             corpus=corpus, eval_corpus=eval_corpus, eval_step=None, checkpoints=checkpoints,
+             state=state, start=start, end=end, previous=previous,
+             flops_per_token=flops_per_token, peak=peak, wall_start=wall_start, say=say,
+             notice=notice)
 
 
 def finish_run(run: Run, loop: LoopResult) -> RunResult:

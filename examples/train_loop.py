@@ -23,7 +23,7 @@ from examples.train_config import Config
 from examples.train_program import Setup, compile_eval_step, global_batch, make_schedule
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Run:
   """A run once set up, between ``examples.pretrain.start_run``,
   :func:`train_loop` and ``examples.pretrain.finish_run``."""

@@ -10,11 +10,13 @@ from moe_ep.lazy import exports
 
 if TYPE_CHECKING:
   from moe_ep.config import MoEConfig, RematConfig
-  from moe_ep.layer import ExpertBias, ExpertParallelMoE, MoEAux, SownAux
+  from moe_ep.layer import ExpertBias, ExpertParallelMoE, SownAux
+  from moe_ep.layer_core import MoEAux
   from moe_ep.model_aux import collect_aux, moe_layers, total_aux_loss, update_expert_biases
 
 __all__, __getattr__, __dir__ = exports(__name__, {
     "config": ("MoEConfig", "RematConfig"),
-    "layer": ("ExpertBias", "ExpertParallelMoE", "MoEAux", "SownAux"),
+    "layer": ("ExpertBias", "ExpertParallelMoE", "SownAux"),
+    "layer_core": ("MoEAux",),
     "model_aux": ("collect_aux", "moe_layers", "total_aux_loss", "update_expert_biases"),
 })

@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_ep.options import BACKENDS, CHECKPOINT_FIELDS, EXCHANGES, TOKEN_DTYPES, check_wire_dtype
+from moe_ep.activations import ACTIVATIONS, input_projections
+from moe_ep.options import CHECKPOINT_FIELDS, EXCHANGES, TOKEN_DTYPES, TRANSPORTS, check_wire_dtype
 from moe_ep.row_groups import GROUP_ALIGN, GROUP_ALIGNS
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
-ACTIVATIONS = ("swiglu", "geglu", "gelu")
 # Floating dtypes the layer computes exactly; float64 is refused (see _check_dtype).
 DTYPES = TOKEN_DTYPES  # the layer computes in what the transport moves exactly
 # Where the expert bank's rows sit (MoEConfig.expert_layout).
@@ -358,7 +358,7 @@ class MoEConfig:
       check_bool(self, field)
     check_choice(self, "score_function", SCORE_FUNCTIONS)
     check_choice(self, "activation", ACTIVATIONS)
-    check_choice(self, "transport", BACKENDS)
+    check_choice(self, "transport", TRANSPORTS)
     check_choice(self, "exchange", EXCHANGES)
     check_number(self, "routed_scaling", 0.0, strict=True)
     for field in ("expert_bias_update_rate", "aux_loss_coeff", "z_loss_coeff"):
@@ -444,7 +444,7 @@ class MoEConfig:
   @property
   def num_input_projections(self) -> int:
     """2 for gated activations (gate and up), 1 otherwise."""
-    return 2 if self.activation in ("swiglu", "geglu") else 1
+    return input_projections(self.activation)
 
 
 # --- dict/YAML mapping ---------------------------------------------------------

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe_ep.layer import ExpertParallelMoE, MoEAux
+from moe_ep.layer import ExpertParallelMoE
+from moe_ep.layer_core import MoEAux
 
 
 def moe_layers(model: nnx.Module) -> dict[str, ExpertParallelMoE]:

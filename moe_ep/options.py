@@ -1,4 +1,4 @@
-"""The options the configuration and the transport share: which backends,
+"""The options the configuration and the transport share: which transports,
 exchanges and wire dtypes a caller may ask for, which dtypes the layer
 computes, and which values a remat policy may save.
 
@@ -11,7 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-BACKENDS = ("auto", "xla", "cupy")
+# The local passes' implementations: CuPy kernels on CUDA (pure JAX
+# elsewhere), pure JAX, or CuPy kernels always.
+TRANSPORTS = ("auto", "xla", "cupy")
 EXCHANGES = ("auto", "all_to_all", "peer")
 WIRE_DTYPES = ("float8_e4m3fn",)
 # Floating dtypes the transport moves exactly: its sums and routing weights
@@ -21,9 +23,9 @@ TOKEN_DTYPES = ("bfloat16", "float16", "float32")
 # The values dispatch names f"{checkpoint_name}.{field}" (and their residual).
 CHECKPOINT_FIELDS = ("tokens", "weights", "handle", "counts")
 
-def check_backend(backend: str) -> None:
-  if backend not in BACKENDS:
-    raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+def check_transport(transport: str) -> None:
+  if transport not in TRANSPORTS:
+    raise ValueError(f"transport={transport!r} is not one of {TRANSPORTS}")
 
 
 def check_wire_dtype(wire_dtype, name: str = "wire_dtype") -> str | None:

@@ -92,11 +92,13 @@ _REPO = pathlib.Path(__file__).resolve().parents[1]
 QUICK = {
     "tests/test_config.py": None,
     "tests/test_router.py": None,
+    "tests/test_activations.py": None,
     "tests/interop/test_families.py": None,
     "tests/test_layer.py": ("test_layer_matches_dense_reference",),
     "tests/experts/test_slabs.py": None,
     "tests/experts/test_grouped.py": None,
     "tests/transport/test_transforms.py": None,
+    "tests/transport/test_call_path.py": None,
     "tests/transport/test_kernel_source.py": None,
     "tests/transport/test_kernel_loading.py": None,
     "tests/benchmarks/test_main.py": None,
@@ -152,13 +154,10 @@ def pytest_collection_finish(session):
 
 @pytest.fixture
 def pretend_cupy(monkeypatch):
-  """CuPy reported available (and the backend cache cleared around the test):
-  lowering for CUDA never touches CuPy, only the availability check does."""
-  from moe_ep.transport import backend, kernel_launch
+  """CuPy reported available: lowering for CUDA never touches CuPy, only the
+  availability check does."""
+  from moe_ep.transport import kernel_launch
   monkeypatch.setattr(kernel_launch, "cupy_available", lambda: True)
-  backend.resolve.cache_clear()
-  yield
-  backend.resolve.cache_clear()
 
 
 def devices_for(backend: str, count: int) -> list:

@@ -84,7 +84,7 @@ def test_dropless_capacity_keeps_every_row_when_all_ranks_pick_one_expert():
 
   def body(x, idx, weights):
     d = dispatch(x, idx, weights, num_experts=experts, expert_capacity=capacity,
-                 axis_name="ep", backend="xla")
+                 axis_name="ep", transport="xla")
     return d.counts, d.demand
 
   counts, demand = jax.jit(jax.shard_map(body, mesh=make_mesh((ranks,), ("ep",)),

@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from conftest import custom_call_scopes, devices_for, gpu_devices, make_mesh
+from moe_ep.transport.launch_geometry import SlabSizes
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
 from benchmarks import hlo
 from moe_ep.transport import NAMED_SCOPES, combine, dispatch, expert_capacity_for, peer
@@ -106,12 +107,12 @@ def round_trip_fn(exchange: str, mesh, backend: str, tokens: int, expert_capacit
   def per_rank(x, idx, w, y_grad):
     def forward(x, w):
       d = dispatch(x, idx, w, num_experts=E, expert_capacity=expert_capacity, axis_name="ep",
-                   send_capacity=send_capacity, backend=backend, exchange=exchange, mesh=mesh)
+                   send_capacity=send_capacity, transport=backend, exchange=exchange, mesh=mesh)
       # Each expert row its own values, so the combine sums depend on their order.
       slab_index = jnp.arange(d.weights.size, dtype=jnp.float32).reshape(d.weights.shape)
       out = (jnp.sin(d.tokens.astype(jnp.float32) + slab_index[..., None])
              * d.weights[..., None]).astype(x.dtype)
-      y = combine(out, d.handle, num_tokens=tokens, axis_name="ep", backend=backend,
+      y = combine(out, d.handle, num_tokens=tokens, axis_name="ep", transport=backend,
                   exchange=exchange, mesh=mesh)
       return y, d
     y, vjp, d = jax.vjp(forward, x, w, has_aux=True)
@@ -137,9 +138,9 @@ def test_peer_row_paths_lower_to_one_fused_callback_each_and_no_row_passes(monke
                       lambda: path == "dispatch_with_layout")
   mesh = make_mesh((4,), ("ep",))
   send_capacity = 6 if path == "unfused" else 5
-  assert fused_layout.fused_layout_fits(4, send_capacity, K, E // 4, 12) == (path != "unfused")
-  assert dispatch_layout.dispatch_layout_fits(jnp.bfloat16, 32, 4, send_capacity, K, E // 4,
-                                              12) == (path != "unfused")
+  sizes = SlabSizes(4, send_capacity, K, E // 4, 12)
+  assert fused_layout.fused_layout_fits(sizes) == (path != "unfused")
+  assert dispatch_layout.dispatch_layout_fits(jnp.bfloat16, 32, sizes) == (path != "unfused")
   fn = round_trip_fn("peer", mesh, "auto", 16, 12, send_capacity)
   args = (jnp.ones((64, 32), jnp.bfloat16), jnp.zeros((64, K), jnp.int32),
           jnp.ones((64, K)), jnp.ones((64, 32), jnp.bfloat16))
@@ -168,8 +169,8 @@ def test_peer_row_paths_off_cuda_run_the_all_to_all_path_bitwise(monkeypatch, se
   with its layout fused; S=6: the row paths alone)."""
   monkeypatch.setattr(reachability, "unsupported_reason", lambda mesh, axis: None)
   monkeypatch.setattr(peer_runtime, "dispatch_layout_enabled", lambda: True)
-  assert dispatch_layout.dispatch_layout_fits(jnp.bfloat16, 32, 4, send_capacity, K, E // 4, 8) == (
-      send_capacity == 5)
+  assert dispatch_layout.dispatch_layout_fits(
+      jnp.bfloat16, 32, SlabSizes(4, send_capacity, K, E // 4, 8)) == (send_capacity == 5)
   mesh = make_mesh((4,), ("ep",))
   rng = np.random.default_rng(1)
   idx, w = routing(rng, 64)
@@ -276,12 +277,12 @@ def test_fused_row_algorithm_is_the_all_to_all_path_bitwise(dtype):
 
   def per_rank(x, idx, w):
     d = dispatch(x, idx, w, num_experts=E, expert_capacity=24, axis_name="ep", send_capacity=20,
-                 backend="xla")
+                 transport="xla")
     # Each expert row its own values: the sums then depend on their order.
     slab_index = jnp.arange(d.tokens.shape[0] * d.tokens.shape[1], dtype=jnp.float32)
     out = jnp.sin(7 * d.tokens.astype(jnp.float32)
                   + slab_index.reshape(d.tokens.shape[:2] + (1,))).astype(x.dtype)
-    y = combine(out, d.handle, num_tokens=tokens, axis_name="ep", backend="xla")
+    y = combine(out, d.handle, num_tokens=tokens, axis_name="ep", transport="xla")
     return d.tokens, d.handle, out, y, d.counts, d.demand
 
   slabs, handle, expert_out, y, counts, demand = jax.jit(jax.shard_map(

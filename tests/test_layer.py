@@ -13,7 +13,7 @@ from flax import nnx
 from conftest import BACKENDS, device_count, layer_mesh_cases, make_mesh, nested_jaxprs
 from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig
 from benchmarks import hlo
-from moe_ep.layer import NAMED_SCOPES as LAYER_SCOPES
+from moe_ep.layer_core import NAMED_SCOPES as LAYER_SCOPES
 from moe_ep.transport import NAMED_SCOPES
 from reference import reference_moe_layer
 

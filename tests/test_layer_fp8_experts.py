@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from conftest import make_mesh
-from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig, layer as layer_module
+from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig, layer_core
 from moe_ep.experts import fp8 as fp8_experts
 
 HIDDEN, FFN, EXPERTS, TOP_K = 32, 48, 8, 2
@@ -108,7 +108,7 @@ def test_fp8_dispatch_feeds_the_first_gemm_bit_for_bit(monkeypatch):
   jax.make_jaxpr(lambda x: layer(x)[0])(x)
   assert quantized_rows == [(quantized_rows[0][0], FFN)]  # the activation's alone
   fed = value_and_grads(layer, x, probe)
-  monkeypatch.setattr(layer_module, "_fp8_dispatch_feed", lambda config: False)
+  monkeypatch.setattr(layer_core, "_fp8_dispatch_feed", lambda config: False)
   requantized = value_and_grads(ExpertParallelMoE(cfg, rngs=nnx.Rngs(0)), x, probe)
   for got, want in zip(jax.tree.leaves(fed), jax.tree.leaves(requantized)):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

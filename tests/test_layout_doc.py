@@ -98,7 +98,7 @@ def test_the_reading_finds_a_missing_module_and_a_stale_name():
   for a file that is gone are both found."""
   text = LAYOUT.read_text()
   named, missing = named_paths(text)
-  assert {"moe_ep/transport/backend.py", "moe_ep/experts/hopper_wgrad.py",
+  assert {"moe_ep/transport/launch_geometry.py", "moe_ep/experts/hopper_wgrad.py",
           "moe_ep/transport/peer/rows.py", "kernels/peer.cuh", "moe_ep/transport"} <= named
   assert not missing
   dropped, _ = named_paths(text.replace("hopper_wgrad.py (the grouped", "(the grouped"))

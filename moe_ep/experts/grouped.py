@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from moe_ep import sharding
 from moe_ep.capacity import round_up
 from moe_ep.experts import hopper, hopper_fused, hopper_wgrad
-from moe_ep.experts.slabs import Namer, _no_name, activate
+from moe_ep.activations import activate, small_activation
+from moe_ep.experts.slabs import Namer, _no_name
 from moe_ep.row_groups import GROUP_ALIGN, ROW_TILE, check_group_align, group_of_rows, group_starts
 
 IMPLEMENTATIONS = ("auto", "hopper", "xla")
@@ -343,18 +344,6 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tiles: GroupTiles,
 # composes them, ``act`` is always the activation of ``hidden``.
 
 
-def fuses_activation_by_default(hidden: int, ffn: int) -> bool:
-  """Where ``fuse_activation=None`` fuses: ``F < 2H``. Fused, the epilogues
-  read and write pieces of ``hidden`` serially; that costs less than the
-  XLA passes it removes where the activation is small beside the GEMMs
-  (one H200, bank fwd+bwd: Qwen3-30B-A3B's shape 0.82 -> 0.87 of a dense
-  chain, OLMoE's 0.87 -> 0.90) and more where it is large (Mixtral-8x22B's
-  0.98 -> 0.95). The layer's routing weights go through the activation on
-  the same condition, which the fused kernels apply and differentiate in
-  their epilogues (docs/grouped.md)."""
-  return ffn < 2 * hidden
-
-
 def _fuses_activation(implementation, dtype, rows, hidden, ffn, activation) -> bool:
   return (activation in hopper_fused.ACTIVATIONS
           and _uses_hopper(implementation, dtype, rows, hidden, ffn)
@@ -459,7 +448,7 @@ def grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array, w_ou
       first GEMM's epilogue and its derivative in the epilogue of the
       second's input gradient (:mod:`moe_ep.experts.hopper_fused`); False
       runs them as XLA passes between the GEMMs; None: where
-      :func:`fuses_activation_by_default`.
+      :func:`moe_ep.activations.small_activation`.
     group_align: where the groups of ``rows`` start, as dispatch filled them
       (:func:`group_tiles`): multiples of ``ROW_TILE`` (the default) or half
       of it.
@@ -472,7 +461,7 @@ def grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array, w_ou
   tiles = group_tiles(counts, rows.shape[0], group_align)
   ffn = w_out.shape[1]
   if fuse_activation is None:
-    fuse_activation = fuses_activation_by_default(rows.shape[1], ffn)
+    fuse_activation = small_activation(rows.shape[1], ffn)
   if fuse_activation and _fuses_activation(implementation, rows.dtype, rows.shape[0],
                                            rows.shape[1], ffn, activation):
     w_in, w_out = _weights_like(w_in, rows), _weights_like(w_out, rows)

@@ -1,8 +1,8 @@
 """The expert bank: batched GEMMs over ``[L, C, H]`` slabs.
 
 Every expert's rows sit in a fixed-size slab, so the bank is two einsums
-batched over the expert axis (never ``jax.lax.ragged_dot``, 10-60x slower on
-H200). The same function serves the shared experts with ``L = 1``.
+batched over the expert axis (never ``jax.lax.ragged_dot``, far slower:
+docs/grouped.md). The same function serves the shared experts with ``L = 1``.
 """
 
 from __future__ import annotations
@@ -12,32 +12,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from moe_ep.activations import activate
+
 Namer = Callable[[str, jax.Array], jax.Array]
 
 
 def _no_name(_: str, value: jax.Array) -> jax.Array:
   return value
-
-
-def activate(hidden: jax.Array, activation: str, row_weights: jax.Array | None = None
-             ) -> jax.Array:
-  """``[..., n*F]`` -> ``[..., F]``: gated activations split gate | up.
-
-  ``row_weights [...]`` (float32), if given, scales each row in float32 with
-  one rounding: ``(w * a) @ W_out`` is the weighted output ``w * (a @ W_out)``
-  without a pass over ``[..., H]``, forward or backward (the weights'
-  gradient then sums over ``F``, in the pass that already reads the
-  activation's)."""
-  if activation == "gelu":
-    act = jax.nn.gelu(hidden)
-  elif activation in ("swiglu", "geglu"):
-    gate, up = jnp.split(hidden, 2, axis=-1)
-    act = (jax.nn.silu(gate) if activation == "swiglu" else jax.nn.gelu(gate)) * up
-  else:
-    raise ValueError(f"activation={activation!r} must be 'swiglu', 'geglu' or 'gelu'")
-  if row_weights is None:
-    return act
-  return (act.astype(jnp.float32) * row_weights[..., None]).astype(act.dtype)
 
 
 def expert_mlp(tokens: jax.Array, w_in: jax.Array, w_out: jax.Array, activation: str,

@@ -21,6 +21,7 @@ from moe_ep.config import MoEConfig
 from moe_ep.interop.families import HFInteropError, config_from_hf, family_of
 from moe_ep.interop.tensors import BlockTensors, block_to_hf
 from moe_ep.layer import ExpertParallelMoE
+from moe_ep.layer_mesh import mesh_split
 
 Reader = Callable[[str, tuple], np.ndarray]
 
@@ -114,7 +115,7 @@ def _check_mesh(config: MoEConfig, mesh) -> None:
   if mesh is None:
     return
   try:
-    ExpertParallelMoE._shard_layout(config, mesh)
+    mesh_split(config, mesh)
   except ValueError as error:
     raise HFInteropError(str(error)) from None
 

@@ -15,10 +15,26 @@ configuration shares live below, in :mod:`moe_ep.options`):
   format, the scopes the exchanges run under (capacity math and the grouped
   layout's row groups live below, in :mod:`moe_ep.capacity` and
   :mod:`moe_ep.row_groups`);
-* ``backend``, ``xla``, ``cupy_backend``, ``kernel_launch``, ``kernel_source``: the
-  local passes, pure JAX or ``kernels/*.cu`` on XLA's stream;
+* ``xla``, ``cupy_backend``, ``kernel_launch``, ``kernel_source``,
+  ``launch_geometry``: the local passes, pure JAX or ``kernels/*.cu`` on
+  XLA's stream (a plan's ``local_passes`` says which);
 * ``fp8``: the FP8 wire format; ``peer``: direct stores into the other
   GPUs' memory.
+
+Call path, from the layer to a kernel launch (the default GPU path, the
+first launch of a dispatch; every launch of the layer's forward takes at
+most these ten frames over six modules, ``tests/transport/test_call_path.py``)::
+
+  layer.ExpertParallelMoE.__call__     the NNX shell: its parameters, forwarded
+  layer_core.apply                     onto the mesh; shard_map over moe_shard
+  layer_core.moe_shard                 route -> dispatch -> experts -> combine
+  transport.ops.dispatch               the checks; the plan, plan.plan_dispatch
+  transport.ops._dispatch_forward      the custom_vjp's forward rule
+  transport.row_paths.routing          routing, the metadata exchange, the slab layout
+  transport.row_paths._route           the sender's routing
+  transport.row_paths._local_pass      by plan.local_passes: the kernels on CUDA
+  transport.cupy_backend.route         the kernels' launch geometry
+  transport.kernel_launch.call         one buffer_callback launching them on XLA's stream
 """
 
 from typing import TYPE_CHECKING

@@ -17,7 +17,7 @@ import numpy as np
 
 from moe_ep.transport import fp8
 from moe_ep.transport import kernel_launch as kl
-from moe_ep.transport import kernel_plan
+from moe_ep.transport import launch_geometry
 from moe_ep.transport import meta as meta_layout
 from moe_ep.transport import xla
 from moe_ep.transport.kernel_launch import KernelFile, i32, pointer
@@ -38,11 +38,6 @@ def kernels(ordinal: int) -> dict[str, object]:
   return kl.functions(ordinal, KERNEL_FILES)
 
 
-def _call(scope: str, callback, result_shapes, *inputs) -> list:
-  kl.compile_for_local_gpus(kernels)
-  return kl.call(scope, callback, result_shapes, *inputs)
-
-
 def _on_xla_stream(ctx, buffer):
   return kl.on_xla_stream(ctx, buffer, kernels)
 
@@ -57,7 +52,8 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
   local_experts = num_experts // ep_size
   width = meta_layout.width(send_capacity, top_k, local_experts)
   demand_offset = meta_layout.demand_offset(send_capacity, top_k)
-  threads = kernel_plan.route_threads(num_tokens, ep_size, num_experts, top_k)
+  route_sizes = launch_geometry.RouteSizes(num_tokens, ep_size, num_experts, top_k)
+  threads = launch_geometry.route_threads(route_sizes)
   tiles = -(-num_tokens // threads)
   rank_blocks = max(tiles, -(-ep_size * send_capacity // threads))
   workspace = (tiles * ep_size, tiles * num_experts)
@@ -67,7 +63,9 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
             jax.ShapeDtypeStruct((ep_size, width), jnp.int32),
             jax.ShapeDtypeStruct((sum(workspace),), jnp.int32)]
 
-  counted = kernel_plan.route_counted(num_tokens, threads)
+  counted = launch_geometry.route_counted(num_tokens, threads)
+  count_ints = launch_geometry.route_count_shared_ints(threads, route_sizes)
+  rank_ints = launch_geometry.route_rank_shared_ints(threads, route_sizes, counted)
 
   def callback(ctx, outs, idx, weights):
     send_slot, send_token, route_slot, meta, scratch = (pointer(b) for b in outs)
@@ -77,15 +75,14 @@ def route(topk_idx, topk_weights, *, num_experts: int, ep_size: int, send_capaci
       if counted:
         launch("route_count", tiles, threads, pointer(idx), *sizes, dest_counts,
                expert_counts,
-               shared_ints=kernel_plan.route_count_shared_ints(threads, ep_size, num_experts))
+               shared_ints=count_ints)
       launch("route_rank" if counted else "route_rank_own_count", rank_blocks, threads,
              pointer(idx), pointer(weights), *sizes, *i32(send_capacity, tiles), dest_counts,
              expert_counts, send_slot, send_token, route_slot, meta, *i32(width, demand_offset),
-             shared_ints=kernel_plan.route_rank_shared_ints(threads, ep_size, top_k, num_experts,
-                                                            counted))
+             shared_ints=rank_ints)
 
-  outputs = _call("moe_cupy_route", callback, shapes, topk_idx.astype(jnp.int32),
-                  topk_weights.astype(jnp.float32))
+  outputs = kl.call("moe_cupy_route", callback, shapes, topk_idx.astype(jnp.int32),
+                    topk_weights.astype(jnp.float32), kernels=kernels)
   return tuple(outputs[:4])
 
 
@@ -95,27 +92,29 @@ def slab_layout(recv_meta, *, top_k: int, num_local_experts: int, expert_capacit
   ep_size, width = recv_meta.shape
   local_experts, capacity = num_local_experts, expert_capacity
   send_capacity = meta_layout.send_capacity(width, top_k, local_experts)
-  plan = kernel_plan.slab_plan(ep_size, send_capacity, top_k, local_experts, capacity)
-  threads, tiles = plan.threads, plan.tiles
-  shapes = [*kernel_plan.slab_layout_shapes(ep_size, send_capacity, top_k, local_experts,
-                                            capacity),
+  sizes = launch_geometry.SlabSizes(ep_size, send_capacity, top_k, local_experts, capacity)
+  geometry = launch_geometry.slab_geometry(sizes)
+  threads, tiles = geometry.threads, geometry.tiles
+  shapes = [*launch_geometry.slab_layout_shapes(sizes),
             jax.ShapeDtypeStruct((tiles * local_experts,), jnp.int32)]
 
   def callback(ctx, outs, meta):
     recv_pos, slab_row, slab_weights, counts, demand, tile_counts = (
         pointer(b) for b in outs)
     with _on_xla_stream(ctx, meta) as launch:
-      if plan.counted:
+      if geometry.counted:
         launch("slab_count", tiles, threads, pointer(meta),
                *i32(ep_size, send_capacity, top_k, local_experts, width), tile_counts,
                shared_ints=threads // 32 * local_experts)
-      launch("slab_rank" if plan.counted else "slab_rank_own_count", plan.rank_blocks, threads,
-             pointer(meta), *i32(ep_size, send_capacity, top_k, local_experts, capacity, width,
-                                   meta_layout.demand_offset(send_capacity, top_k), tiles),
+      launch("slab_rank" if geometry.counted else "slab_rank_own_count", geometry.rank_blocks,
+             threads, pointer(meta),
+             *i32(ep_size, send_capacity, top_k, local_experts, capacity, width,
+                  meta_layout.demand_offset(send_capacity, top_k), tiles),
              tile_counts, recv_pos, slab_row, slab_weights, counts, demand,
-             shared_ints=plan.shared_ints)
+             shared_ints=geometry.shared_ints)
 
-  return tuple(_call("moe_cupy_slab_layout", callback, shapes, recv_meta)[:5])
+  return tuple(kl.call("moe_cupy_slab_layout", callback, shapes, recv_meta,
+                       kernels=kernels)[:5])
 
 
 _VECTOR_BYTES = (16, 8, 4, 2)
@@ -143,8 +142,8 @@ def expand_rows(table, targets, sources):
              *i32(num_table_rows, fanout, num_out_rows, row_vecs))
 
   shape = jax.ShapeDtypeStruct((num_out_rows, hidden), table.dtype)
-  return _call("moe_cupy_expand_rows", callback, [shape], table,
-               targets.astype(jnp.int32), sources.astype(jnp.int32))[0]
+  return kl.call("moe_cupy_expand_rows", callback, [shape], table, targets.astype(jnp.int32),
+                 sources.astype(jnp.int32), kernels=kernels)[0]
 
 
 def gather_sum_rows(table, index):
@@ -166,8 +165,8 @@ def gather_sum_rows(table, index):
              *i32(num_table_rows, fanin, num_out_rows, hidden))
 
   shape = jax.ShapeDtypeStruct((num_out_rows, hidden), table.dtype)
-  return _call("moe_cupy_gather_sum_rows", callback, [shape], table,
-               index.astype(jnp.int32))[0]
+  return kl.call("moe_cupy_gather_sum_rows", callback, [shape], table, index.astype(jnp.int32),
+                 kernels=kernels)[0]
 
 
 # --- the FP8 dispatch's fused row passes (kernels/fp8.cu) --------------------------
@@ -203,11 +202,6 @@ def fp8_kernels(ordinal: int) -> dict[str, object]:
         "transport 'cupy' or 'auto' runs these kernels; on this GPU use transport='xla' "
         "(the pure-JAX FP8 path) or no FP8 dispatch") from error
   return kl.functions(ordinal, (FP8,))
-
-
-def _fp8_call(scope: str, callback, result_shape, *inputs):
-  kl.compile_for_local_gpus(fp8_kernels)
-  return kl.call(scope, callback, [result_shape], *inputs)[0]
 
 
 def _maps(targets, sources):
@@ -253,7 +247,8 @@ def quantize_pack_expand(table, targets=None, sources=None):
                          num_rows, 32 * min(_QUANTIZE_WARPS, fp8.num_blocks(hidden)), maps,
                          num_out_rows, maps[0].shape[1] if maps else 1, hidden)
   shape = jax.ShapeDtypeStruct((num_out_rows, fp8.wire_bytes(hidden)), jnp.uint8)
-  return _fp8_call("moe_cupy_fp8_quantize_pack", callback, shape, table, *maps)
+  return kl.call("moe_cupy_fp8_quantize_pack", callback, [shape], table, *maps,
+                 kernels=fp8_kernels)[0]
 
 
 def unpack_dequantize_expand(wire, targets=None, sources=None, *, hidden: int,
@@ -273,7 +268,8 @@ def unpack_dequantize_expand(wire, targets=None, sources=None, *, hidden: int,
                          num_wire_rows, kl.threads_for(-(-hidden // _CHANNELS_PER_THREAD)), maps,
                          num_out_rows, maps[0].shape[1] if maps else 1, hidden)
   shape = jax.ShapeDtypeStruct((num_out_rows, hidden), dtype)
-  return _fp8_call("moe_cupy_fp8_unpack_dequantize_expand", callback, shape, wire, *maps)
+  return kl.call("moe_cupy_fp8_unpack_dequantize_expand", callback, [shape], wire, *maps,
+                 kernels=fp8_kernels)[0]
 
 
 def dequantize_filled_rows(wire, filled, *, hidden: int, dtype):

@@ -28,7 +28,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from moe_ep.sharding import vary_like
 from moe_ep.transport import kernel_source
 
-INSTALL_HINT = ("backend='cupy' needs CuPy: pip install 'moe_ep[cuda13]' (CUDA 13) "
+INSTALL_HINT = ("transport='cupy' needs CuPy: pip install 'moe_ep[cuda13]' (CUDA 13) "
                 "or 'moe_ep[cuda12]' (CUDA 12)")
 # The kernels' name suffix of each row dtype they take (gather_sum_rows_bf16,
 # quantize_pack_f32, peer_combine_f16, ...).
@@ -138,7 +138,7 @@ def buffer_ordinal(buffer) -> int:
   """The CUDA ordinal a callback's buffer lives on."""
   device_type, ordinal = buffer.__dlpack_device__()
   if device_type != 2:  # kDLCUDA
-    raise RuntimeError("backend='cupy' ran on a non-CUDA buffer; use backend='auto' or 'xla' "
+    raise RuntimeError("transport='cupy' ran on a non-CUDA buffer; use transport='auto' or 'xla' "
                        "off CUDA devices")
   return ordinal
 
@@ -192,9 +192,12 @@ def varying_like(outputs, inputs, also=frozenset()) -> list:
   return [vary_like(out, *inputs, also=also) for out in outputs]
 
 
-def call(scope: str, callback, result_shapes, *inputs) -> list:
+def call(scope: str, callback, result_shapes, *inputs, kernels) -> list:
   """One command-buffer-compatible ``buffer_callback`` under the named
-  scope ``scope``, its outputs varying like its inputs."""
+  scope ``scope``, its outputs varying like its inputs; ``kernels(ordinal)``
+  (which compiles the kernels ``callback`` launches) runs for every local GPU
+  first (:func:`compile_for_local_gpus`)."""
+  compile_for_local_gpus(kernels)
   with jax.named_scope(scope):
     outputs = buffer_callback(callback, result_shapes, command_buffer_compatible=True)(*inputs)
   return varying_like(outputs, inputs)

@@ -22,7 +22,7 @@ from moe_ep.transport.plan import DispatchPlan, ep_size_of, plan_combine, plan_d
 from moe_ep.capacity import check_experts, check_num_tokens, expert_capacity_for, positive_int
 from moe_ep.row_groups import GROUP_ALIGN, ROW_TILE, check_group_align
 from moe_ep.transport.handle import Dispatched, RoutingHandle
-from moe_ep.options import TOKEN_DTYPES, check_backend, check_wire_dtype
+from moe_ep.options import TOKEN_DTYPES, check_transport, check_wire_dtype
 from moe_ep.transport.scopes import NAMED_SCOPES
 
 __all__ = ["combine", "dispatch"]
@@ -41,9 +41,10 @@ def _dispatch_forward(plan: DispatchPlan, tokens, topk_idx, topk_weights) -> Dis
       handle, slab_weights, counts, demand = row_paths.routing(plan, topk_idx, topk_weights)
       if plan.fp8_rows:
         slab_values, fp8_tokens = row_paths.rows_to_grouped_fp8(plan, tokens, handle)
+      elif plan.wire_dtype is not None:
+        slab_values, fp8_tokens = row_paths.rows_to_slabs_fp8(plan, tokens, handle), None
       else:
-        to_slabs = row_paths.rows_to_slabs_fp8 if plan.wire_dtype else row_paths.rows_to_slabs
-        slab_values, fp8_tokens = to_slabs(plan, tokens, handle), None
+        slab_values, fp8_tokens = row_paths.rows_to_slabs(plan, tokens, handle), None
   # Names go on the outputs here, inside the forward rule, so they also mark
   # the residual (the handle) that the backward rule reads.
   # The FP8 path names its FP8 slabs (the smaller residual) itself.
@@ -57,9 +58,7 @@ def _dispatch_forward(plan: DispatchPlan, tokens, topk_idx, topk_weights) -> Dis
   )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dispatch(plan, tokens, topk_idx, topk_weights):
-  return _dispatch_forward(plan, tokens, topk_idx, topk_weights)
+_dispatch = jax.custom_vjp(_dispatch_forward, nondiff_argnums=(0,))
 
 
 def _dispatch_fwd(plan, tokens, topk_idx, topk_weights):
@@ -144,7 +143,7 @@ def merge_duplicate_routes(topk_idx: jax.Array, topk_weights: jax.Array):
 def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
              num_experts: int, expert_capacity: int, axis_name=None,
              send_capacity: int | None = None, checkpoint_name: str | None = None,
-             backend: str = "auto", exchange: str = "auto", mesh=None,
+             transport: str = "auto", exchange: str = "auto", mesh=None,
              wire_dtype: str | None = None, grouped_rows: int | None = None,
              group_align: int = GROUP_ALIGN, fp8_rows: bool = False) -> Dispatched:
   """Sends each token's rows to the experts it is routed to.
@@ -173,7 +172,9 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
     checkpoint_name: when set, the outputs and the residual the backward keeps
       are named ``f"{checkpoint_name}.{field}"`` for ``field`` in
       :data:`~moe_ep.options.CHECKPOINT_FIELDS`, so a remat policy can save them.
-    backend: ``"auto"``, ``"xla"`` or ``"cupy"``: the local passes.
+    transport: ``"auto"`` (the CuPy kernels where the program is lowered for
+      CUDA and CuPy imports, pure JAX elsewhere), ``"xla"`` or ``"cupy"``: the
+      local passes (``MoEConfig.transport``).
     exchange: how rows cross between ranks: ``"all_to_all"`` (XLA's
       collective), ``"peer"`` (direct NVLink stores into the other GPUs'
       memory, :mod:`moe_ep.transport.peer`; needs ``mesh``) or ``"auto"``
@@ -188,8 +189,8 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
       codes and scales cross as one uint8 row (about half the bytes of
       bfloat16), and the receiver dequantizes them into the slabs, which
       keep ``tokens.dtype``. ``tokens`` must then be float32, bfloat16 or
-      float16. With the CuPy kernels (backend ``"cupy"``, or ``"auto"`` on
-      CUDA) the GPU needs compute capability 8.9+; ``backend="xla"`` runs
+      float16. With the CuPy kernels (transport ``"cupy"``, or ``"auto"`` on
+      CUDA) the GPU needs compute capability 8.9+; ``transport="xla"`` runs
       the FP8 path in pure JAX anywhere. Backward is straight-through: the
       tokens' gradient is the unquantized combine of the slab gradient,
       exactly as without FP8. With ``checkpoint_name`` the value named
@@ -217,7 +218,7 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
     :class:`Dispatched`: ``tokens [L, C, H]`` (grouped ``[M, H]``), ``weights
     [L, C]`` (``[M]``) float32, ``handle``, ``counts [L]``, ``demand [L]``.
   """
-  check_backend(backend)
+  check_transport(transport)
   wire_dtype = check_wire_dtype(wire_dtype)
   _check_rank("tokens", tokens, 2, "[T, H]")
   _check_rank("topk_idx", topk_idx, 2, "[T, K]")
@@ -258,7 +259,7 @@ def dispatch(tokens: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
   plan = plan_dispatch(num_experts=num_experts, ep_size=ep_size,
                        expert_capacity=expert_capacity, send_capacity=send_capacity,
                        top_k=top_k, hidden=tokens.shape[-1], row_dtype=tokens.dtype,
-                       axis_name=axis_name, backend=backend, exchange=exchange, mesh=mesh,
+                       axis_name=axis_name, transport=transport, exchange=exchange, mesh=mesh,
                        wire_dtype=wire_dtype,
                        grouped_rows=None if grouped_rows is None else int(grouped_rows),
                        group_align=group_align, checkpoint_name=checkpoint_name,
@@ -290,7 +291,7 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int,
-            axis_name=None, backend: str = "auto", exchange: str = "auto",
+            axis_name=None, transport: str = "auto", exchange: str = "auto",
             mesh=None) -> jax.Array:
   """Brings expert outputs back to their tokens and sums them.
 
@@ -301,7 +302,7 @@ def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int
     handle: the dispatch's :class:`RoutingHandle`.
     num_tokens: ``T >= 1``, this rank's token count.
     axis_name: the EP mesh axis the dispatch used, or None.
-    backend: ``"auto"``, ``"xla"`` or ``"cupy"``.
+    transport: as for :func:`dispatch`.
     exchange, mesh: as for :func:`dispatch`.
 
   Returns:
@@ -309,7 +310,7 @@ def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int
     routes of ``t`` of their rows, summed in float32 in a fixed order (a
     token's experts on one rank first, on that rank, then over ranks).
   """
-  check_backend(backend)
+  check_transport(transport)
   if not isinstance(handle, RoutingHandle):
     raise ValueError(f"handle must be the RoutingHandle from dispatch; got {type(handle)}")
   if handle.grouped:
@@ -327,5 +328,5 @@ def combine(expert_outputs: jax.Array, handle: RoutingHandle, *, num_tokens: int
     raise ValueError(f"axis_name={axis_name!r} has size {ep_size} but the handle was "
                      f"made for {handle.ep_size} ranks")
   plan = plan_combine(handle, hidden=expert_outputs.shape[-1], row_dtype=expert_outputs.dtype,
-                      axis_name=axis_name, backend=backend, exchange=exchange, mesh=mesh)
+                      axis_name=axis_name, transport=transport, exchange=exchange, mesh=mesh)
   return _combine(plan, expert_outputs, handle)

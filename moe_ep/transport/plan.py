@@ -34,26 +34,29 @@ other branch runs the plan :meth:`DispatchPlan.on_all_to_all`.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name as name_value
 
-from moe_ep.options import EXCHANGES, check_backend, check_wire_dtype
+from moe_ep.options import EXCHANGES, check_transport, check_wire_dtype
 from moe_ep.row_groups import GROUP_ALIGN
-from moe_ep.transport import backend as transport_backend
-from moe_ep.transport import fp8
+from moe_ep.transport import fp8, kernel_launch
 from moe_ep.transport.handle import RoutingHandle
+from moe_ep.transport.launch_geometry import SlabSizes
 from moe_ep.transport.peer import dispatch_layout, fused_layout, reachability
 from moe_ep.transport.peer import rows as peer_rows
 from moe_ep.transport.peer import runtime as peer_runtime
 
-__all__ = ["COMBINE_ROW_PATHS", "DISPATCH_ROW_PATHS", "DispatchPlan", "META_PATHS",
-           "plan_combine", "plan_dispatch", "resolve_exchange"]
+__all__ = ["COMBINE_ROW_PATHS", "DISPATCH_ROW_PATHS", "DispatchPlan", "LOCAL_PASSES",
+           "META_PATHS", "local_passes_for", "plan_combine", "plan_dispatch", "resolve_exchange"]
 
 META_PATHS = ("local", "exchange", "fused_layout")
 DISPATCH_ROW_PATHS = ("local", "exchange", "fused", "fused_wire", "one_launch")
 COMBINE_ROW_PATHS = ("local", "exchange", "fused")
+LOCAL_PASSES = ("xla", "cupy", "per_platform")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +74,10 @@ class DispatchPlan:
     group_align: where the grouped layout's groups start.
     axis_name, mesh: the EP axis and the enclosing ``shard_map``'s mesh
       (None on ``all_to_all`` branches).
-    backend: the local passes' backend name (:data:`~moe_ep.options.BACKENDS`).
+    transport: the local passes' implementation asked for
+      (:data:`~moe_ep.options.TRANSPORTS`).
+    local_passes: :data:`LOCAL_PASSES`, the implementation that runs them
+      (:func:`local_passes_for`).
     exchange: ``"all_to_all"`` or ``"peer"`` (resolved, never ``"auto"``).
     meta_path: :data:`META_PATHS`; None for a combine, which routes nothing.
     dispatch_row_path: :data:`DISPATCH_ROW_PATHS`.
@@ -92,7 +98,7 @@ class DispatchPlan:
   hidden: int
   row_dtype: str
   axis_name: object
-  backend: str
+  transport: str
   exchange: str
   meta_path: str | None
   dispatch_row_path: str
@@ -104,9 +110,11 @@ class DispatchPlan:
   weight_dtype: str = "float32"
   checkpoint_name: str | None = None
   fp8_rows: bool = False
+  local_passes: str = "xla"
 
   def __post_init__(self):
     for field, value, allowed in (("exchange", self.exchange, ("all_to_all", "peer")),
+                                  ("local_passes", self.local_passes, LOCAL_PASSES),
                                   ("meta_path", self.meta_path, META_PATHS + (None,)),
                                   ("dispatch_row_path", self.dispatch_row_path,
                                    DISPATCH_ROW_PATHS),
@@ -114,11 +122,6 @@ class DispatchPlan:
                                    COMBINE_ROW_PATHS)):
       if value not in allowed:
         raise ValueError(f"DispatchPlan.{field}={value!r} must be one of {allowed}")
-
-  @property
-  def ops(self):
-    """The backend running the local passes."""
-    return transport_backend.resolve(self.backend)
 
   @property
   def num_local_experts(self) -> int:
@@ -134,11 +137,13 @@ class DispatchPlan:
 
   def on_all_to_all(self) -> "DispatchPlan":
     """This plan (``R > 1``) on XLA's ``all_to_all``: a fused peer launch's
-    other branch, which runs where the program is not lowered for CUDA."""
+    other branch, which runs where the program is not lowered for CUDA, so
+    per-platform local passes are the pure-JAX ones there."""
     return dataclasses.replace(
         self, exchange="all_to_all", mesh=None,
         meta_path=None if self.meta_path is None else "exchange",
-        dispatch_row_path="exchange", combine_row_path="exchange")
+        dispatch_row_path="exchange", combine_row_path="exchange",
+        local_passes="xla" if self.local_passes == "per_platform" else self.local_passes)
 
   def name(self, field: str, value):
     """``value`` named ``f"{checkpoint_name}.{field}"`` for remat policies
@@ -148,31 +153,46 @@ class DispatchPlan:
     return name_value(value, f"{self.checkpoint_name}.{field}")
 
 
-def auto_exchange_reason(backend: str, axis_name, ep_size: int, mesh) -> str | None:
+def local_passes_for(transport: str) -> str:
+  """Which implementation runs the local passes for ``transport``
+  (:data:`LOCAL_PASSES`): ``"xla"`` pure JAX; ``"cupy"`` the CuPy kernels
+  (ImportError naming the extra where CuPy is missing); ``"auto"`` the
+  kernels where the program is lowered for CUDA and pure JAX elsewhere
+  (``"per_platform"``) where CuPy imports, else pure JAX."""
+  check_transport(transport)
+  if transport == "xla":
+    return "xla"
+  if transport == "cupy":
+    kernel_launch.require_cupy()
+    return "cupy"
+  return "per_platform" if kernel_launch.cupy_available() else "xla"
+
+
+def auto_exchange_reason(transport: str, axis_name, ep_size: int, mesh) -> str | None:
   """Why ``exchange="auto"`` keeps XLA's ``all_to_all`` here (None: it takes
-  the peer path): one rank, the ``"xla"`` backend, no ``mesh``, or GPUs of
+  the peer path): one rank, the ``"xla"`` transport, no ``mesh``, or GPUs of
   the EP groups that do not reach each other by peer access on one host."""
   if ep_size == 1:
     return "one rank"
-  if backend == "xla":
-    return "backend='xla'"
+  if transport == "xla":
+    return "transport='xla'"
   if mesh is None:
     return "no mesh given"
   return reachability.unsupported_reason(mesh, axis_name)
 
 
-def resolve_exchange(exchange: str, backend: str, axis_name, ep_size: int, mesh) -> str:
+def resolve_exchange(exchange: str, transport: str, axis_name, ep_size: int, mesh) -> str:
   """The exchange one dispatch/combine uses: ``"peer"`` or ``"all_to_all"``.
 
   ``"auto"`` takes the peer path where :func:`auto_exchange_reason` finds
-  nothing against it; ``"peer"`` insists (with any backend) and says why
+  nothing against it; ``"peer"`` insists (with any transport) and says why
   not."""
   if exchange not in EXCHANGES:
     raise ValueError(f"exchange={exchange!r} is not one of {EXCHANGES}")
   if ep_size == 1 or exchange == "all_to_all":
     return "all_to_all"
   if exchange == "auto":
-    return ("peer" if auto_exchange_reason(backend, axis_name, ep_size, mesh) is None
+    return ("peer" if auto_exchange_reason(transport, axis_name, ep_size, mesh) is None
             else "all_to_all")
   if mesh is None:
     raise ValueError(f"exchange='peer' needs mesh=, the mesh of the enclosing shard_map over "
@@ -184,76 +204,85 @@ def resolve_exchange(exchange: str, backend: str, axis_name, ep_size: int, mesh)
   return "peer"
 
 
-def _fused_rows(on_peer: bool, dtype, hidden: int, ep_size: int, top_k: int, sums: bool,
-                wire_dtype: str | None = None) -> bool:
-  """Whether the fused row launches move these rows (``wire_dtype``:
+class _PathRequest(NamedTuple):
+  """What one dispatch's (or combine's) paths are chosen from: whether the
+  peer exchange carries it, its rows and their sizes."""
+
+  on_peer: bool
+  row_dtype: np.dtype
+  hidden: int
+  sizes: SlabSizes
+  wire_dtype: str | None = None  # the FP8 wire, or rows crossing as they are
+  fp8_slabs: bool = False  # FP8 slabs land (DispatchPlan.fp8_slabs)
+  grouped_rows: int | None = None
+
+
+def _fused_rows(request: _PathRequest, sums: bool, wire_dtype: str | None = None) -> bool:
+  """Whether the fused row launches move the request's rows (``wire_dtype``:
   quantizing them on the way)."""
-  return on_peer and peer_rows.fused_rows_problem(dtype, hidden, ep_size, top_k, sums=sums,
-                                                  wire_dtype=wire_dtype) is None
+  return request.on_peer and peer_rows.fused_rows_problem(
+      request.row_dtype, request.hidden, request.sizes.ep_size, request.sizes.top_k, sums=sums,
+      wire_dtype=wire_dtype) is None
 
 
-def _combine_row_path(on_peer: bool, dtype, hidden: int, ep_size: int, top_k: int) -> str:
-  if ep_size == 1:
+def _combine_row_path(request: _PathRequest) -> str:
+  if request.sizes.ep_size == 1:
     return "local"
-  return "fused" if _fused_rows(on_peer, dtype, hidden, ep_size, top_k, sums=True) else "exchange"
+  return "fused" if _fused_rows(request, sums=True) else "exchange"
 
 
-def _dispatch_row_path(on_peer: bool, dtype, hidden: int, ep_size: int, top_k: int,
-                       wire_dtype: str | None, fp8_slabs: bool) -> str:
+def _dispatch_row_path(request: _PathRequest) -> str:
   """Rows -> slabs, apart from the one-launch dispatch. FP8 rows
   dequantized as they land take the drop-in exchange; FP8 slabs, the
   quantizing launch where it takes the rows, else the byte-row launch."""
-  if ep_size == 1:
+  if request.sizes.ep_size == 1:
     return "local"
-  if wire_dtype is None:
-    fused = _fused_rows(on_peer, dtype, hidden, ep_size, top_k, sums=False)
-    return "fused" if fused else "exchange"
-  if not fp8_slabs:
+  if request.wire_dtype is None:
+    return "fused" if _fused_rows(request, sums=False) else "exchange"
+  if not request.fp8_slabs:
     return "exchange"
-  if _fused_rows(on_peer, dtype, hidden, ep_size, top_k, sums=False, wire_dtype=wire_dtype):
+  if _fused_rows(request, sums=False, wire_dtype=request.wire_dtype):
     return "fused"
-  if _fused_rows(on_peer, jnp.uint8, fp8.wire_bytes(hidden), ep_size, top_k, sums=False):
+  wire_rows = request._replace(row_dtype=np.dtype(np.uint8),
+                               hidden=fp8.wire_bytes(request.hidden))
+  if _fused_rows(wire_rows, sums=False):
     return "fused_wire"
   return "exchange"
 
 
-def _one_launch(on_peer: bool, dtype, hidden: int, ep_size: int, send_capacity: int,
-                top_k: int, local_experts: int, expert_capacity: int, wire_dtype: str | None,
-                grouped_rows: int | None) -> bool:
+def _one_launch(request: _PathRequest) -> bool:
   """Whether the whole dispatch runs as one peer launch (decode sizes, when
   enabled: :func:`~moe_ep.transport.peer.dispatch_layout_enabled`)."""
-  return (on_peer and not wire_dtype and grouped_rows is None
+  return (request.on_peer and not request.wire_dtype and request.grouped_rows is None
           and peer_runtime.dispatch_layout_enabled()
-          and dispatch_layout.dispatch_layout_fits(dtype, hidden, ep_size, send_capacity, top_k,
-                                                   local_experts, expert_capacity))
+          and dispatch_layout.dispatch_layout_fits(request.row_dtype, request.hidden,
+                                                   request.sizes))
 
 
-def _meta_path(on_peer: bool, ep_size: int, send_capacity: int, top_k: int,
-               local_experts: int, expert_capacity: int) -> str:
-  if ep_size == 1:
+def _meta_path(request: _PathRequest) -> str:
+  if request.sizes.ep_size == 1:
     return "local"
-  if on_peer and fused_layout.fused_layout_fits(ep_size, send_capacity, top_k, local_experts,
-                                                expert_capacity):
+  if request.on_peer and fused_layout.fused_layout_fits(request.sizes):
     return "fused_layout"
   return "exchange"
 
 
 def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_capacity: int,
-                  top_k: int, hidden: int, row_dtype, axis_name, backend: str = "auto",
+                  top_k: int, hidden: int, row_dtype, axis_name, transport: str = "auto",
                   exchange: str = "auto", mesh=None, wire_dtype: str | None = None,
                   grouped_rows: int | None = None, group_align: int = GROUP_ALIGN,
                   checkpoint_name: str | None = None, weight_dtype: str = "float32",
                   fp8_rows: bool = False) -> DispatchPlan:
   """The plan of one dispatch (and of its backward) at these sizes, as
   :func:`~moe_ep.transport.dispatch` resolves it: every path chosen here,
-  the backend resolved now (a missing CuPy fails at trace time).
+  the local passes too (a missing CuPy fails at trace time).
 
   Args:
     num_experts, ep_size, expert_capacity, send_capacity, top_k: ``E``,
       ``R``, ``C``, ``S``, ``K`` (as dispatch clamps them: ``C`` at most the
       dropless bound, ``S`` at most ``T``).
     hidden, row_dtype: ``H`` and the tokens' dtype (a name or a dtype).
-    axis_name, backend, exchange, mesh, wire_dtype, grouped_rows, group_align,
+    axis_name, transport, exchange, mesh, wire_dtype, grouped_rows, group_align,
       checkpoint_name: as for :func:`~moe_ep.transport.dispatch`
       (``exchange="auto"`` resolved by :func:`resolve_exchange`).
     weight_dtype: the dtype of the routing weights dispatch differentiates
@@ -263,58 +292,51 @@ def plan_dispatch(*, num_experts: int, ep_size: int, expert_capacity: int, send_
   Returns:
     :class:`DispatchPlan`.
   """
-  check_backend(backend)
+  check_transport(transport)
   wire_dtype = check_wire_dtype(wire_dtype)
-  resolved = resolve_exchange(exchange, backend, axis_name, ep_size, mesh)
-  on_peer = resolved == "peer"
+  resolved = resolve_exchange(exchange, transport, axis_name, ep_size, mesh)
   dtype = jnp.dtype(row_dtype)
-  local_experts = num_experts // ep_size
-  fp8_slabs = wire_dtype is not None and (checkpoint_name is not None or fp8_rows)
-  if _one_launch(on_peer, dtype, hidden, ep_size, send_capacity, top_k, local_experts,
-                 expert_capacity, wire_dtype, grouped_rows):
-    dispatch_row_path = "one_launch"
-  else:
-    dispatch_row_path = _dispatch_row_path(on_peer, dtype, hidden, ep_size, top_k, wire_dtype,
-                                           fp8_slabs)
-  plan = DispatchPlan(
+  request = _PathRequest(
+      on_peer=resolved == "peer", row_dtype=dtype, hidden=hidden,
+      sizes=SlabSizes(ep_size, send_capacity, top_k, num_experts // ep_size, expert_capacity),
+      wire_dtype=wire_dtype,
+      fp8_slabs=wire_dtype is not None and (checkpoint_name is not None or fp8_rows),
+      grouped_rows=grouped_rows)
+  return DispatchPlan(
       num_experts=num_experts, ep_size=ep_size, expert_capacity=expert_capacity,
       send_capacity=send_capacity, top_k=top_k, hidden=hidden, row_dtype=dtype.name,
-      axis_name=axis_name, backend=backend, exchange=resolved,
-      meta_path=_meta_path(on_peer, ep_size, send_capacity, top_k, local_experts,
-                           expert_capacity),
-      dispatch_row_path=dispatch_row_path,
-      combine_row_path=_combine_row_path(on_peer, dtype, hidden, ep_size, top_k),
+      axis_name=axis_name, transport=transport, exchange=resolved,
+      meta_path=_meta_path(request),
+      dispatch_row_path="one_launch" if _one_launch(request) else _dispatch_row_path(request),
+      combine_row_path=_combine_row_path(request),
       mesh=mesh, grouped_rows=grouped_rows, group_align=group_align, wire_dtype=wire_dtype,
-      weight_dtype=weight_dtype, checkpoint_name=checkpoint_name, fp8_rows=fp8_rows)
-  plan.ops
-  return plan
+      weight_dtype=weight_dtype, checkpoint_name=checkpoint_name, fp8_rows=fp8_rows,
+      local_passes=local_passes_for(transport))
 
 
 def plan_combine(handle: RoutingHandle, *, hidden: int, row_dtype, axis_name,
-                 backend: str = "auto", exchange: str = "auto", mesh=None) -> DispatchPlan:
+                 transport: str = "auto", exchange: str = "auto", mesh=None) -> DispatchPlan:
   """The plan of one combine (and of its backward) of expert outputs of
   ``hidden`` channels of ``row_dtype`` along ``handle``, as
   :func:`~moe_ep.transport.combine` resolves it. Combine reads only the
   handle's flat maps: to it a grouped buffer is one group of ``M`` rows. It
   routes nothing (``meta_path`` None) and its rows cross as they are."""
-  check_backend(backend)
+  check_transport(transport)
   local_experts, capacity = ((1, handle.slab_row.shape[0]) if handle.grouped
                              else handle.slab_row.shape)
   ep_size = handle.ep_size
-  resolved = resolve_exchange(exchange, backend, axis_name, ep_size, mesh)
-  on_peer = resolved == "peer"
+  resolved = resolve_exchange(exchange, transport, axis_name, ep_size, mesh)
   dtype = jnp.dtype(row_dtype)
-  plan = DispatchPlan(
+  request = _PathRequest(on_peer=resolved == "peer", row_dtype=dtype, hidden=hidden,
+                         sizes=SlabSizes(ep_size, handle.send_capacity, handle.top_k,
+                                         local_experts, capacity))
+  return DispatchPlan(
       num_experts=local_experts * ep_size, ep_size=ep_size, expert_capacity=capacity,
       send_capacity=handle.send_capacity, top_k=handle.top_k, hidden=hidden,
-      row_dtype=dtype.name, axis_name=axis_name, backend=backend, exchange=resolved,
-      meta_path=None,
-      dispatch_row_path=_dispatch_row_path(on_peer, dtype, hidden, ep_size, handle.top_k,
-                                           None, False),
-      combine_row_path=_combine_row_path(on_peer, dtype, hidden, ep_size, handle.top_k),
-      mesh=mesh)
-  plan.ops
-  return plan
+      row_dtype=dtype.name, axis_name=axis_name, transport=transport, exchange=resolved,
+      meta_path=None, dispatch_row_path=_dispatch_row_path(request),
+      combine_row_path=_combine_row_path(request), mesh=mesh,
+      local_passes=local_passes_for(transport))
 
 
 def ep_size_of(axis_name, caller: str) -> int:

@@ -23,16 +23,7 @@ import jax
 from moe_ep.transport.handle import RoutingHandle
 
 
-def lay_out(ops, recv_meta: jax.Array, *, top_k: int, num_local_experts: int,
-            expert_capacity: int) -> tuple:
-  """The backend ``ops``' slab layout of the received metadata ``[R, W]``:
-  ``(recv_pos [R, S, K], slab_row [L, C], slab_weights [L, C], counts [L],
-  demand [L])``."""
-  return ops.slab_layout(recv_meta, top_k=top_k, num_local_experts=num_local_experts,
-                         expert_capacity=expert_capacity)
-
-
-def output_rows(handle: RoutingHandle) -> jax.Array:
+def output_sources(handle: RoutingHandle) -> jax.Array:
   """``[N]`` int32: the received row ``src * S + s`` feeding each flat output
   row (``N = L * C``), or -1 (a zero row)."""
   return handle.slab_row.reshape(-1)
@@ -46,7 +37,7 @@ def output_shape(handle: RoutingHandle, width: int) -> tuple[int, ...]:
 def filled(handle: RoutingHandle) -> jax.Array:
   """``[N]`` bool: the flat output rows some member fills (the others are
   padding)."""
-  rows = output_rows(handle)
+  rows = output_sources(handle)
   return (rows >= 0) & (rows < handle.send_token.size)
 
 

@@ -36,10 +36,36 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_ep.transport import fp8, peer, receive_grouped, receive_slabs
+from moe_ep.transport import cupy_backend, fp8, peer, receive_grouped, receive_slabs, xla
 from moe_ep.transport.handle import RoutingHandle
 from moe_ep.transport.peer import dispatch_layout, fused_layout, rows as peer_rows
 from moe_ep.transport.plan import DispatchPlan
+
+
+# Each local pass as (its CuPy kernels, its pure-JAX twin), the one pair of
+# functions a call through _local_pass may run.
+_ROUTE = (cupy_backend.route, xla.route)
+_SLAB_LAYOUT = (cupy_backend.slab_layout, xla.slab_layout)
+_EXPAND_ROWS = (cupy_backend.expand_rows, xla.expand_rows)
+_GATHER_SUM_ROWS = (cupy_backend.gather_sum_rows, xla.gather_sum_rows)
+_QUANTIZE_PACK_EXPAND = (cupy_backend.quantize_pack_expand, xla.quantize_pack_expand)
+_UNPACK_DEQUANTIZE_EXPAND = (cupy_backend.unpack_dequantize_expand, xla.unpack_dequantize_expand)
+_DEQUANTIZE_FILLED_ROWS = (cupy_backend.dequantize_filled_rows, xla.dequantize_filled_rows)
+
+
+def _local_pass(plan: DispatchPlan, passes: tuple, *args, **static):
+  """One local pass, ``passes = (kernel_pass, xla_pass)``: the CuPy kernels
+  (:mod:`~moe_ep.transport.cupy_backend`) or their pure-JAX twin
+  (:mod:`~moe_ep.transport.xla`), as ``plan.local_passes`` says;
+  ``"per_platform"`` lowers the kernels where the program is lowered for
+  CUDA and the twin elsewhere."""
+  kernel_pass, xla_pass = passes
+  if plan.local_passes == "xla":
+    return xla_pass(*args, **static)
+  if plan.local_passes == "cupy":
+    return kernel_pass(*args, **static)
+  return jax.lax.platform_dependent(*args, cuda=functools.partial(kernel_pass, **static),
+                                    default=functools.partial(xla_pass, **static))
 
 
 def _fused_on_cuda(scope: str, fused, unfused, *args):
@@ -70,7 +96,7 @@ def _lookup(table: jax.Array, index: jax.Array, fill) -> jax.Array:
   return jnp.where(valid.reshape(valid.shape + (1,) * (table.ndim - 1)), rows, fill)
 
 
-def _wire_rows(handle: RoutingHandle) -> jax.Array:
+def _send_positions(handle: RoutingHandle) -> jax.Array:
   """``[T, R]`` flat send-buffer row ``d * S + slot`` of each (token, rank), or -1."""
   ranks = jnp.arange(handle.ep_size, dtype=jnp.int32)
   return jnp.where(handle.send_slot >= 0, ranks * handle.send_capacity + handle.send_slot, -1)
@@ -85,34 +111,32 @@ def _token_member_pos(handle: RoutingHandle) -> jax.Array:
 # --- the row paths ------------------------------------------------------------
 
 
-def rows_to_slabs(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
+def rows_to_slabs(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle,
+                  path: str | None = None) -> jax.Array:
   """``rows [T, H]`` (one per token) -> ``[L, C, H]`` slabs along ``handle``,
-  by ``plan.dispatch_row_path`` (the one-launch dispatch's rows alone: its
-  fused row launch); FP8 plans: :func:`rows_to_slabs_fp8`."""
-  if plan.wire_dtype is not None:
-    raise ValueError(f"rows_to_slabs moves rows as they are, not on a {plan.wire_dtype} wire; "
-                     "use rows_to_slabs_fp8 or rows_to_fp8_slabs")
-  path = plan.dispatch_row_path
-  return _rows_to_slabs(plan, "fused" if path == "one_launch" else path, rows, handle)
-
-
-def _rows_to_slabs(plan: DispatchPlan, path: str, rows: jax.Array,
-                   handle: RoutingHandle) -> jax.Array:
-  """:func:`rows_to_slabs` by ``path``: ``"local"``, ``"fused"`` or ``"exchange"``
-  (also for FP8 wire rows of ``W`` bytes, which cross like any rows)."""
-  ops = plan.ops
+  by ``path``: ``"local"``, ``"fused"`` or ``"exchange"``. None: the plan's
+  ``dispatch_row_path`` (the one-launch dispatch's rows alone: its fused row
+  launch), of a plan whose rows cross as they are (FP8 plans:
+  :func:`rows_to_slabs_fp8`); :func:`rows_to_fp8_slabs` passes the path of
+  its wire rows of ``W`` bytes, which cross like any rows."""
+  if path is None:
+    if plan.wire_dtype is not None:
+      raise ValueError(f"rows_to_slabs moves rows as they are, not on a {plan.wire_dtype} "
+                       "wire; use rows_to_slabs_fp8 or rows_to_fp8_slabs")
+    path = "fused" if plan.dispatch_row_path == "one_launch" else plan.dispatch_row_path
   hidden = rows.shape[-1]
   shape = receive_slabs.output_shape(handle, hidden)
-  output_rows = receive_slabs.output_rows(handle)
+  output_sources = receive_slabs.output_sources(handle)
   if path == "local":
-    token_of_output_row = _lookup(handle.send_token.reshape(-1), output_rows, -1)
-    return ops.expand_rows(rows, _token_member_pos(handle), token_of_output_row).reshape(shape)
+    token_of_output_row = _lookup(handle.send_token.reshape(-1), output_sources, -1)
+    return _local_pass(plan, _EXPAND_ROWS, rows, _token_member_pos(handle),
+                       token_of_output_row).reshape(shape)
   if path == "fused":
     flat = _fused_on_cuda(
         "exchange_rows",
         functools.partial(peer_rows.dispatch_rows, axis_name=plan.axis_name, mesh=plan.mesh),
         lambda rows, *maps: _exchanged_rows_to_slabs(plan.on_all_to_all(), rows, handle),
-        rows, handle.send_token, handle.send_slot, handle.recv_pos, output_rows)
+        rows, handle.send_token, handle.send_slot, handle.recv_pos, output_sources)
     return flat.reshape(shape)
   if path == "exchange":
     return _exchanged_rows_to_slabs(plan, rows, handle).reshape(shape)
@@ -123,23 +147,23 @@ def _exchanged_rows_to_slabs(plan: DispatchPlan, rows: jax.Array,
                              handle: RoutingHandle) -> jax.Array:
   """R > 1, unfused: ``expand_rows`` to ``[R, S, H]``, the exchange, ``expand_rows``
   to the flat output rows ``[L * C, H]``."""
-  ops = plan.ops
   hidden = rows.shape[-1]
-  send_rows = ops.expand_rows(rows, _wire_rows(handle), handle.send_token.reshape(-1))
+  send_rows = _local_pass(plan, _EXPAND_ROWS, rows, _send_positions(handle),
+                          handle.send_token.reshape(-1))
   recv_rows = exchange(plan, send_rows.reshape(plan.ep_size, -1, hidden), "exchange_rows")
-  return ops.expand_rows(recv_rows.reshape(-1, hidden), handle.recv_pos.reshape(-1, handle.top_k),
-                         receive_slabs.output_rows(handle))
+  return _local_pass(plan, _EXPAND_ROWS, recv_rows.reshape(-1, hidden),
+                     handle.recv_pos.reshape(-1, handle.top_k),
+                     receive_slabs.output_sources(handle))
 
 
 def slabs_to_rows(plan: DispatchPlan, slab_values: jax.Array, handle: RoutingHandle) -> jax.Array:
   """``slab_values [L, C, H]`` -> ``[T, H]``: each token's sum over its kept
   rows, by ``plan.combine_row_path``."""
-  ops = plan.ops
   hidden = slab_values.shape[-1]
   flat = slab_values.reshape(-1, hidden)
   path = plan.combine_row_path
   if path == "local":
-    return ops.gather_sum_rows(flat, _token_member_pos(handle))
+    return _local_pass(plan, _GATHER_SUM_ROWS, flat, _token_member_pos(handle))
   if path == "fused":
     return _fused_on_cuda(
         "exchange_rows",
@@ -153,11 +177,11 @@ def _exchanged_slabs_to_rows(plan: DispatchPlan, flat: jax.Array,
                              handle: RoutingHandle) -> jax.Array:
   """R > 1, unfused: per received row the sum of its members (``gather_sum_rows``),
   the exchange, per token the sum over ranks: ``[L * C, H]`` -> ``[T, H]``."""
-  ops = plan.ops
   hidden = flat.shape[-1]
-  partial_sums = ops.gather_sum_rows(flat, handle.recv_pos.reshape(-1, handle.top_k))
+  partial_sums = _local_pass(plan, _GATHER_SUM_ROWS, flat,
+                             handle.recv_pos.reshape(-1, handle.top_k))
   returned = exchange(plan, partial_sums.reshape(plan.ep_size, -1, hidden), "exchange_rows")
-  return ops.gather_sum_rows(returned.reshape(-1, hidden), _wire_rows(handle))
+  return _local_pass(plan, _GATHER_SUM_ROWS, returned.reshape(-1, hidden), _send_positions(handle))
 
 
 def rows_to_slabs_fp8(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
@@ -187,20 +211,19 @@ def rows_to_slabs_fp8(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle
   shape = receive_slabs.output_shape(handle, hidden)
   if plan.fp8_slabs:
     fp8_slabs = plan.name("tokens", rows_to_fp8_slabs(plan, rows, handle))
-    return plan.ops.dequantize_filled_rows(fp8_slabs.reshape(-1, fp8_slabs.shape[-1]),
-                                           receive_slabs.filled(handle), hidden=hidden,
-                                           dtype=rows.dtype).reshape(shape)
-  ops = plan.ops
-  output_rows = receive_slabs.output_rows(handle)
+    return _local_pass(plan, _DEQUANTIZE_FILLED_ROWS, fp8_slabs.reshape(-1, fp8_slabs.shape[-1]),
+                       receive_slabs.filled(handle), hidden=hidden,
+                       dtype=rows.dtype).reshape(shape)
+  output_sources = receive_slabs.output_sources(handle)
   if plan.dispatch_row_path == "local":
-    wire = ops.quantize_pack_expand(rows)
+    wire = _local_pass(plan, _QUANTIZE_PACK_EXPAND, rows)
     targets = _token_member_pos(handle)
-    sources = _lookup(handle.send_token.reshape(-1), output_rows, -1)
+    sources = _lookup(handle.send_token.reshape(-1), output_sources, -1)
   else:
     wire = _exchanged_wire_rows(plan, rows, handle)
-    targets, sources = handle.recv_pos.reshape(-1, handle.top_k), output_rows
-  return ops.unpack_dequantize_expand(wire, targets, sources, hidden=hidden,
-                                      dtype=rows.dtype).reshape(shape)
+    targets, sources = handle.recv_pos.reshape(-1, handle.top_k), output_sources
+  return _local_pass(plan, _UNPACK_DEQUANTIZE_EXPAND, wire, targets, sources, hidden=hidden,
+                     dtype=rows.dtype).reshape(shape)
 
 
 def rows_to_grouped_fp8(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle):
@@ -223,7 +246,8 @@ def rows_to_grouped_fp8(plan: DispatchPlan, rows: jax.Array, handle: RoutingHand
   fp8_slabs = plan.name("tokens", rows_to_fp8_slabs(plan, rows, handle))
   wire = fp8_slabs.reshape(-1, fp8_slabs.shape[-1])
   filled = receive_slabs.filled(handle)
-  grouped = plan.ops.dequantize_filled_rows(wire, filled, hidden=hidden, dtype=rows.dtype)
+  grouped = _local_pass(plan, _DEQUANTIZE_FILLED_ROWS, wire, filled, hidden=hidden,
+                        dtype=rows.dtype)
   return (grouped.reshape(receive_slabs.output_shape(handle, hidden)),
           fp8.unpack_filled_wire(wire, hidden, filled))
 
@@ -243,7 +267,6 @@ def rows_to_fp8_slabs(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle
   if not plan.fp8_slabs:
     raise ValueError("rows_to_fp8_slabs needs the plan of a dispatch that lands FP8 slabs: "
                      "wire_dtype='float8_e4m3fn' and a checkpoint_name (plan_dispatch)")
-  ops = plan.ops
   width = fp8.wire_bytes(rows.shape[-1])
   shape = receive_slabs.output_shape(handle, width)
   path = plan.dispatch_row_path
@@ -255,22 +278,22 @@ def rows_to_fp8_slabs(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle
         lambda rows, *maps: rows_to_fp8_slabs(plan.on_all_to_all(), rows, handle).reshape(
             -1, width),
         rows, handle.send_token, handle.send_slot, handle.recv_pos,
-        receive_slabs.output_rows(handle))
+        receive_slabs.output_sources(handle))
     return flat.reshape(shape)
   if path in ("local", "fused_wire"):
-    return _rows_to_slabs(plan, "local" if path == "local" else "fused",
-                          ops.quantize_pack_expand(rows), handle)
+    return rows_to_slabs(plan, _local_pass(plan, _QUANTIZE_PACK_EXPAND, rows), handle,
+                         path="local" if path == "local" else "fused")
   wire = _exchanged_wire_rows(plan, rows, handle)
-  return ops.expand_rows(wire, handle.recv_pos.reshape(-1, handle.top_k),
-                         receive_slabs.output_rows(handle)).reshape(shape)
+  return _local_pass(plan, _EXPAND_ROWS, wire, handle.recv_pos.reshape(-1, handle.top_k),
+                     receive_slabs.output_sources(handle)).reshape(shape)
 
 
 def _exchanged_wire_rows(plan: DispatchPlan, rows: jax.Array, handle: RoutingHandle) -> jax.Array:
   """R > 1: each token quantized once, fused with its expand into the send
   rows, and the exchange: ``rows [T, H]`` -> received wire rows ``[R * S,
   W]`` uint8."""
-  send_wire = plan.ops.quantize_pack_expand(rows, _wire_rows(handle),
-                                            handle.send_token.reshape(-1))
+  send_wire = _local_pass(plan, _QUANTIZE_PACK_EXPAND, rows, _send_positions(handle),
+                          handle.send_token.reshape(-1))
   width = send_wire.shape[-1]
   return exchange(plan, send_wire.reshape(plan.ep_size, -1, width),
                   "exchange_rows").reshape(-1, width)
@@ -292,22 +315,23 @@ def weights_to_routes(plan: DispatchPlan, slab_values: jax.Array,
 # --- routing: the metadata exchange and the receiver's layout ------------------
 
 
-def _layout_sizes(plan: DispatchPlan, top_k: int) -> dict:
+def _slab_sizes(plan: DispatchPlan, top_k: int) -> dict:
   return dict(top_k=top_k, num_local_experts=plan.num_local_experts,
               expert_capacity=plan.expert_capacity)
 
 
-def _exchanged_layout(plan: DispatchPlan, meta, top_k: int):
-  """The metadata exchange (``meta_path == "exchange"``), then the receiver's layout."""
-  if plan.meta_path == "exchange":
-    meta = exchange(plan, meta, "exchange_meta")
-  return receive_slabs.lay_out(plan.ops, meta, **_layout_sizes(plan, top_k))
+def _slab_layout(plan: DispatchPlan, recv_meta, top_k: int):
+  """The receiver's slab layout of the received metadata ``[R, W]``:
+  ``(recv_pos [R, S, K], slab_row [L, C], slab_weights [L, C], counts [L],
+  demand [L])``."""
+  return _local_pass(plan, _SLAB_LAYOUT, recv_meta, **_slab_sizes(plan, top_k))
 
 
 def _route(plan: DispatchPlan, topk_idx, topk_weights):
   """The sender's routing: ``(send_slot, send_token, route_slot, meta)``."""
-  return plan.ops.route(topk_idx, topk_weights.astype(jnp.float32), num_experts=plan.num_experts,
-                        ep_size=plan.ep_size, send_capacity=plan.send_capacity)
+  return _local_pass(plan, _ROUTE, topk_idx, topk_weights.astype(jnp.float32),
+                     num_experts=plan.num_experts, ep_size=plan.ep_size,
+                     send_capacity=plan.send_capacity)
 
 
 def routing(plan: DispatchPlan, topk_idx, topk_weights):
@@ -319,14 +343,18 @@ def routing(plan: DispatchPlan, topk_idx, topk_weights):
   send_slot, send_token, route_slot, meta = _route(plan, topk_idx, topk_weights)
   top_k = topk_idx.shape[1]
   if plan.meta_path == "fused_layout":  # decode: the exchange and the layout in one launch
-    layout = _fused_on_cuda(
+    laid_out = _fused_on_cuda(
         "exchange_meta",
-        functools.partial(fused_layout.slab_layout, **_layout_sizes(plan, top_k),
+        functools.partial(fused_layout.slab_layout, **_slab_sizes(plan, top_k),
                           axis_name=plan.axis_name, mesh=plan.mesh),
-        lambda meta: _exchanged_layout(plan.on_all_to_all(), meta, top_k), meta)
+        lambda meta: _slab_layout(plan.on_all_to_all(),
+                                  exchange(plan.on_all_to_all(), meta, "exchange_meta"), top_k),
+        meta)
   else:
-    layout = _exchanged_layout(plan, meta, top_k)
-  recv_pos, slab_row, slab_weights, counts, demand = layout
+    if plan.meta_path == "exchange":
+      meta = exchange(plan, meta, "exchange_meta")
+    laid_out = _slab_layout(plan, meta, top_k)
+  recv_pos, slab_row, slab_weights, counts, demand = laid_out
   if plan.grouped_rows is not None:
     recv_pos, slab_row, slab_weights, counts = receive_grouped.from_slabs(
         recv_pos, slab_row, slab_weights, counts, plan.grouped_rows, plan.group_align)
@@ -344,13 +372,14 @@ def dispatch_in_one_launch(plan: DispatchPlan, tokens, topk_idx, topk_weights):
 
   def all_to_all_path(rows, meta, *maps):  # the maps: send_token, send_slot, as outside
     on_all_to_all = plan.on_all_to_all()
-    recv_pos, slab_row, *rest = _exchanged_layout(on_all_to_all, meta, top_k)
+    recv_pos, slab_row, *rest = _slab_layout(
+        on_all_to_all, exchange(on_all_to_all, meta, "exchange_meta"), top_k)
     handle = RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row)
     return (_exchanged_rows_to_slabs(on_all_to_all, rows, handle), recv_pos, slab_row, *rest)
 
   flat, recv_pos, slab_row, slab_weights, counts, demand = _fused_on_cuda(
       "exchange_rows",
-      functools.partial(dispatch_layout.dispatch_with_layout, **_layout_sizes(plan, top_k),
+      functools.partial(dispatch_layout.dispatch_with_layout, **_slab_sizes(plan, top_k),
                         axis_name=plan.axis_name, mesh=plan.mesh),
       all_to_all_path, tokens, meta, send_token, send_slot)
   handle = RoutingHandle(send_slot, send_token, route_slot, recv_pos, slab_row)

@@ -285,9 +285,3 @@ def test_a_bad_tile_schedule_is_refused_naming_the_field():
   with pytest.raises(ValueError, match=r"TileConfig.chain_tiles=None must be a bool"):
     hopper.TileConfig(chain_tiles=None)
 
-
-def test_the_activation_is_fused_by_default_where_ffn_is_below_twice_hidden():
-  assert grouped.fuses_activation_by_default(hidden=2048, ffn=768)
-  assert grouped.fuses_activation_by_default(hidden=2048, ffn=4088)
-  assert not grouped.fuses_activation_by_default(hidden=2048, ffn=4096)
-  assert not grouped.fuses_activation_by_default(hidden=6144, ffn=16384)

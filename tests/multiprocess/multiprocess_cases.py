@@ -89,10 +89,10 @@ def run_transport(devices, seed: int, backend: str) -> dict[str, np.ndarray]:
 
   def body(tokens, idx, weights, maps):
     d = dispatch(tokens, idx, weights, num_experts=TRANSPORT_EXPERTS,
-                 expert_capacity=TRANSPORT_CAPACITY, axis_name="ep", backend=backend)
+                 expert_capacity=TRANSPORT_CAPACITY, axis_name="ep", transport=backend)
     hidden = jnp.tanh(jnp.einsum("lch,lhg->lcg", d.tokens, maps))
     y = combine(hidden * d.weights[..., None], d.handle, num_tokens=tokens.shape[0],
-                axis_name="ep", backend=backend)
+                axis_name="ep", transport=backend)
     return y, d.counts, d.demand
 
   run = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))

@@ -57,7 +57,7 @@ FP8_VARIANTS = [(FP8, None), (FP8, "moe.dispatch")]
 def round_trip(tokens, hidden, dtype, experts, top_k, capacity, send_capacity, axis,
                exchange="auto", mesh=None, wire_dtype=None, checkpoint_name=None,
                grouped_rows=None):
-  paths = dict(backend="cupy", exchange=exchange, mesh=mesh)
+  paths = dict(transport="cupy", exchange=exchange, mesh=mesh)
 
   def loss(x, idx, w):
     d = dispatch(x, idx, w, num_experts=experts, expert_capacity=capacity, axis_name=axis,

@@ -103,9 +103,9 @@ def round_trip(backend, capacity_factor):
   capacity = expert_capacity_for(tokens, top_k, experts, 1, capacity_factor)
 
   def loss(x, w, idx):
-    d = dispatch(x, idx, w, num_experts=experts, expert_capacity=capacity, backend=backend)
+    d = dispatch(x, idx, w, num_experts=experts, expert_capacity=capacity, transport=backend)
     out = (jnp.tanh(d.tokens.astype(jnp.float32)) * d.weights[..., None]).astype(x.dtype)
-    y = combine(out, d.handle, num_tokens=tokens, backend=backend)
+    y = combine(out, d.handle, num_tokens=tokens, transport=backend)
     return jnp.sum(y.astype(jnp.float32) ** 2), (y, d.counts, d.demand)
 
   rng = np.random.default_rng(0)

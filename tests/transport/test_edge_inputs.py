@@ -35,10 +35,10 @@ def run_transport(tokens, topk_idx, topk_weights, maps, *, ep_size, expert_capac
 
   def body(x, idx, w, m):
     d = dispatch(x, idx, w, num_experts=NUM_EXPERTS, expert_capacity=expert_capacity,
-                 axis_name=axis, backend="xla")
+                 axis_name=axis, transport="xla")
     hidden = jnp.tanh(jnp.einsum("lch,lhg->lcg", d.tokens, m))
     y = combine(hidden * d.weights[..., None], d.handle, num_tokens=num_tokens,
-                axis_name=axis, backend="xla")
+                axis_name=axis, transport="xla")
     return y, d.counts, d.demand
 
   mesh = make_mesh((ep_size,), ("ep",))
@@ -170,7 +170,7 @@ def test_expert_capacity_above_the_dropless_bound_is_clamped():
   bound = expert_capacity_for(TOKENS, TOP_K, NUM_EXPERTS, 1)
   assert bound == 16  # T = 13 rounded up to a multiple of 8
   shape = jax.eval_shape(lambda x, i, w: dispatch(
-      x, i, w, num_experts=NUM_EXPERTS, expert_capacity=200_000_000, backend="xla").tokens,
+      x, i, w, num_experts=NUM_EXPERTS, expert_capacity=200_000_000, transport="xla").tokens,
                          tokens, idx, weights)
   assert shape.shape == (NUM_EXPERTS, bound, HIDDEN)
   run = lambda capacity: jax.jit(functools.partial(
@@ -195,7 +195,7 @@ def test_narrow_and_unsigned_ids_route_like_int32(dtype, jitted):
   tokens = np.arange(4 * 2, dtype=np.float32).reshape(4, 2)
   weights = np.ones((4, 2), np.float32)
   run = lambda idx: dispatch(tokens, idx, weights, num_experts=200, expert_capacity=8,
-                             backend="xla")
+                             transport="xla")
   if jitted:
     run = jax.jit(run)
   got, ref = run(native), run(want)

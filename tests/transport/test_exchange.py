@@ -29,9 +29,9 @@ def problem(seed=0):
 
 def layer_like(x, idx, w):
   d = dispatch(x, idx, w, num_experts=NUM_EXPERTS, expert_capacity=CAPACITY, axis_name="ep",
-               checkpoint_name="moe.dispatch", backend="xla")
+               checkpoint_name="moe.dispatch", transport="xla")
   out = jnp.tanh(d.tokens) * d.weights[..., None]
-  return combine(out, d.handle, num_tokens=x.shape[0], axis_name="ep", backend="xla")
+  return combine(out, d.handle, num_tokens=x.shape[0], axis_name="ep", transport="xla")
 
 
 def sharded(fn):
@@ -67,7 +67,7 @@ def test_each_token_is_sent_to_each_rank_at_most_once(monkeypatch):
 
   def dispatch_only(x, i, w):
     return dispatch(x, i, w, num_experts=NUM_EXPERTS, expert_capacity=CAPACITY,
-                    axis_name="ep", backend="xla").tokens
+                    axis_name="ep", transport="xla").tokens
 
   jax.block_until_ready(jax.jit(sharded(dispatch_only))(
       tokens, idx.reshape(-1, TOP_K), weights.reshape(-1, TOP_K)))

@@ -68,7 +68,7 @@ def dispatch_with_grads(ep_size: int, wire_dtype, backend_name: str = "xla",
 
   def body(tokens, idx, weights):
     return dispatch(tokens, idx, weights, num_experts=NUM_EXPERTS, expert_capacity=capacity,
-                    axis_name=axis, backend=backend_name, exchange=exchange, mesh=mesh,
+                    axis_name=axis, transport=backend_name, exchange=exchange, mesh=mesh,
                     wire_dtype=wire_dtype, checkpoint_name=checkpoint_name)
 
   spec = P(("dp", "ep"))
@@ -200,7 +200,7 @@ def grouped_dispatch(ep_size: int, wire_dtype, fp8_rows: bool):
 
   def body(tokens, idx, weights):
     return dispatch(tokens, idx, weights, num_experts=NUM_EXPERTS,
-                    expert_capacity=slab_shape(ep_size)[1], axis_name=axis, backend="xla",
+                    expert_capacity=slab_shape(ep_size)[1], axis_name=axis, transport="xla",
                     exchange="all_to_all", wire_dtype=wire_dtype, grouped_rows=rows,
                     fp8_rows=fp8_rows)
 
@@ -460,7 +460,7 @@ def fp8_slabs_fn(mesh, backend: str, exchange: str, capacity: int, send_capacity
     plan = plan_dispatch(num_experts=NUM_EXPERTS, ep_size=mesh.shape["ep"],
                          expert_capacity=capacity, send_capacity=send_capacity,
                          top_k=idx.shape[1], hidden=x.shape[-1], row_dtype=x.dtype,
-                         axis_name="ep", backend=backend, exchange=exchange, mesh=mesh,
+                         axis_name="ep", transport=backend, exchange=exchange, mesh=mesh,
                          wire_dtype=FP8, checkpoint_name="moe.dispatch")
     idx, weights = ops.merge_duplicate_routes(
         ops.valid_ids(idx, NUM_EXPERTS), weights)

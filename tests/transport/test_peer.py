@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import custom_call_scopes, gpu_devices, make_mesh
+from moe_ep.transport.launch_geometry import SlabSizes
 from moe_ep.launch import launch
 from moe_ep.transport import kernel_source, peer
 from moe_ep.transport.peer import (channel, dispatch_layout, dropin, failures, fused_layout,
@@ -230,26 +231,29 @@ def test_dispatch_with_layout_is_off_unless_asked(monkeypatch):
 
 def test_dispatch_with_layout_only_at_decode_sizes():
   # decode at EP=2 (T=128, E=256, K=8, H=7168): 2048 members, 4 tiles of 512
-  assert dispatch_layout.dispatch_layout_fits("bfloat16", 7168, 2, 128, 8, 128, 16)
-  assert not dispatch_layout.dispatch_layout_fits("bfloat16", 7168, 2, 128, 8, 128, 16,
-                                                  wire_dtype="float8_e4m3fn")  # no FP8 variant yet
-  assert not dispatch_layout.dispatch_layout_fits("bfloat16", 7168, 8, 80, 8, 32, 16)  # R > 4
+  assert dispatch_layout.dispatch_layout_fits("bfloat16", 7168, SlabSizes(2, 128, 8, 128, 16))
+  assert not dispatch_layout.dispatch_layout_fits(  # no FP8 variant yet
+      "bfloat16", 7168, SlabSizes(2, 128, 8, 128, 16), wire_dtype="float8_e4m3fn")
+  assert not dispatch_layout.dispatch_layout_fits(
+      "bfloat16", 7168, SlabSizes(8, 80, 8, 32, 16))  # R > 4
   # more than 4 tiles (8; P2's 256): the receivers would place every own row
-  assert not dispatch_layout.dispatch_layout_fits("bfloat16", 7168, 4, 128, 8, 64, 16)
-  assert not dispatch_layout.dispatch_layout_fits("bfloat16", 7168, 2, 8192, 8, 32, 2560)
+  assert not dispatch_layout.dispatch_layout_fits("bfloat16", 7168, SlabSizes(4, 128, 8, 64, 16))
+  assert not dispatch_layout.dispatch_layout_fits("bfloat16", 7168, SlabSizes(2, 8192, 8, 32, 2560))
   assert dispatch_layout.dispatch_layout_tiles(2, 8192, 8) == 256
-  assert not dispatch_layout.dispatch_layout_fits("bfloat16", 7168, 2, 5, 1, 3, 4)  # 13-word rows
-  assert not dispatch_layout.dispatch_layout_fits("bfloat16", 7, 2, 128, 8, 128, 16)  # 14-byte rows
+  assert not dispatch_layout.dispatch_layout_fits(
+      "bfloat16", 7168, SlabSizes(2, 5, 1, 3, 4))  # 13-word rows
+  assert not dispatch_layout.dispatch_layout_fits(
+      "bfloat16", 7, SlabSizes(2, 128, 8, 128, 16))  # 14-byte rows
 
 
 def test_fused_slab_layout_only_where_one_launch_holds_the_layout():
   # decode at EP=2 (T=128, E=256, K=8): 2048 members, 2 tiles of 1024
-  assert fused_layout.fused_layout_fits(2, 128, 8, 128, 16)
+  assert fused_layout.fused_layout_fits(SlabSizes(2, 128, 8, 128, 16))
   # EP=8 decode (S=80): 5 tiles, so slab_count's launch: the layout stays unfused
-  assert not fused_layout.fused_layout_fits(8, 80, 8, 32, 16)
+  assert not fused_layout.fused_layout_fits(SlabSizes(8, 80, 8, 32, 16))
   # metadata rows of 2*S*K + L = 13 words: not whole 16-byte vectors
-  assert not fused_layout.fused_layout_fits(2, 5, 1, 3, 4)
-  assert not fused_layout.fused_layout_fits(1, 128, 8, 256, 16)
+  assert not fused_layout.fused_layout_fits(SlabSizes(2, 5, 1, 3, 4))
+  assert not fused_layout.fused_layout_fits(SlabSizes(1, 128, 8, 256, 16))
   with pytest.raises(ValueError, match="too many member tiles"):
     fused_layout.slab_layout_kernel(channel.ChannelLayout(8, 4 * (2 * 80 * 8 + 32)), 0, 0, 0,
                                     (80, 8, 32, 16), ())

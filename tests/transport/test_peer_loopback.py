@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_ep.transport import combine, dispatch, ops, row_paths
 from moe_ep.transport import xla as xla_backend
-from moe_ep.transport.kernel_plan import slab_plan
+from moe_ep.transport.launch_geometry import SlabSizes, slab_geometry
 from moe_ep.transport.plan import plan_dispatch
 from moe_ep.transport.peer import channel, dispatch_layout, fused_layout
 from benchmarks import peer_loopback
@@ -48,16 +48,16 @@ def _reference(ep_size: int, dtype, seed: int) -> list[dict]:
   outputs = rng.standard_normal((EXPERTS * capacity, HIDDEN)).astype(dtype)
   fp8_slabs_plan = plan_dispatch(num_experts=EXPERTS, ep_size=ep_size, expert_capacity=capacity,
                                  send_capacity=send_capacity, top_k=TOP_K, hidden=HIDDEN,
-                                 row_dtype=dtype, axis_name="ep", backend="xla",
+                                 row_dtype=dtype, axis_name="ep", transport="xla",
                                  exchange="all_to_all", mesh=mesh, wire_dtype=FP8,
                                  checkpoint_name="moe.dispatch")
 
   def program(x, idx, weights, outputs):
     d = dispatch(x, idx, weights, num_experts=EXPERTS, expert_capacity=capacity,
-                 axis_name="ep", send_capacity=send_capacity, backend="xla", mesh=mesh)
+                 axis_name="ep", send_capacity=send_capacity, transport="xla", mesh=mesh)
     fp8_slabs = row_paths.rows_to_fp8_slabs(fp8_slabs_plan, x, d.handle)
     expert_out = outputs.reshape(d.tokens.shape)
-    y = combine(expert_out, d.handle, num_tokens=TOKENS, axis_name="ep", backend="xla",
+    y = combine(expert_out, d.handle, num_tokens=TOKENS, axis_name="ep", transport="xla",
                 mesh=mesh)
     # route's metadata, before its exchange, from the ids dispatch routes by
     merged = ops.merge_duplicate_routes(ops.valid_ids(idx, EXPERTS), weights)
@@ -138,7 +138,7 @@ def test_fused_slab_layout_is_the_exchange_then_the_layout(ep_size):
   ranks = _reference(ep_size, jnp.bfloat16, seed=10 + ep_size)
   send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
   local, capacity = EXPERTS // ep_size, ranks[0]["capacity"]
-  assert fused_layout.fused_layout_fits(ep_size, send_capacity, top_k, local, capacity)
+  assert fused_layout.fused_layout_fits(SlabSizes(ep_size, send_capacity, top_k, local, capacity))
   assert (ranks[0]["recv_pos"] == -2).any() and (ranks[0]["slab_row"] < 0).any()
   for rank in range(ep_size):
     got = peer_loopback.slab_layout_rank([r["meta"] for r in ranks],
@@ -162,8 +162,8 @@ def test_fused_slab_layout_at_decode_counts_the_other_tile():
     metas.append(np.asarray(xla_backend.route(idx, weights, num_experts=experts,
                                               ep_size=ranks, send_capacity=tokens)[3]))
   sizes = (tokens, top_k, experts // ranks, capacity)
-  assert fused_layout.fused_layout_fits(ranks, *sizes)
-  assert slab_plan(ranks, *sizes).tiles == 2
+  assert fused_layout.fused_layout_fits(SlabSizes(ranks, *sizes))
+  assert slab_geometry(SlabSizes(ranks, *sizes)).tiles == 2
   for rank in range(ranks):
     got = peer_loopback.slab_layout_rank(metas, sizes, rank=rank)
     want = xla_backend.slab_layout(np.stack([m[rank] for m in metas]), top_k=top_k,
@@ -191,8 +191,8 @@ def test_dispatch_with_layout_is_the_pure_jax_dispatch(monkeypatch, ep_size, cou
   ranks = _reference(ep_size, jnp.bfloat16, seed=20 + ep_size)
   send_capacity, top_k = ranks[0]["recv_pos"].shape[1:]
   local, capacity = EXPERTS // ep_size, ranks[0]["capacity"]
-  assert dispatch_layout.dispatch_layout_fits(jnp.bfloat16, HIDDEN, ep_size, send_capacity, top_k,
-                                              local, capacity)
+  assert dispatch_layout.dispatch_layout_fits(
+      jnp.bfloat16, HIDDEN, SlabSizes(ep_size, send_capacity, top_k, local, capacity))
   kernel = dispatch_layout.dispatch_layout_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity,
                                                   top_k, local, capacity)
   inputs = [(r["rows"], r["send_token"], r["send_slot"], r["meta"]) for r in ranks]
@@ -222,8 +222,8 @@ def test_dispatch_with_layout_at_decode_is_the_two_launches():
     routes.append([np.asarray(a) for a in xla_backend.route(
         idx, weights, num_experts=experts, ep_size=ranks, send_capacity=tokens)])
     rows.append(rng.standard_normal((tokens, hidden)).astype(jnp.bfloat16))
-  assert dispatch_layout.dispatch_layout_fits(jnp.bfloat16, hidden, ranks, tokens, top_k, local,
-                                              capacity)
+  assert dispatch_layout.dispatch_layout_fits(
+      jnp.bfloat16, hidden, SlabSizes(ranks, tokens, top_k, local, capacity))
   kernel = dispatch_layout.dispatch_layout_kernel(jnp.bfloat16, tokens, hidden, tokens, top_k,
                                                   local, capacity)
   inputs = [(rows[q], routes[q][1].reshape(-1), routes[q][0], routes[q][3])
@@ -428,8 +428,8 @@ def test_ranks_at_once_fused_layouts_then_combine_over_steps_match_pure_jax(ep_s
   local, capacity = EXPERTS // ep_size, refs[0][0]["capacity"]
   slab_rows = local * capacity
   sizes = (send_capacity, top_k, local, capacity)
-  assert fused_layout.fused_layout_fits(ep_size, *sizes)
-  assert dispatch_layout.dispatch_layout_fits(jnp.bfloat16, HIDDEN, ep_size, *sizes)
+  assert fused_layout.fused_layout_fits(SlabSizes(ep_size, *sizes))
+  assert dispatch_layout.dispatch_layout_fits(jnp.bfloat16, HIDDEN, SlabSizes(ep_size, *sizes))
   kernel = dispatch_layout.dispatch_layout_kernel(jnp.bfloat16, TOKENS, HIDDEN, *sizes)
   combine_kernel = peer_rows.combine_kernel(jnp.bfloat16, TOKENS, HIDDEN, send_capacity, top_k,
                                             slab_rows, ep_size=ep_size)

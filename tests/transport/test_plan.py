@@ -102,7 +102,7 @@ def _plan(backend, exchange, ep_size, sizes, rows, grouped, **extra) -> Dispatch
   num_experts, top_k, send_capacity, capacity, hidden = SIZES[sizes]
   return plan_dispatch(num_experts=num_experts, ep_size=ep_size, expert_capacity=capacity,
                        send_capacity=send_capacity, top_k=top_k, hidden=hidden,
-                       row_dtype=jnp.bfloat16, axis_name="ep", backend=backend,
+                       row_dtype=jnp.bfloat16, axis_name="ep", transport=backend,
                        exchange=exchange, mesh=make_mesh((ep_size,), ("ep",)),
                        wire_dtype=None if rows == "bf16" else FP8,
                        checkpoint_name="moe.dispatch" if rows == "fp8_slabs" else None,
@@ -161,11 +161,12 @@ def test_a_plan_off_cuda_is_the_all_to_all_plan(peer_switches):
 
 def test_a_plan_names_a_path_outside_its_set():
   base = DispatchPlan(num_experts=8, ep_size=2, expert_capacity=8, send_capacity=4, top_k=2,
-                      hidden=16, row_dtype="bfloat16", axis_name="ep", backend="xla",
+                      hidden=16, row_dtype="bfloat16", axis_name="ep", transport="xla",
                       exchange="all_to_all", meta_path="exchange", dispatch_row_path="exchange",
                       combine_row_path="exchange")
   for field, value in (("exchange", "auto"), ("meta_path", "one_launch"),
-                       ("dispatch_row_path", "drop_in"), ("combine_row_path", "fused_wire")):
+                       ("dispatch_row_path", "drop_in"), ("combine_row_path", "fused_wire"),
+                       ("local_passes", "auto")):
     with pytest.raises(ValueError, match=rf"DispatchPlan.{field}='{value}' must be one of"):
       dataclasses.replace(base, **{field: value})
   assert "fused_wire" in DISPATCH_ROW_PATHS and "fused_wire" not in COMBINE_ROW_PATHS
@@ -190,7 +191,7 @@ def test_a_combine_plan_routes_nothing_and_reads_its_sizes_off_the_handle(
   monkeypatch.setattr(peer_runtime, "dispatch_layout_enabled", not_asked)
   handle = _handle(2, 128, 8, 128, (256,) if grouped else (128, 16))
   plan = plan_combine(handle, hidden=7168, row_dtype=jnp.bfloat16, axis_name="ep",
-                      backend="cupy", exchange="auto", mesh=make_mesh((2,), ("ep",)))
+                      transport="cupy", exchange="auto", mesh=make_mesh((2,), ("ep",)))
   local, capacity = (1, 256) if grouped else (128, 16)
   assert (plan.num_experts, plan.expert_capacity, plan.send_capacity, plan.top_k) == (
       2 * local, capacity, 128, 8)

@@ -29,9 +29,9 @@ def inputs(seed, steps=None):
 
 def moe_step(x, idx, w, backend):
   d = dispatch(x, idx, w, num_experts=EXPERTS, expert_capacity=CAPACITY, axis_name="ep",
-               checkpoint_name="moe.dispatch", backend=backend)
+               checkpoint_name="moe.dispatch", transport=backend)
   out = jnp.sin(d.tokens) * d.weights[..., None]
-  return combine(out, d.handle, num_tokens=x.shape[0], axis_name="ep", backend=backend)
+  return combine(out, d.handle, num_tokens=x.shape[0], axis_name="ep", transport=backend)
 
 
 def sharded(fn, in_specs=P("ep"), out_specs=P("ep"), backend="xla"):
@@ -75,11 +75,11 @@ def test_handle_is_plain_data_between_computations(backend):
 
   def dispatch_only(x, i, w):
     d = dispatch(x, i, w, num_experts=EXPERTS, expert_capacity=CAPACITY, axis_name="ep",
-                 backend=backend)
+                 transport=backend)
     return jnp.sin(d.tokens) * d.weights[..., None], d.handle
 
   def combine_only(out, handle):
-    return combine(out, handle, num_tokens=TOKENS, axis_name="ep", backend=backend)
+    return combine(out, handle, num_tokens=TOKENS, axis_name="ep", transport=backend)
 
   out, handle = jax.jit(sharded(dispatch_only, backend=backend))(tokens, idx, weights)
   host_handle = RoutingHandle(*(np.asarray(a) for a in handle))

@@ -39,10 +39,10 @@ def run_transport(tokens, topk_idx, topk_weights, expert_maps, *, ep_size,
 
   def body(x, idx, w, maps):
     d = dispatch(x, idx, w, num_experts=NUM_EXPERTS, expert_capacity=expert_capacity,
-                 axis_name=axis, send_capacity=send_capacity, backend=backend)
+                 axis_name=axis, send_capacity=send_capacity, transport=backend)
     hidden = jnp.tanh(jnp.einsum("lch,lhg->lcg", d.tokens.astype(jnp.float32), maps))
     out = (hidden * d.weights[..., None]).astype(x.dtype)
-    y = combine(out, d.handle, num_tokens=num_tokens, axis_name=axis, backend=backend)
+    y = combine(out, d.handle, num_tokens=num_tokens, axis_name=axis, transport=backend)
     return y, d.counts, d.demand
 
   if wrap is not None:

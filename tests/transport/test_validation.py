@@ -7,10 +7,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import make_mesh, x64_enabled
-from moe_ep.transport import backend as transport_backend
 from moe_ep.transport import combine, dispatch, expert_capacity_for, send_capacity_for
 from moe_ep.transport import cupy_backend
-from moe_ep.transport import kernel_launch, kernel_plan
+from moe_ep.transport import kernel_launch, launch_geometry
 
 TOKENS = jnp.zeros((6, 4), jnp.float32)
 IDX = jnp.zeros((6, 2), jnp.int32)
@@ -19,7 +18,7 @@ WEIGHTS = jnp.ones((6, 2), jnp.float32)
 
 def call(**overrides):
   args = dict(tokens=TOKENS, topk_idx=IDX, topk_weights=WEIGHTS)
-  kwargs = dict(num_experts=4, expert_capacity=8, backend="xla")
+  kwargs = dict(num_experts=4, expert_capacity=8, transport="xla")
   for key, value in overrides.items():
     (args if key in args else kwargs)[key] = value
   return dispatch(args.pop("tokens"), args.pop("topk_idx"), args.pop("topk_weights"), **kwargs)
@@ -36,7 +35,7 @@ def call(**overrides):
     (dict(num_experts=0), "num_experts=0 must be a positive integer"),
     (dict(expert_capacity=0), "expert_capacity=0 must be a positive integer"),
     (dict(send_capacity=0), "send_capacity=0 must be a positive integer"),
-    (dict(backend="triton"), "backend='triton' is not one of"),
+    (dict(transport="triton"), "transport='triton' is not one of"),
     (dict(tokens=jnp.zeros((0, 4)), topk_idx=jnp.zeros((0, 2), jnp.int32),
           topk_weights=jnp.ones((0, 2))),
      r"tokens has 0 rows: dispatch needs T >= 1 \(got shape \(0, 4\)\)"),
@@ -56,13 +55,13 @@ def test_bad_combine_arguments():
   d = call()
   slabs = d.tokens
   with pytest.raises(ValueError, match=r"expert_outputs must be \[L, C, H\]"):
-    combine(slabs[0], d.handle, num_tokens=6, backend="xla")
+    combine(slabs[0], d.handle, num_tokens=6, transport="xla")
   with pytest.raises(ValueError, match="must be \\[L, C, H\\] with \\[L, C\\]"):
-    combine(slabs[:, :4], d.handle, num_tokens=6, backend="xla")
+    combine(slabs[:, :4], d.handle, num_tokens=6, transport="xla")
   with pytest.raises(ValueError, match="num_tokens=5 does not match the handle's 6"):
-    combine(slabs, d.handle, num_tokens=5, backend="xla")
+    combine(slabs, d.handle, num_tokens=5, transport="xla")
   with pytest.raises(ValueError, match="handle must be the RoutingHandle"):
-    combine(slabs, tuple(d.handle), num_tokens=6, backend="xla")
+    combine(slabs, tuple(d.handle), num_tokens=6, transport="xla")
 
 
 def test_numpy_integer_sizes_are_accepted():
@@ -72,7 +71,7 @@ def test_numpy_integer_sizes_are_accepted():
                send_capacity=np.int64(6))
   for got, want in zip(jax.tree.leaves(numpy), jax.tree.leaves(plain)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  y = combine(numpy.tokens, numpy.handle, num_tokens=np.int64(6), backend="xla")
+  y = combine(numpy.tokens, numpy.handle, num_tokens=np.int64(6), transport="xla")
   assert y.shape == (6, 4)
   assert expert_capacity_for(np.int64(13), np.int32(3), np.int64(16), np.int64(4)) == 56
 
@@ -89,9 +88,9 @@ def test_zero_tokens_and_bad_capacity_factors_are_named():
       send_capacity_for(8, 2, 8, 1, factor)
   d = call()
   with pytest.raises(ValueError, match="num_tokens=0: combine needs T >= 1"):
-    combine(d.tokens, d.handle, num_tokens=0, backend="xla")
+    combine(d.tokens, d.handle, num_tokens=0, transport="xla")
   with pytest.raises(ValueError, match="num_tokens=True must be a positive integer, not a bool"):
-    combine(d.tokens, d.handle, num_tokens=True, backend="xla")
+    combine(d.tokens, d.handle, num_tokens=True, transport="xla")
 
 
 def test_axis_name_outside_shard_map_is_named():
@@ -104,26 +103,22 @@ def test_axis_name_outside_shard_map_is_named():
     jax.jit(lambda x: call(tokens=x, axis_name="ep").tokens)(TOKENS)
   d = call()
   with pytest.raises(ValueError, match=message.replace("dispatch", "combine")):
-    combine(d.tokens, d.handle, num_tokens=6, axis_name="ep", backend="xla")
+    combine(d.tokens, d.handle, num_tokens=6, axis_name="ep", transport="xla")
 
 
 def test_experts_not_divisible_by_ep_size_is_named():
   mesh = make_mesh((4,), ("ep",))
   fn = lambda x, i, w: dispatch(x, i, w, num_experts=6, expert_capacity=8, axis_name="ep",
-                                backend="xla").tokens
+                                transport="xla").tokens
   with pytest.raises(ValueError, match="num_experts=6 is not divisible by the ep axis size 4"):
     jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(
         np.zeros((8, 4), np.float32), np.zeros((8, 2), np.int32), np.ones((8, 2), np.float32))
 
 
-def test_cupy_backend_without_cupy_names_the_extra(monkeypatch):
+def test_cupy_transport_without_cupy_names_the_extra(monkeypatch):
   monkeypatch.setattr(kernel_launch, "cupy_available", lambda: False)
-  transport_backend.resolve.cache_clear()
-  try:
-    with pytest.raises(ImportError, match=r"moe_ep\[cuda13\]"):
-      call(backend="cupy")
-  finally:
-    transport_backend.resolve.cache_clear()
+  with pytest.raises(ImportError, match=r"moe_ep\[cuda13\]"):
+    call(transport="cupy")
 
 
 @pytest.mark.parametrize("tokens", [1, 100, 4096, 8192, 100_000])
@@ -133,21 +128,22 @@ def test_routing_tiles_fit_shared_memory_and_spread(tokens, ep_size, num_experts
   kernels' dynamic shared memory within the 48 KiB default; up to 256
   tokens one tile of 8 warps, beyond that ``ROUTE_WARPS`` warps (fewer
   only where one more warp would not fit)."""
+  sizes = launch_geometry.RouteSizes(tokens, ep_size, num_experts, top_k)
+
   def fits(threads):
-    count_ints = kernel_plan.route_count_shared_ints(threads, ep_size, num_experts)
-    rank_ints = kernel_plan.route_rank_shared_ints(threads, ep_size, top_k, num_experts,
-                                                     counted=tokens > threads)
+    count_ints = launch_geometry.route_count_shared_ints(threads, sizes)
+    rank_ints = launch_geometry.route_rank_shared_ints(threads, sizes, counted=tokens > threads)
     return max(count_ints, rank_ints) <= kernel_launch.SHARED_INTS
 
-  threads = kernel_plan.route_threads(tokens, ep_size, num_experts, top_k)
+  threads = launch_geometry.route_threads(sizes)
   assert threads % 32 == 0 and 32 <= threads <= 256 and fits(threads)
-  wanted = 256 if tokens <= 256 else 32 * kernel_plan.ROUTE_WARPS
+  wanted = 256 if tokens <= 256 else 32 * launch_geometry.ROUTE_WARPS
   assert threads == wanted or (threads < wanted and not fits(threads + 32))
 
 
 def test_routing_that_cannot_fit_shared_memory_is_named():
   with pytest.raises(ValueError, match="ep_size=512, num_experts=512 and top_k=8 do not fit"):
-    kernel_plan.route_threads(1024, 512, 512, 8)
+    launch_geometry.route_threads(launch_geometry.RouteSizes(1024, 512, 512, 8))
 
 
 def test_slab_layout_beyond_int32_positions_is_named():
@@ -184,7 +180,7 @@ def test_float64_rows_and_rows_without_channels_are_refused_by_name():
     handle = call().handle
     with pytest.raises(ValueError, match=r"expert_outputs dtype float64 must be one of"):
       combine(jnp.zeros(handle.slab_row.shape + (4,), jnp.float64), handle, num_tokens=6,
-              backend="xla")
+              transport="xla")
   with pytest.raises(ValueError, match=r"tokens has shape \(6, 0\): rows need H >= 1"):
     call(tokens=jnp.zeros((6, 0), jnp.float32))
   with pytest.raises(ValueError, match=r"tokens dtype int32 must be one of"):

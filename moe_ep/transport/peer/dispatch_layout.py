@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from moe_ep.transport import kernel_plan
+from moe_ep.transport import launch_geometry
 from moe_ep.transport import meta as meta_format
 from moe_ep.transport.peer.callback import fused_call
 from moe_ep.transport.peer.channel import ChannelLayout, check_axis, meta_channel_layout
@@ -21,11 +21,9 @@ from moe_ep.transport.peer.rows import (ROW_WARPS, RowGrid, RowKernel, dispatch_
 from moe_ep.transport.peer.runtime import RUNTIME, timeout_s
 
 # peer_dispatch_layout runs up to this many member tiles of 512 (decode),
-# each counted by every receiver block (slab_rank_own_count's way). Beyond,
-# its receivers can count each tile once into scratch and rank after a
-# barrier (tested), but they also place every own row, which the senders of
-# peer_dispatch place as they send, and at P2's shape that is slower than the
-# layout launches and peer_dispatch (docs/benchmarks.md, "Tuning").
+# each counted by every receiver block; beyond, its receivers also place
+# every own row, slower than the layout launches and peer_dispatch
+# (docs/benchmarks.md, "Tuning").
 DISPATCH_LAYOUT_MAX_TILES = 4
 
 
@@ -48,14 +46,14 @@ def _shared_ints(tiles: int, local_experts: int, counted: bool) -> int:
   return (ROW_WARPS + 2 + (0 if counted else tiles)) * local_experts
 
 
-def dispatch_layout_fits(dtype, hidden: int, ep_size: int, send_capacity: int, top_k: int,
-                         local_experts: int, expert_capacity: int,
+def dispatch_layout_fits(dtype, hidden: int, sizes: launch_geometry.SlabSizes,
                          wire_dtype: str | None = None) -> bool:
   """Whether :func:`dispatch_with_layout` runs at this shape: the fused
   dispatch kernel moves these rows (:func:`fused_rows_problem`; no FP8 wire
   yet), 2 <= R <= 4, metadata rows of whole 16-byte vectors, at most
   :data:`DISPATCH_LAYOUT_MAX_TILES` member tiles of 512 (decode) and the
   layout's shared memory fits."""
+  ep_size, send_capacity, top_k, local_experts = sizes[:4]
   if wire_dtype is not None or fused_rows_problem(dtype, hidden, ep_size, top_k,
                                                   sums=False) is not None:
     return False
@@ -110,12 +108,12 @@ def dispatch_layout_shapes(row_kernel: RowKernel, ep_size: int, slab_dtype,
                            slab_width: int) -> list:
   """``row_kernel``'s (:func:`dispatch_layout_kernel`) outputs at EP size
   ``ep_size``: slabs ``[L * C, slab_width]`` of ``slab_dtype``, the slab
-  layout's maps (:func:`moe_ep.transport.kernel_plan.slab_layout_shapes`) and the
+  layout's maps (:func:`moe_ep.transport.launch_geometry.slab_layout_shapes`) and the
   layout's scratch (:func:`dispatch_layout_tiles` ``* L`` int32)."""
   send_capacity, top_k, slab_rows, _, local_experts, capacity, _ = row_kernel.sizes
   return [jax.ShapeDtypeStruct((slab_rows, slab_width), slab_dtype),
-          *kernel_plan.slab_layout_shapes(ep_size, send_capacity, top_k, local_experts,
-                                           capacity),
+          *launch_geometry.slab_layout_shapes(launch_geometry.SlabSizes(
+              ep_size, send_capacity, top_k, local_experts, capacity)),
           jax.ShapeDtypeStruct((dispatch_layout_tiles(ep_size, send_capacity, top_k)
                                 * local_experts,), np.int32)]
 
@@ -149,8 +147,8 @@ def dispatch_with_layout(rows: jax.Array, meta: jax.Array, send_token: jax.Array
   check_axis(mesh, axis_name)
   ep_size, send_capacity = send_token.shape
   num_tokens, hidden = rows.shape
-  if not dispatch_layout_fits(rows.dtype, hidden, ep_size, send_capacity, top_k,
-                              num_local_experts, expert_capacity):
+  if not dispatch_layout_fits(rows.dtype, hidden, launch_geometry.SlabSizes(
+      ep_size, send_capacity, top_k, num_local_experts, expert_capacity)):
     raise ValueError(f"no fused dispatch with layout at R={ep_size}, S={send_capacity}, "
                      f"K={top_k}, L={num_local_experts}, H={hidden} (dispatch_layout_fits)")
   width = meta_format.width(send_capacity, top_k, num_local_experts)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from moe_ep.transport import kernel_launch, kernel_plan
+from moe_ep.transport import kernel_launch, launch_geometry
 from moe_ep.transport import meta as meta_format
 from moe_ep.transport.peer.callback import fused_call
 from moe_ep.transport.peer.channel import ChannelLayout, check_axis, meta_channel_layout
@@ -16,10 +16,8 @@ from moe_ep.transport.peer.kernels import Kernel, kernel
 from moe_ep.transport.peer.runtime import RUNTIME, timeout_s
 
 LAYOUT_TABLE_BYTES = 8 * 32  # peer_slab_layout's static shared row pointers (ROW_MAX_LANES)
-# The fused metadata exchange and layout pays up to 4 ranks (rank 0's launch
-# against peer_exchange + slab_rank_own_count in the loopback); beyond, its
-# layout blocks read every source's row from L2 while R - 1 senders copy, and
-# it is slower (docs/benchmarks.md, "Tuning").
+# Beyond 4 ranks the fused layout's blocks read every source's row from L2
+# while R - 1 senders copy, slower than the two launches (docs/benchmarks.md).
 FUSED_LAYOUT_MAX_RANKS = 4
 
 
@@ -36,36 +34,37 @@ def layout_shared_fits(shared_ints: int) -> bool:
   return 4 * shared_ints + LAYOUT_TABLE_BYTES <= 4 * kernel_launch.SHARED_INTS
 
 
-def fused_layout_fits(ep_size: int, send_capacity: int, top_k: int, local_experts: int,
-                      expert_capacity: int) -> bool:
+def fused_layout_fits(sizes: launch_geometry.SlabSizes) -> bool:
   """Whether :func:`slab_layout` runs as one launch at this shape: 2 <= R <= 4,
   metadata rows of whole 16-byte vectors (``2 * S * K + L`` a multiple of
   4 words) and few received member tiles, where ``slab_rank_own_count``
-  alone lays the slabs out (decode; :func:`moe_ep.transport.kernel_plan.slab_plan`).
+  alone lays the slabs out (decode; :func:`moe_ep.transport.launch_geometry.slab_geometry`).
   Elsewhere the drop-in exchange and the backend's ``slab_layout`` run."""
-  if not fused_meta_rows(ep_size, meta_format.width(send_capacity, top_k, local_experts)):
+  width = meta_format.width(sizes.send_capacity, sizes.top_k, sizes.local_experts)
+  if not fused_meta_rows(sizes.ep_size, width):
     return False
-  plan = kernel_plan.slab_plan(ep_size, send_capacity, top_k, local_experts, expert_capacity)
-  return not plan.counted and layout_shared_fits(plan.shared_ints)
+  geometry = launch_geometry.slab_geometry(sizes)
+  return not geometry.counted and layout_shared_fits(geometry.shared_ints)
 
 
-def slab_layout_kernel(layout: ChannelLayout, ordinal: int, peers: int, rank: int,
+def slab_layout_kernel(channel_layout: ChannelLayout, ordinal: int, peers: int, rank: int,
                        sizes: tuple[int, int, int, int], tail: tuple) -> Kernel:
   """Rank ``rank``'s launch of ``peer_slab_layout_v16`` on GPU ``ordinal``
   (``peers``: the device address of the ranks' channel bases; ``tail``:
   :meth:`Runtime.device_tail`; ``sizes``: ``(S, K, L, C)``). Buffers: meta
   0; recv_pos, slab_row, slab_weights, counts, demand 1-5."""
-  send_capacity, top_k, local_experts, capacity = sizes
-  if not fused_layout_fits(layout.ep_size, *sizes):
-    raise ValueError(f"no fused slab layout at R={layout.ep_size}, (S, K, L, C)={sizes}: "
+  slab_sizes = launch_geometry.SlabSizes(channel_layout.ep_size, *sizes)
+  if not fused_layout_fits(slab_sizes):
+    raise ValueError(f"no fused slab layout at R={channel_layout.ep_size}, (S, K, L, C)={sizes}: "
                      f"too many member tiles (fused_layout_fits)")
-  plan = kernel_plan.slab_plan(layout.ep_size, send_capacity, top_k, local_experts, capacity)
-  args = (np.uint64(peers), np.int32(rank), np.int32(layout.ep_size),
-          *(np.int32(v) for v in (*sizes, layout.chunk_bytes // 4, plan.tiles)),
-          np.int64(layout.slot_bytes), np.int64(layout.data_offset), *tail)
-  return Kernel(kernel(ordinal, "slab_layout_v16"), layout.ep_size - 1 + plan.rank_blocks,
-                (0, 1, 2, 3, 4, 5), args, threads=plan.threads,
-                shared_bytes=4 * plan.shared_ints)
+  geometry = launch_geometry.slab_geometry(slab_sizes)
+  args = (np.uint64(peers), np.int32(rank), np.int32(channel_layout.ep_size),
+          *(np.int32(v) for v in (*sizes, channel_layout.chunk_bytes // 4, geometry.tiles)),
+          np.int64(channel_layout.slot_bytes), np.int64(channel_layout.data_offset), *tail)
+  return Kernel(kernel(ordinal, "slab_layout_v16"),
+                channel_layout.ep_size - 1 + geometry.rank_blocks, (0, 1, 2, 3, 4, 5), args,
+                threads=geometry.threads,
+                shared_bytes=4 * geometry.shared_ints)
 
 
 def slab_layout(meta: jax.Array, *, top_k: int, num_local_experts: int, expert_capacity: int,
@@ -96,17 +95,19 @@ def slab_layout(meta: jax.Array, *, top_k: int, num_local_experts: int, expert_c
                      f"{meta.shape}")
   width = meta.shape[1]
   send_capacity = meta_format.send_capacity(width, top_k, num_local_experts)
-  if not fused_layout_fits(ep_size, send_capacity, top_k, num_local_experts, expert_capacity):
+  slab_sizes = launch_geometry.SlabSizes(ep_size, send_capacity, top_k, num_local_experts,
+                                     expert_capacity)
+  if not fused_layout_fits(slab_sizes):
     raise ValueError(f"no fused slab layout at R={ep_size}, S={send_capacity}, K={top_k}, "
                      f"L={num_local_experts}: too many member tiles (fused_layout_fits)")
-  layout = meta_channel_layout(ep_size, width)
-  channel = RUNTIME.gpu_channel(mesh, axis_name, layout)
+  channel_layout = meta_channel_layout(ep_size, width)
+  channel = RUNTIME.gpu_channel(mesh, axis_name, channel_layout)
   site = RUNTIME.site("exchange_meta", meta.shape, meta.dtype, channel)
   timeout_ns = int(timeout_s() * 1e9)
   sizes = (send_capacity, top_k, num_local_experts, expert_capacity)
-  launches = {ordinal: [slab_layout_kernel(layout, ordinal, state.peers.data.ptr, state.rank,
-                                           sizes, RUNTIME.device_tail(ordinal, site, timeout_ns))]
+  launches = {ordinal: [slab_layout_kernel(channel_layout, ordinal, state.peers.data.ptr,
+                                           state.rank, sizes,
+                                           RUNTIME.device_tail(ordinal, site, timeout_ns))]
               for ordinal, state in (channel.on_device.items() if channel is not None else ())}
-  shapes = kernel_plan.slab_layout_shapes(ep_size, send_capacity, top_k, num_local_experts,
-                                           expert_capacity)
+  shapes = launch_geometry.slab_layout_shapes(slab_sizes)
   return fused_call("slab layout", launches, (meta,), shapes, axis_name)

@@ -2,12 +2,13 @@
 and the peer launches that lay the slabs out themselves): threads per tile,
 grids, dynamic shared memory, and the shape checks that go with them. Pure
 Python, no CuPy: the CuPy backend (:mod:`~moe_ep.transport.cupy_backend`)
-and the peer path (:mod:`~moe_ep.transport.peer`) both plan from here.
+and the peer path (:mod:`~moe_ep.transport.peer`) both size their launches here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,15 +25,24 @@ def tile_threads(num_keys: int, extra_ints: int = 0) -> int:
   return 32 * min(32, warps)
 
 
-def route_count_shared_ints(threads: int, ep_size: int, num_experts: int) -> int:
-  return threads // 32 * ep_size + num_experts
+class RouteSizes(NamedTuple):
+  """The sizes of one dispatch's routing (the notation of :mod:`moe_ep.capacity`)."""
+
+  num_tokens: int  # T
+  ep_size: int  # R
+  num_experts: int  # E
+  top_k: int  # K
 
 
-def route_rank_shared_ints(threads: int, ep_size: int, top_k: int, num_experts: int,
-                            counted: bool) -> int:
+def route_count_shared_ints(threads: int, sizes: RouteSizes) -> int:
+  return threads // 32 * sizes.ep_size + sizes.num_experts
+
+
+def route_rank_shared_ints(threads: int, sizes: RouteSizes, counted: bool) -> int:
   """``route_rank``'s; ``counted=False``: it counts its one tile itself."""
-  own_counts = 0 if counted else ep_size + num_experts
-  return (threads // 32 + 3) * ep_size + threads * (ep_size + 1 + 3 * top_k) + own_counts
+  ep_size = sizes.ep_size
+  own_counts = 0 if counted else ep_size + sizes.num_experts
+  return (threads // 32 + 3) * ep_size + threads * (ep_size + 1 + 3 * sizes.top_k) + own_counts
 
 
 # Up to this many member tiles, slab_rank counts them itself (no slab_count
@@ -40,9 +50,8 @@ def route_rank_shared_ints(threads: int, ep_size: int, top_k: int, num_experts: 
 # is faster at decode (docs/benchmarks.md, "Tuning").
 SLAB_TILES_COUNTED_IN_RANK = 2
 
-# Warps per token tile of the routing kernels beyond one tile: of 1, 2, 4
-# and 8, the fastest route_rank (or as fast) at every T measured
-# (docs/benchmarks.md, "Tuning").
+# Warps per token tile of the routing kernels beyond one tile: the fastest
+# route_rank measured (docs/benchmarks.md, "Tuning").
 ROUTE_WARPS = 4
 
 
@@ -52,37 +61,47 @@ def route_counted(num_tokens: int, threads: int) -> bool:
   return num_tokens > threads
 
 
-def route_threads(num_tokens: int, ep_size: int, num_experts: int, top_k: int) -> int:
+def route_threads(sizes: RouteSizes) -> int:
   """Threads per token tile of ``route_count``/``route_rank``: up to 256
   tokens (decode) one tile of 8 warps, which leaves each thread the fewest
   serial loads (the faster route_rank: ``docs/benchmarks.md``, "Tuning"),
   else :data:`ROUTE_WARPS` warps; fewer where both kernels' shared memory
   would not fit."""
-  most = 8 if num_tokens <= 32 * 8 else ROUTE_WARPS
+  most = 8 if sizes.num_tokens <= 32 * 8 else ROUTE_WARPS
   for warps in range(most, 0, -1):
     threads = 32 * warps
-    counted = route_counted(num_tokens, threads)
-    if max(route_count_shared_ints(threads, ep_size, num_experts),
-           route_rank_shared_ints(threads, ep_size, top_k, num_experts,
-                                   counted)) <= SHARED_INTS:
+    counted = route_counted(sizes.num_tokens, threads)
+    if max(route_count_shared_ints(threads, sizes),
+           route_rank_shared_ints(threads, sizes, counted)) <= SHARED_INTS:
       return threads
-  raise ValueError(f"ep_size={ep_size}, num_experts={num_experts} and top_k={top_k} do not "
-                   "fit the routing kernels' shared memory")
+  raise ValueError(f"ep_size={sizes.ep_size}, num_experts={sizes.num_experts} and "
+                   f"top_k={sizes.top_k} do not fit the routing kernels' shared memory")
 
 
-def slab_layout_shapes(ep_size: int, send_capacity: int, top_k: int, local_experts: int,
-                       expert_capacity: int) -> list:
+class SlabSizes(NamedTuple):
+  """The sizes of one dispatch's slab layout (the notation of
+  :mod:`moe_ep.capacity`)."""
+
+  ep_size: int  # R ranks
+  send_capacity: int  # S rows per destination send chunk
+  top_k: int  # K routes per token
+  local_experts: int  # L experts on each rank
+  expert_capacity: int  # C rows per expert slab
+
+
+def slab_layout_shapes(sizes: SlabSizes) -> list:
   """The slab layout's outputs: ``recv_pos [R, S, K]``, ``slab_row [L, C]``,
   ``slab_weights [L, C]`` float32, ``counts [L]``, ``demand [L]``."""
-  return [jax.ShapeDtypeStruct((ep_size, send_capacity, top_k), jnp.int32),
-          jax.ShapeDtypeStruct((local_experts, expert_capacity), jnp.int32),
-          jax.ShapeDtypeStruct((local_experts, expert_capacity), jnp.float32),
-          jax.ShapeDtypeStruct((local_experts,), jnp.int32),
-          jax.ShapeDtypeStruct((local_experts,), jnp.int32)]
+  slabs = (sizes.local_experts, sizes.expert_capacity)
+  return [jax.ShapeDtypeStruct((sizes.ep_size, sizes.send_capacity, sizes.top_k), jnp.int32),
+          jax.ShapeDtypeStruct(slabs, jnp.int32),
+          jax.ShapeDtypeStruct(slabs, jnp.float32),
+          jax.ShapeDtypeStruct((sizes.local_experts,), jnp.int32),
+          jax.ShapeDtypeStruct((sizes.local_experts,), jnp.int32)]
 
 
 @dataclasses.dataclass(frozen=True)
-class SlabPlan:
+class SlabGeometry:
   """The receiver's slab-layout launches at one shape: ``tiles`` member
   tiles of ``threads``; ``slab_rank``'s grid of ``rank_blocks`` with
   ``shared_ints`` of dynamic shared memory; ``counted``: a ``slab_count``
@@ -96,10 +115,10 @@ class SlabPlan:
   counted: bool
 
 
-def slab_plan(ep_size: int, send_capacity: int, top_k: int, local_experts: int,
-              expert_capacity: int) -> SlabPlan:
-  """:class:`SlabPlan` for ``R * S * K`` received members and ``[L, C]`` slabs."""
-  num_members = ep_size * send_capacity * top_k
+def slab_geometry(sizes: SlabSizes) -> SlabGeometry:
+  """:class:`SlabGeometry` for ``R * S * K`` received members and ``[L, C]`` slabs."""
+  local_experts, expert_capacity = sizes.local_experts, sizes.expert_capacity
+  num_members = sizes.ep_size * sizes.send_capacity * sizes.top_k
   for name, size in (("R * S * K received members", num_members),
                      ("L * C slab rows", local_experts * expert_capacity)):
     if size >= 2**31:  # the kernels index them in int32, as the handle holds them
@@ -110,7 +129,7 @@ def slab_plan(ep_size: int, send_capacity: int, top_k: int, local_experts: int,
   # Few tiles (decode): slab_rank's blocks count them themselves, one launch fewer.
   counted = (tiles > SLAB_TILES_COUNTED_IN_RANK
              or rank_ints + tiles * local_experts > SHARED_INTS)
-  return SlabPlan(threads=threads, tiles=tiles,
+  return SlabGeometry(threads=threads, tiles=tiles,
                   rank_blocks=max(tiles, -(-local_experts * expert_capacity // threads)),
                   shared_ints=rank_ints + (0 if counted else tiles * local_experts),
                   counted=counted)
