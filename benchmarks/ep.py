@@ -152,7 +152,7 @@ def case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, capacity_
             "send_capacity": send_capacity, "peer_unsupported_reason": reason}
   reference = None
   for path in PATHS if reason is None else PATHS[:1]:
-    exchange = dict(backend=backend, exchange=path, mesh=mesh)
+    exchange = dict(transport=backend, exchange=path, mesh=mesh)
     options = inputs.dispatch_options(backend, path)
     plan = inputs.plan(backend, path)
 
@@ -308,7 +308,7 @@ def decode_case(mesh, tokens: int, hidden: int, num_experts: int, top_k: int, ca
             "expert_capacity": inputs.expert_capacity, "send_capacity": inputs.send_capacity,
             "peer_unsupported_reason": reason}
   for path in PATHS if reason is None else PATHS[:1]:
-    exchange = dict(backend=backend, exchange=path, mesh=mesh)
+    exchange = dict(transport=backend, exchange=path, mesh=mesh)
     options = inputs.dispatch_options(backend, path)
     plan = inputs.plan(backend, path)
 

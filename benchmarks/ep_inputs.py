@@ -85,7 +85,7 @@ class EPInputs:
   def dispatch_options(self, backend: str, exchange: str) -> dict:
     """The keyword arguments of :func:`~moe_ep.transport.dispatch` at this shape."""
     return dict(num_experts=self.num_experts, expert_capacity=self.expert_capacity,
-                axis_name=AXIS, send_capacity=self.send_capacity, backend=backend,
+                axis_name=AXIS, send_capacity=self.send_capacity, transport=backend,
                 exchange=exchange, mesh=self.mesh)
 
   def plan(self, backend: str, exchange: str, **options) -> DispatchPlan:
@@ -95,7 +95,7 @@ class EPInputs:
                          expert_capacity=self.expert_capacity,
                          send_capacity=self.send_capacity, top_k=self.top_k,
                          hidden=self.hidden, row_dtype=self.x.dtype, axis_name=AXIS,
-                         backend=backend, exchange=exchange, mesh=self.mesh, **options)
+                         transport=backend, exchange=exchange, mesh=self.mesh, **options)
 
 
 def sharded_routing(mesh, tokens: int, top_k: int, num_experts: int,

@@ -26,6 +26,7 @@ import numpy as np
 from benchmarks.ep_inputs import per_rank, routing_only, sharded_routing, uniform_routing
 from moe_ep.transport import expert_capacity_for, kernel_launch, send_capacity_for
 from moe_ep.transport import xla as xla_backend
+from moe_ep.transport.launch_geometry import SlabSizes
 from moe_ep.transport.plan import plan_dispatch
 from moe_ep.transport.peer import channel, dispatch_layout, fused_layout, kernels
 from benchmarks import peer_loopback
@@ -44,7 +45,7 @@ def _handle(ep_size: int, tokens: int, num_experts: int, hidden: int, top_k: int
   idx, weights = sharded_routing(mesh, tokens, top_k, num_experts, tokens + num_experts)
   plan = plan_dispatch(num_experts=num_experts, ep_size=ep_size, expert_capacity=capacity,
                        send_capacity=send_capacity, top_k=top_k, hidden=hidden,
-                       row_dtype="bfloat16", axis_name="ep", backend="xla",
+                       row_dtype="bfloat16", axis_name="ep", transport="xla",
                        exchange="all_to_all", mesh=mesh)
   routing = routing_only(plan)
 
@@ -112,8 +113,8 @@ def _decode_concurrent(ep_size: int, tokens: int, num_experts: int, hidden: int,
   case = {"ep_size": ep_size, "tokens_per_rank": tokens, "num_experts": num_experts,
           "hidden": hidden, "expert_capacity": capacity, "send_capacity": send_capacity,
           "steps_per_graph": steps}
-  if not (fused_layout.fused_layout_fits(ep_size, *sizes)
-          and dispatch_layout.dispatch_layout_fits("bfloat16", hidden, ep_size, *sizes)):
+  if not (fused_layout.fused_layout_fits(SlabSizes(ep_size, *sizes))
+          and dispatch_layout.dispatch_layout_fits("bfloat16", hidden, SlabSizes(ep_size, *sizes))):
     case["skipped"] = "the fused layout or the one-launch dispatch does not take this shape"
     return case
   rng = np.random.default_rng(tokens + num_experts + ep_size)

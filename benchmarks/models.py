@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from benchmarks import common, experts, layer
 from moe_ep.experts import BankKernels, bank_layout, fp8, grouped_expert_mlp
-from moe_ep.experts.grouped import fuses_activation_by_default
+from moe_ep.activations import small_activation
 from moe_ep.row_groups import GROUP_ALIGN, grouped_rows_for
 
 # name: (T, K, H, F, E). DeepSeek-V3's 256 experts at 8192 tokens: its bank
@@ -144,7 +144,7 @@ def banks(tokens: int, top_k: int, hidden: int, ffn: int, num_experts: int, load
   w_in, w_out = experts.weights(hidden, ffn, num_experts, seed=1)
   calls, facts = {"dense": dense_call(tokens * top_k, hidden, ffn)}, {}
   variants = [("", {})] + ([("_unfused", dict(fuse_activation=False))]
-                           if fuses_activation_by_default(hidden, ffn) else [])
+                           if small_activation(hidden, ffn) else [])
   variants += list(bank_options.items())
   for load in loads:
     for suffix, options in variants:

@@ -28,7 +28,7 @@ import dataclasses
 
 import numpy as np
 
-from moe_ep.transport import kernel_plan
+from moe_ep.transport import launch_geometry
 from moe_ep.transport.peer.channel import ChannelLayout, meta_channel_layout
 from moe_ep.transport.peer.dispatch_layout import dispatch_layout_launch, dispatch_layout_shapes
 from moe_ep.transport.peer.dropin import exchange_launch
@@ -191,7 +191,7 @@ def slab_layout_rank(metas: list, sizes: tuple, *, rank: int, absent: tuple = ()
   ``timeout_s``: as :func:`run_rank`."""
   import cupy
   ep_size = len(metas)
-  shapes = kernel_plan.slab_layout_shapes(ep_size, *sizes)
+  shapes = launch_geometry.slab_layout_shapes(launch_geometry.SlabSizes(ep_size, *sizes))
   with cupy.cuda.Device(ordinal):
     inputs = [cupy.ascontiguousarray(cupy.asarray(m, dtype=np.int32)) for m in metas]
     layout = meta_channel_layout(ep_size, inputs[0].shape[1])

@@ -172,7 +172,7 @@ def run(tokens=8192, num_experts=64, decode_tokens=128, decode_experts=256, hidd
 
   def round_trip(x, idx, weights):
     d = dispatch(x, idx, weights, **small["options"])
-    return combine(d.tokens, d.handle, num_tokens=decode_tokens, axis_name="ep", backend=backend,
+    return combine(d.tokens, d.handle, num_tokens=decode_tokens, axis_name="ep", transport=backend,
                    exchange=exchange, mesh=mesh)
 
   programs = {

@@ -37,9 +37,9 @@ def sort_permute_round_trip(x, idx, weights):
 def transport_round_trip(x, idx, weights, *, num_experts, expert_capacity, backend,
                          wire_dtype=None, checkpoint_name=None):
   d = dispatch(x, idx, weights, num_experts=num_experts, expert_capacity=expert_capacity,
-               backend=backend, wire_dtype=wire_dtype, checkpoint_name=checkpoint_name)
+               transport=backend, wire_dtype=wire_dtype, checkpoint_name=checkpoint_name)
   slabs = jax.lax.optimization_barrier(d.tokens)
-  return combine(slabs, d.handle, num_tokens=x.shape[0], backend=backend)
+  return combine(slabs, d.handle, num_tokens=x.shape[0], transport=backend)
 
 
 FP8 = "float8_e4m3fn"
