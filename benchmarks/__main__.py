@@ -10,6 +10,7 @@ import pathlib
 import jax
 
 from moe_ep import distributed
+from moe_ep.experts import grouped
 from benchmarks import common
 
 BENCHMARKS = {
@@ -23,6 +24,8 @@ BENCHMARKS = {
     "remat": "remat variants: compiled dispatch exchanges, memory_analysis() and time",
     "timeline": "where one dispatch's and decode round trip's device time goes, kernel by kernel",
     "loopback": "P2's peer row kernels at EP=2/4/8 on one GPU: their own memory work, no link",
+    "fp8_gemms": "the FP8 expert GEMMs' TFLOP/s beside the bf16 kernels, per tile config "
+                 "(Hopper)",
 }
 # Tiny shapes that run anywhere (CPU included) to check the programs themselves.
 SMOKE = {
@@ -42,6 +45,8 @@ SMOKE = {
 
 # Benchmarks of the CuPy kernels themselves: no CPU version, --smoke included.
 CUPY_ONLY = ("overhead", "loopback")
+# Benchmarks of the Hopper kernels themselves (Mosaic GPU): likewise.
+HOPPER_ONLY = ("fp8_gemms",)
 
 
 def missing_requirement(name: str, smoke: bool) -> str | None:
@@ -49,6 +54,11 @@ def missing_requirement(name: str, smoke: bool) -> str | None:
   the CuPy kernels' benchmarks need a CUDA GPU and CuPy; the others' full
   shapes need a GPU (their ``--smoke`` shapes run anywhere)."""
   on_gpu = jax.default_backend() == "gpu"
+  if name in HOPPER_ONLY:
+    if not grouped.hopper_available():
+      return (f"a GPU of compute capability 9.0 (H100, H200) for its Hopper kernels (JAX's "
+              f"backend here is {jax.default_backend()!r})")
+    return None
   if name in CUPY_ONLY:
     if not on_gpu:
       return (f"a CUDA GPU and CuPy (it times the CuPy kernels; JAX's backend here is "

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import __main__ as bench_main
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.skipif(jax.default_backend() == "gpu",
     (["overhead"], ["overhead"]),
     (["overhead", "loopback", "--smoke"], ["overhead", "loopback"]),
     (["transport", "layer"], ["transport", "layer"]),  # full-size shapes
+    (["fp8_gemms", "--smoke"], ["fp8_gemms"]),  # the Hopper kernels themselves
 ])
 def test_a_benchmark_that_cannot_run_here_is_one_skipped_line_and_no_result(
     tmp_path, capsys, args, skipped):
@@ -75,3 +77,29 @@ def test_models_leaves_each_finished_shape_behind_as_it_goes(tmp_path):
   saved = json.loads(path.read_text())
   assert saved["partial"] is True and list(saved["models"]) == ["first"]
   assert list(result["models"]) == ["first", "second"] and "partial" not in result
+
+
+def test_the_fp8_gemms_program_reports_each_kernel_of_each_config(monkeypatch):
+  """The program's bookkeeping on CPU, its Hopper kernels stood in for by the
+  pure-JAX products of the same math: every kernel of every config timed,
+  TFLOP/s from the product's FLOPs, and the forward's agreement with bf16
+  on the same codes (unit scales: exact products, float32 sums) near 0."""
+  from benchmarks import fp8_gemms
+  from moe_ep.experts import fp8, hopper, hopper_fp8, hopper_wgrad, grouped
+  monkeypatch.setattr(hopper, "grouped_matmul", lambda a, b, t: grouped.grouped_matmul(
+      a, b, grouped.group_tiles(jnp.bincount(t, length=b.shape[0]) * 128, a.shape[0]), "xla"))
+  monkeypatch.setattr(hopper_wgrad, "grouped_matmul_wgrad", lambda a, g, s, c, n: jnp.zeros(
+      (n, a.shape[1], g.shape[1]), a.dtype))
+  monkeypatch.setattr(hopper_fp8, "grouped_matmul_fp8",
+                      lambda *x, config=None: fp8.grouped_matmul_fp8(*x))
+  monkeypatch.setattr(hopper_fp8, "grouped_matmul_fp8_wgrad",
+                      lambda *x, config=None: fp8.grouped_matmul_fp8_wgrad(*x))
+  result = fp8_gemms.run(shapes={"tiny": (128, 2, 256, 128)}, iters=1, rounds=1)
+  shape = result["shapes"]["tiny"]
+  names = ["forward_bf16", "wgrad_bf16"] + [f"{kind}_fp8_{config}" for config in
+                                            fp8_gemms.CONFIGS for kind in ("forward", "wgrad")]
+  assert sorted(shape["kernels"]) == sorted(names)
+  for timing in shape["kernels"].values():
+    assert timing["tflops"] == pytest.approx(2 * 256 * 256 * 128 / timing["median_ms"] / 1e9)
+  assert shape["forward_max_error_vs_bf16"] <= 2 ** -8  # one bf16 rounding apart
+  assert "tiny" in fp8_gemms.summary(result)
