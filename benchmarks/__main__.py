@@ -41,6 +41,7 @@ SMOKE = {
                   iters=2),
     "timeline": dict(tokens=64, num_experts=8, decode_tokens=16, decode_experts=16, hidden=32,
                      backend="xla", calls=3),
+    "fp8_gemms": dict(shapes={"tiny": (128, 2, 256, 128)}, iters=1, rounds=1),
 }
 
 # Benchmarks of the CuPy kernels themselves: no CPU version, --smoke included.
@@ -112,7 +113,7 @@ def main(argv=None) -> None:
         print(f"{name}: skipped: needs {missing}", flush=True)
       continue
     module = importlib.import_module(f"benchmarks.{name}")
-    options = dict(SMOKE[name]) if args.smoke else {}
+    options = dict(SMOKE.get(name, {})) if args.smoke else {}
     if name == "models" and args.model:
       shapes = options.get("shapes", module.SHAPES)
       unknown_shapes = sorted(set(args.model) - set(shapes))
