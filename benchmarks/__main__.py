@@ -26,6 +26,7 @@ BENCHMARKS = {
     "loopback": "P2's peer row kernels at EP=2/4/8 on one GPU: their own memory work, no link",
     "fp8_gemms": "the FP8 expert GEMMs' TFLOP/s beside the bf16 kernels, per tile config "
                  "(Hopper)",
+    "router": "the router's top-k (arg-max passes vs lax.top_k) and its fwd+bwd (one device)",
 }
 # Tiny shapes that run anywhere (CPU included) to check the programs themselves.
 SMOKE = {
@@ -42,6 +43,8 @@ SMOKE = {
     "timeline": dict(tokens=64, num_experts=8, decode_tokens=16, decode_experts=16, hidden=32,
                      backend="xla", calls=3),
     "fp8_gemms": dict(shapes={"tiny": (128, 2, 256, 128)}, iters=1, rounds=1),
+    "router": dict(shapes={"tiny": (64, 16, 4, None, None), "tiny_groups": (64, 16, 4, 4, 2)},
+                   iters=2, rounds=2),
 }
 
 # Benchmarks of the CuPy kernels themselves: no CPU version, --smoke included.

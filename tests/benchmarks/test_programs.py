@@ -18,7 +18,7 @@ import background
 pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-PROGRAMS = ("transport", "experts", "layer", "models", "ep", "remat", "timeline")
+PROGRAMS = ("transport", "experts", "layer", "models", "ep", "remat", "timeline", "router")
 
 
 def run_smoke() -> tuple[subprocess.CompletedProcess, dict]:
@@ -89,6 +89,13 @@ def test_remat_variants_rerun_the_dispatch_exchange_only_when_nothing_is_saved(s
   assert variants["nothing_saveable"]["forward_row_exchanges"] == 2
   # Saving the dispatch keeps less than saving everything.
   assert variants["save_dispatch"]["temp_size_in_bytes"] < variants["no_checkpoint"]["temp_size_in_bytes"]
+
+
+def test_the_router_benchmark_times_both_top_k_on_the_same_indices(smoke):
+  for name, shape in smoke["router"]["shapes"].items():
+    assert shape["same_indices"], name
+    assert set(shape["kernels"]) == {"top_k_passes", "top_k_lax", "router_fwd_bwd"}
+    assert all(timing["median_ms"] > 0 for timing in shape["kernels"].values()), name
 
 
 def test_ep_cases_agree_bitwise_and_time_fp8(smoke):
