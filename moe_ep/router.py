@@ -13,10 +13,12 @@ import jax.numpy as jnp
 # DeepSeek-V3 scores a group by the sum of its best two experts
 # (MoEConfig.group_score "top2_sum"), DeepSeek-V2 by its best one ("max").
 _EXPERTS_PER_GROUP_SCORE = {"top2_sum": 2, "max": 1}
-# Up to this K the top-k takes K arg-max passes over [T, E] instead of a sort:
-# XLA's GPU TopK kernel serves only wide rows, so E=128 routers sorted every
-# row (about 0.45 ms of a 16k-token Qwen3-shape step on an H200).
-_MAX_K_BY_PASSES = 16
+# From this row width and up to this K the top-k takes K arg-max passes over
+# [T, E] instead of lax.top_k: one H100, 16k tokens, K=8 (python -m
+# benchmarks router, docs/benchmarks.md): 0.064 against 0.071 ms at E=128,
+# 0.062 against 0.155 ms at E=256; on narrower rows lax.top_k is as fast or
+# faster (E=32: 0.054 against 0.069 ms).
+_MIN_WIDTH_BY_PASSES, _MAX_K_BY_PASSES = 128, 16
 _INT32_MIN = -2 ** 31
 
 
@@ -56,9 +58,9 @@ def top_k_indices(values: jax.Array, k: int) -> jax.Array:
   """``[..., N]`` -> ``[..., k]`` int32 indices of the ``k`` largest values,
   largest first, the lower index first among equals (``lax.top_k``'s order).
 
-  Small ``k`` takes ``k`` arg-max passes (each one fused reduction, no sort),
-  larger ``k`` ``lax.top_k``; both give the same indices."""
-  if k > _MAX_K_BY_PASSES:
+  Wide rows and small ``k`` take ``k`` arg-max passes (each one fused
+  reduction, no sort), the others ``lax.top_k``; both give the same indices."""
+  if k > _MAX_K_BY_PASSES or values.shape[-1] < _MIN_WIDTH_BY_PASSES:
     return jax.lax.top_k(values, k)[1].astype(jnp.int32)
   keys = _order_keys(values)
   columns = jnp.arange(values.shape[-1], dtype=jnp.int32)

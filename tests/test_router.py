@@ -129,12 +129,12 @@ def test_expert_histogram_skips_out_of_range():
   np.testing.assert_array_equal(np.asarray(router.expert_histogram(idx, 4)), [1, 1, 0, 2])
 
 
-@pytest.mark.parametrize("shape,k", [((64, 128), 8), ((33, 7), 7), ((4, 3, 9), 2),
-                                     ((40, 512), 16), ((40, 64), 17)])
+@pytest.mark.parametrize("shape,k", [((64, 128), 8), ((4, 3, 256), 2), ((40, 512), 16),
+                                     ((33, 7), 7), ((40, 64), 8), ((40, 512), 17)])
 def test_top_k_indices_orders_as_a_stable_sort(shape, k):
   """Largest first, the lower index first among equal values (ties and -inf
-  rows made on purpose): the arg-max passes (k <= 16) and lax.top_k (k = 17)
-  against NumPy's stable sort."""
+  rows made on purpose): the arg-max passes (rows of 128 and more, k <= 16)
+  and lax.top_k (the others) against NumPy's stable sort."""
   rng = np.random.default_rng(k)
   values = rng.normal(size=shape).astype(np.float32)
   values[..., ::3] = np.round(values[..., ::3]) + 0.0  # + 0.0: no -0.0 (NumPy ties it with 0.0)
@@ -146,6 +146,6 @@ def test_top_k_indices_orders_as_a_stable_sort(shape, k):
 
 
 def test_top_k_indices_matches_lax_top_k_on_signed_zeros_and_nans():
-  values = jnp.asarray([[0.0, -0.0, 1.0, np.nan, -np.nan, -np.inf, 0.0, -0.0]], jnp.float32)
+  values = jnp.asarray([[0.0, -0.0, 1.0, np.nan, -np.nan, -np.inf, 0.0, -0.0] * 16], jnp.float32)
   np.testing.assert_array_equal(np.asarray(router.top_k_indices(values, 8)),
                                 np.asarray(jax.lax.top_k(values, 8)[1]))
