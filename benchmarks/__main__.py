@@ -44,7 +44,7 @@ SMOKE = {
                      backend="xla", calls=3),
     "fp8_gemms": dict(shapes={"tiny": (128, 2, 256, 128)}, iters=1, rounds=1),
     "router": dict(shapes={"tiny": (64, 16, 4, None, None), "tiny_groups": (64, 16, 4, 4, 2)},
-                   iters=2, rounds=2),
+                   iters=2, rounds=2, repeats=2),
 }
 
 # Benchmarks of the CuPy kernels themselves: no CPU version, --smoke included.

@@ -14,10 +14,11 @@ import jax.numpy as jnp
 # (MoEConfig.group_score "top2_sum"), DeepSeek-V2 by its best one ("max").
 _EXPERTS_PER_GROUP_SCORE = {"top2_sum": 2, "max": 1}
 # From this row width and up to this K the top-k takes K arg-max passes over
-# [T, E] instead of lax.top_k: one H100, 16k tokens, K=8 (python -m
-# benchmarks router, docs/benchmarks.md): 0.064 against 0.071 ms at E=128,
-# 0.062 against 0.155 ms at E=256; on narrower rows lax.top_k is as fast or
-# faster (E=32: 0.054 against 0.069 ms).
+# [T, E] instead of lax.top_k, whose GPU TopK kernel serves only wide rows
+# and sorts the others. One H100, 16k tokens, K=8, one router per call
+# (docs/benchmarks.md, The router's top-k): lax.top_k 0.071 ms at E=128 and
+# 0.155 ms at E=256, the passes at the host's dispatch floor (0.055-0.065 ms)
+# on every width, as lax.top_k was on narrower rows.
 _MIN_WIDTH_BY_PASSES, _MAX_K_BY_PASSES = 128, 16
 _INT32_MIN = -2 ** 31
 
