@@ -146,8 +146,16 @@ def test_remat_saving_the_fp8_names_changes_no_value(save):
   remat = RematConfig(save=save, apply=True)
   rematted = value_and_grads(ExpertParallelMoE(config(dispatch_dtype="float8_e4m3fn",
                                                       remat=remat), rngs=nnx.Rngs(0)), x, probe)
+  (loss_remat, y_remat), _ = rematted
+  (loss_plain, y_plain), _ = plain
+  y_remat, y_plain = np.asarray(y_remat, np.float32), np.asarray(y_plain, np.float32)
+  rows_apart = np.abs(y_remat - y_plain).reshape(-1, HIDDEN).max(axis=-1)
+  where = (f"loss {float(loss_remat)!r} under remat, {float(loss_plain)!r} without; y differs in "
+           f"{int((rows_apart > 0).sum())} of {rows_apart.size} rows, by up to "
+           f"{float(rows_apart.max()):.3g}")
   for got, want in zip(jax.tree.leaves(rematted), jax.tree.leaves(plain)):
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                  err_msg=where)
 
 
 def test_a_float32_compute_dtype_is_refused_at_call_time():
