@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moe_ep.precision import exact_float32
+
 ACTIVATIONS = ("swiglu", "geglu", "gelu")
 # Gated activations read two input projections, gate | up, each F wide.
 GATED_ACTIVATIONS = ("swiglu", "geglu")
@@ -23,23 +25,29 @@ def input_projections(activation: str) -> int:
 
 def activate(hidden: jax.Array, activation: str, row_weights: jax.Array | None = None
              ) -> jax.Array:
-  """``[..., n*F]`` -> ``[..., F]``: gated activations split gate | up.
+  """``[..., n*F]`` -> ``[..., F]`` in ``hidden``'s dtype: gated activations
+  split gate | up.
 
-  ``row_weights [...]`` (float32), if given, scales each row in float32 with
-  one rounding: ``(w * a) @ W_out`` is the weighted output ``w * (a @ W_out)``
+  Computed in float32 from ``hidden``'s exact values and rounded once, as
+  the Hopper kernels' epilogues compute it: in ``hidden``'s dtype the
+  intermediate roundings would be XLA's to keep or drop per fusion
+  (:mod:`moe_ep.precision`), so two programs of one layer could differ.
+  ``row_weights [...]`` (float32), if given, scales each row before that
+  rounding: ``(w * a) @ W_out`` is the weighted output ``w * (a @ W_out)``
   without a pass over ``[..., H]``, forward or backward (the weights'
   gradient then sums over ``F``, in the pass that already reads the
   activation's)."""
-  if activation == "gelu":
-    act = jax.nn.gelu(hidden)
-  elif activation in GATED_ACTIVATIONS:
-    gate, up = jnp.split(hidden, 2, axis=-1)
-    act = (jax.nn.silu(gate) if activation == "swiglu" else jax.nn.gelu(gate)) * up
-  else:
+  if activation not in ACTIVATIONS:
     raise ValueError(f"activation={activation!r} must be 'swiglu', 'geglu' or 'gelu'")
-  if row_weights is None:
-    return act
-  return (act.astype(jnp.float32) * row_weights[..., None]).astype(act.dtype)
+  wide = exact_float32(hidden)
+  if activation == "gelu":
+    act = jax.nn.gelu(wide)
+  else:
+    gate, up = jnp.split(wide, 2, axis=-1)
+    act = (jax.nn.silu(gate) if activation == "swiglu" else jax.nn.gelu(gate)) * up
+  if row_weights is not None:
+    act = act * row_weights[..., None]
+  return act.astype(hidden.dtype)
 
 
 def small_activation(hidden: int, ffn: int) -> bool:

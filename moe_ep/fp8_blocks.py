@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_ep.precision import exact_float32
+
 BLOCK = 128
 E4M3_MAX = 448.0
 MIN_SCALE_EXPONENT = -116  # scale floor 2**-116
@@ -91,21 +93,6 @@ def _per_block(values: jax.Array) -> jax.Array:
   return values.reshape([d for n in values.shape for d in (n, 1)])
 
 
-def _as_float32(x: jax.Array) -> jax.Array:
-  """``x`` in float32, holding exactly the values of its own dtype. XLA may
-  keep a bfloat16 value in the float32 it was computed in
-  (``--xla_allow_excess_precision``, on by default on GPUs) depending on how
-  it fuses the program, so the same layer with and without remat would
-  quantize other values, and one bf16 ulp moves an e4m3 code. Rounding to
-  bfloat16 again (``reduce_precision``, which XLA keeps) is the identity on
-  a bfloat16 value, subnormals included. float16 is left as it is: XLA's
-  ``reduce_precision`` flushes float16's subnormals to zero."""
-  x32 = x.astype(jnp.float32)
-  if x.dtype != jnp.bfloat16:
-    return x32
-  return jax.lax.reduce_precision(x32, exponent_bits=8, mantissa_bits=7)
-
-
 def quantize(x: jax.Array, blocks: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
   """Block-scaled e4m3fn codes of ``x`` (the rule: the module docstring).
 
@@ -118,7 +105,7 @@ def quantize(x: jax.Array, blocks: tuple[int, ...]) -> tuple[jax.Array, jax.Arra
     float32 ``[ceil(x.shape[i] / blocks[i]) for each axis i]``.
   """
   blocks = _check_blocks(x.shape, blocks)
-  split = _split(_as_float32(x), blocks)
+  split = _split(exact_float32(x), blocks)
   inner = tuple(range(1, split.ndim, 2))
   finite = jnp.isfinite(split).all(axis=inner)
   amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(split), split, 0.0)), axis=inner)

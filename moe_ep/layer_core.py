@@ -28,6 +28,7 @@ from moe_ep.config import DTYPES, MoEConfig
 from moe_ep.experts import bank_layout, expert_mlp, grouped_expert_mlp
 from moe_ep.experts import fp8 as fp8_experts
 from moe_ep.layer_mesh import MeshSplit, check_no_ep_mesh, mesh_split
+from moe_ep.precision import exact_float32
 from moe_ep.row_groups import grouped_rows_for
 from moe_ep.transport.ops import combine, dispatch
 
@@ -110,7 +111,7 @@ def moe_shard(config: MoEConfig, split: MeshSplit, mesh, dtype, num_valid: int,
 
   # Route (float32 router). The scopes name the layer's parts in profiles.
   with jax.named_scope(NAMED_SCOPES["router"]):
-    logits = tokens.astype(jnp.float32) @ params["router"].astype(jnp.float32)
+    logits = exact_float32(tokens) @ params["router"].astype(jnp.float32)
     routing = router.route(
         logits, top_k=config.top_k, score_function=config.score_function,
         normalize_top_k=config.normalize_top_k, routed_scaling=config.routed_scaling,
@@ -154,7 +155,7 @@ def moe_shard(config: MoEConfig, split: MeshSplit, mesh, dtype, num_valid: int,
     else:
       out = _expert_mlp(config, dtype, name, dispatched, params, grouped_rows, weights)
     if weights is None:
-      out = (out.astype(jnp.float32) * dispatched.weights[..., None]).astype(dtype)
+      out = (exact_float32(out) * dispatched.weights[..., None]).astype(dtype)
 
   # Combine.
   y = name("combine.output", combine(out, dispatched.handle, num_tokens=num_tokens,

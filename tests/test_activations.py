@@ -52,3 +52,28 @@ def test_the_activation_is_small_where_ffn_is_below_twice_hidden():
   assert activations.small_activation(hidden=2048, ffn=4095)
   assert not activations.small_activation(hidden=2048, ffn=4096)
   assert not activations.small_activation(hidden=6144, ffn=16384)
+
+
+@pytest.mark.parametrize("activation", activations.ACTIVATIONS)
+def test_a_bfloat16_activation_is_the_float32_value_rounded_once(activation):
+  """bf16 in, bf16 out, one rounding: against float64 of the bf16 inputs
+  (and row weights) rounded once to bf16, equal but where float32's own
+  error (2**-24) lands on the other side of a bf16 rounding boundary, and
+  never a bf16 ulp (2**-8 of the value) apart. With bf16 intermediates
+  (sigmoid, silu, the product, the weighting each rounded), half of the
+  swiglu values differ. Gates from -1 on: below, gelu's ``1 + tanh``
+  cancels and float32 itself is off by more."""
+  n = activations.input_projections(activation)
+  rng = np.random.default_rng(3)
+  hidden = jnp.asarray(rng.uniform(-1, 4, size=(256, n * 64)), jnp.bfloat16)
+  weights = jnp.asarray(rng.uniform(0.1, 1, size=256), jnp.float32)
+  got = np.asarray(activations.activate(hidden, activation, weights).astype(jnp.float32),
+                   np.float64)
+  exact = (np.asarray(weights, np.float64)[:, None]
+           * REFERENCES[activation](*np.split(np.asarray(hidden.astype(jnp.float32),
+                                                        np.float64), n, axis=-1)))
+  want = np.asarray(jnp.asarray(exact, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
+  apart = got != want
+  assert apart.mean() < 1e-3, apart.mean()
+  np.testing.assert_allclose(got[apart], want[apart], rtol=2 ** -8)
+  assert activations.activate(hidden, activation).dtype == jnp.bfloat16
