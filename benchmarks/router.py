@@ -1,7 +1,7 @@
 """The router's top-k on public models' router shapes, one device: the
-arg-max passes :func:`moe_ep.router.top_k_indices` takes for ``K <= 16``
-beside ``lax.top_k`` (a sort where XLA's TopK kernel does not serve the row
-width), and the whole router forward and backward (scores, top-k, weights,
+arg-max passes :func:`moe_ep.router.top_k_indices` takes for ``E >= 128``
+and ``K <= 16`` beside ``lax.top_k`` (a sort where XLA's TopK kernel does
+not serve the row width), and the whole router forward and backward (scores, top-k, weights,
 the load-balancing and z losses) as the layer runs it, timed in interleaved
 rounds. Each call runs ``repeats`` routers of different logits in one
 ``lax.map``, so that the device's time, not the host's dispatch of a call

@@ -86,9 +86,8 @@ def group_limited_mask(selection: jax.Array, num_groups: int, group_top_k: int,
                      f"{tuple(_EXPERTS_PER_GROUP_SCORE)}")
   num_tokens, num_experts = selection.shape
   grouped = selection.reshape(num_tokens, num_groups, num_experts // num_groups)
-  scoring = min(_EXPERTS_PER_GROUP_SCORE[group_score], grouped.shape[-1])
-  best = jnp.take_along_axis(grouped, top_k_indices(grouped, scoring), axis=-1)
-  top_groups = top_k_indices(best.sum(axis=-1), group_top_k)  # [T, group_top_k]
+  best = jax.lax.top_k(grouped, min(_EXPERTS_PER_GROUP_SCORE[group_score], grouped.shape[-1]))[0]
+  _, top_groups = jax.lax.top_k(best.sum(axis=-1), group_top_k)  # [T, group_top_k]
   group_chosen = jnp.zeros((num_tokens, num_groups), bool).at[
       jnp.arange(num_tokens)[:, None], top_groups].set(True)
   return jnp.repeat(group_chosen, num_experts // num_groups, axis=1)
