@@ -56,6 +56,8 @@ from moe_ep.row_groups import ROW_TILE
 SIZE_MULTIPLE = 16
 ROW_BLOCKS = (1, BLOCK)  # per row, 128 channels
 WEIGHT_BLOCKS = (1, BLOCK, BLOCK)  # per group, 128x128
+# The weight gradient's dtypes the Hopper kernel stores (others: float32, then cast).
+_KERNEL_OUT_DTYPES = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32)))
 # Checkpoint names of the weight gradients' column-wise codes (RematConfig).
 INPUT_CODES = "expert_fp8.input"
 HIDDEN_CODES = "expert_fp8.hidden"
@@ -208,19 +210,25 @@ def _forward(implementation, config, a_codes, a_scales, b_codes, b_scales, tile_
   return grouped_matmul_fp8(a_codes, a_scales, b_codes, b_scales, tile_group)
 
 
-def _wgrad(implementation, config, a_codes, a_scales, b_codes, b_scales, tiles: GroupTiles):
+def _wgrad(implementation, config, a_codes, a_scales, b_codes, b_scales, tiles: GroupTiles,
+           out_dtype):
+  """The weight gradient in ``out_dtype`` (the master weights'), rounded once
+  from the float32 sums: the kernel stores it directly, so bf16 master
+  weights cost no float32 ``[G, K, N]`` pass."""
   # With groups on whole tiles their rows are whole 128-row blocks.
   group_blocks = tiles.group_rows // BLOCK
   num_groups = tiles.group_start.shape[0]
+  reference = lambda *args: grouped_matmul_fp8_wgrad(*args, num_groups).astype(out_dtype)
   if _uses_kernels(implementation):
+    stored = out_dtype if out_dtype in _KERNEL_OUT_DTYPES else jnp.dtype(jnp.float32)
     return jax.lax.platform_dependent(
         a_codes, a_scales, b_codes, b_scales, tiles.group_start, group_blocks,
         cuda=lambda a, sa, b, sb, start, blocks: sharding.vary_like(
             hopper_fp8.grouped_matmul_fp8_wgrad(a, sa, b, sb, start, blocks, num_groups,
-                                                config=config, out_dtype=jnp.float32), a, b),
-        default=lambda *args: grouped_matmul_fp8_wgrad(*args, num_groups))
-  return grouped_matmul_fp8_wgrad(a_codes, a_scales, b_codes, b_scales, tiles.group_start,
-                                  group_blocks, num_groups)
+                                                config=config, out_dtype=stored), a, b
+            ).astype(out_dtype),
+        default=reference)
+  return reference(a_codes, a_scales, b_codes, b_scales, tiles.group_start, group_blocks)
 
 
 # --- the differentiable product ----------------------------------------------
@@ -266,8 +274,8 @@ def _fp8_matmul_bwd(implementation, config, weight_dtype, name, residual, residu
   rows_grad = _forward(implementation, config, *quantize_rows(out_grad), weight_codes,
                        weight_scales, tiles.tile_group)
   weights_grad = _wgrad(implementation, config, column_codes, column_scales,
-                        *quantize_columns(out_grad), tiles)
-  return (rows_grad, None, weights_grad.astype(weight_dtype), None, _no_gradient(tiles))
+                        *quantize_columns(out_grad), tiles, jnp.dtype(weight_dtype))
+  return (rows_grad, None, weights_grad, None, _no_gradient(tiles))
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
