@@ -22,8 +22,10 @@ blockwise ``power_2_scale`` / DeepGEMM's UE8M0 rule for the scale):
 
 A block is given per axis: ``blocks[i]`` elements of axis ``i`` share a
 scale (1: each index its own), the last block of an axis shorter where its
-size is not a multiple. Rows per 128 channels are ``(1, 128)``, weights
-``[G, K, N]`` per 128x128 block ``(1, 128, 128)``.
+size is not a multiple. Rows per 128 channels are ``(1, 128)``
+(:func:`quantize_rows`; :func:`quantize_columns` for the transposed rows
+the weight gradients read), weights ``[G, K, N]`` per 128x128 block
+``(1, 128, 128)``.
 """
 
 from __future__ import annotations
@@ -141,3 +143,23 @@ def dequantize(codes: jax.Array, scales: jax.Array, blocks: tuple[int, ...],
                              total_repeat_length=expected[axis] * block)
   per_element = per_element[tuple(slice(0, size) for size in codes.shape)]
   return (codes.astype(jnp.float32) * per_element).astype(dtype)
+
+
+ROW_BLOCKS = (1, BLOCK)  # per row, 128 channels
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``x [M, K]`` -> ``(codes [M, K], scales [M, ceil(K / 128)])``: per row and 128 channels."""
+  return quantize(x, ROW_BLOCKS)
+
+
+def quantize_columns(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``x [M, K]`` -> ``(codes [K, M], scales [K, ceil(M / 128)])``: per channel
+  and 128 rows, transposed (the operands of a weight gradient ``x^T @ dy``)."""
+  return quantize(x.T, ROW_BLOCKS)
+
+
+def dequantize_rows(codes: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """``[M, K]`` of row-quantized ``codes`` (:func:`quantize_rows`), exact, then
+  rounded once to ``dtype``."""
+  return dequantize(codes, scales, ROW_BLOCKS, dtype)

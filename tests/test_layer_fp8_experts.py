@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from conftest import make_mesh
-from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig, layer_core
+from moe_ep import ExpertParallelMoE, MoEConfig, RematConfig, fp8_blocks, layer_core
 from moe_ep.experts import fp8 as fp8_experts
 
 HIDDEN, FFN, EXPERTS, TOP_K = 32, 48, 8, 2
@@ -101,12 +101,14 @@ def test_fp8_dispatch_feeds_the_first_gemm_bit_for_bit(monkeypatch):
   x, probe = tokens(), tokens(1)
   cfg = config(dispatch_dtype="float8_e4m3fn")
   quantized_rows = []
-  quantize_rows = fp8_experts.quantize_rows
-  monkeypatch.setattr(fp8_experts, "quantize_rows",
+  quantize_rows = fp8_blocks.quantize_rows
+  monkeypatch.setattr(fp8_blocks, "quantize_rows",
                       lambda v: quantized_rows.append(v.shape) or quantize_rows(v))
   layer = ExpertParallelMoE(cfg, rngs=nnx.Rngs(0))
   jax.make_jaxpr(lambda x: layer(x)[0])(x)
-  assert quantized_rows == [(quantized_rows[0][0], FFN)]  # the activation's alone
+  # The dispatch's of the tokens and the activation's: none of the bank's input rows.
+  num_tokens = x.shape[0] * x.shape[1]
+  assert quantized_rows == [(num_tokens, HIDDEN), (quantized_rows[1][0], FFN)], quantized_rows
   fed = value_and_grads(layer, x, probe)
   monkeypatch.setattr(layer_core, "_fp8_dispatch_feed", lambda config: False)
   requantized = value_and_grads(ExpertParallelMoE(cfg, rngs=nnx.Rngs(0)), x, probe)

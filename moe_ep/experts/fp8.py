@@ -46,15 +46,15 @@ import jax
 import jax.numpy as jnp
 
 from moe_ep import fp8_blocks, sharding
-from moe_ep.experts import grouped, hopper_fp8
+from moe_ep.experts import fp8_activation, grouped, hopper_fp8
 from moe_ep.experts.grouped import GroupTiles, check_implementation, group_tiles
-from moe_ep.experts.slabs import Namer, _no_name, activate
+from moe_ep.experts.slabs import Namer, _no_name
+from moe_ep.activations import input_projections
 from moe_ep.fp8_blocks import BLOCK
 from moe_ep.row_groups import ROW_TILE
 
 # FP8 rows must start on 16 bytes for the kernels' bulk copies (TMA).
 SIZE_MULTIPLE = 16
-ROW_BLOCKS = (1, BLOCK)  # per row, 128 channels
 WEIGHT_BLOCKS = (1, BLOCK, BLOCK)  # per group, 128x128
 # The weight gradient's dtypes the Hopper kernel stores (others: float32, then cast).
 _KERNEL_OUT_DTYPES = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32)))
@@ -92,22 +92,6 @@ def dequantize_weights(weights: FP8Weights) -> jax.Array:
   return fp8_blocks.dequantize(weights.codes, weights.scales, WEIGHT_BLOCKS)
 
 
-def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``x [M, K]`` -> ``(codes [M, K], scales [M, ceil(K / 128)])``: per row and 128 channels."""
-  return fp8_blocks.quantize(x, ROW_BLOCKS)
-
-
-def quantize_columns(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``x [M, K]`` -> ``(codes [K, M], scales [K, M // 128])``: per channel and
-  128 rows (the weight gradient's operands; ``M % 128 == 0``)."""
-  return fp8_blocks.quantize(x.T, ROW_BLOCKS)
-
-
-def dequantize_rows(codes: jax.Array, scales: jax.Array) -> jax.Array:
-  """``[M, K]`` float32 of row-quantized ``codes`` (exact)."""
-  return fp8_blocks.dequantize(codes, scales, ROW_BLOCKS)
-
-
 # --- the two products, pure JAX ("xla") ---------------------------------------
 
 
@@ -134,7 +118,7 @@ def grouped_matmul_fp8(a_codes: jax.Array, a_scales: jax.Array, b_codes: jax.Arr
   Returns:
     ``[M, N]`` bfloat16: the float32 sums of the exact products, rounded once.
   """
-  lhs = dequantize_rows(a_codes, a_scales)
+  lhs = fp8_blocks.dequantize_rows(a_codes, a_scales)
   rhs = fp8_blocks.dequantize(b_codes, b_scales, WEIGHT_BLOCKS)
   sizes = _tile_groups_to_sizes(tile_group, rhs.shape[0])
   out = jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2), sizes,
@@ -162,7 +146,8 @@ def grouped_matmul_fp8_wgrad(a_codes: jax.Array, a_scales: jax.Array, b_codes: j
     ``[G, P, Q]`` float32, zero for an empty group.
   """
   del group_start  # the groups follow one another: their sizes place them
-  lhs, rhs = dequantize_rows(a_codes, a_scales), dequantize_rows(b_codes, b_scales)
+  lhs = fp8_blocks.dequantize_rows(a_codes, a_scales)
+  rhs = fp8_blocks.dequantize_rows(b_codes, b_scales)
   numbers = jax.lax.RaggedDotDimensionNumbers(
       dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
       rhs_group_dimensions=[])
@@ -241,18 +226,18 @@ def _no_gradient(tiles: GroupTiles) -> GroupTiles:
 def _input_codes(rows, rows_fp8):
   """The forward's row-wise codes and the weight gradient's column-wise ones."""
   if rows_fp8 is None:
-    return quantize_rows(rows), quantize_columns(rows)
+    return fp8_blocks.quantize_rows(rows), fp8_blocks.quantize_columns(rows)
   # Rows fed as FP8 (the dispatch's codes): used as they are; the column-wise
   # codes come from them dequantized exactly (code * power of two) and
   # requantized per channel and 128 rows.
-  return rows_fp8, quantize_columns(dequantize_rows(*rows_fp8))
+  return rows_fp8, fp8_blocks.quantize_columns(fp8_blocks.dequantize_rows(*rows_fp8))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
 def _fp8_matmul(implementation, config, weight_dtype, name, residual, rows, rows_fp8, weights,
                 weights_fp8, tiles):
   del weight_dtype, name, residual, weights
-  codes, scales = quantize_rows(rows) if rows_fp8 is None else rows_fp8
+  codes, scales = fp8_blocks.quantize_rows(rows) if rows_fp8 is None else rows_fp8
   return _forward(implementation, config, codes, scales, weights_fp8.codes_t,
                   jnp.swapaxes(weights_fp8.scales, 1, 2), tiles.tile_group)
 
@@ -271,10 +256,10 @@ def _fp8_matmul_fwd(implementation, config, weight_dtype, name, residual, rows, 
 def _fp8_matmul_bwd(implementation, config, weight_dtype, name, residual, residuals, out_grad):
   (column_codes, column_scales), weight_codes, weight_scales, tiles = residuals
   out_grad = out_grad.astype(jnp.bfloat16)
-  rows_grad = _forward(implementation, config, *quantize_rows(out_grad), weight_codes,
-                       weight_scales, tiles.tile_group)
+  rows_grad = _forward(implementation, config, *fp8_blocks.quantize_rows(out_grad),
+                       weight_codes, weight_scales, tiles.tile_group)
   weights_grad = _wgrad(implementation, config, column_codes, column_scales,
-                        *quantize_columns(out_grad), tiles, jnp.dtype(weight_dtype))
+                        *fp8_blocks.quantize_columns(out_grad), tiles, jnp.dtype(weight_dtype))
   return (rows_grad, None, weights_grad, None, _no_gradient(tiles))
 
 
@@ -346,6 +331,55 @@ def fp8_grouped_matmul(rows: jax.Array, weights: jax.Array, weights_fp8: FP8Weig
                      rows_fp8, weights, weights_fp8, tiles)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _fp8_mlp(implementation, config, activation, weight_dtypes, name, rows, rows_fp8, w_in,
+             w_out, w_in_fp8, w_out_fp8, row_weights, tiles):
+  return _fp8_mlp_fwd(implementation, config, activation, weight_dtypes, name, rows, rows_fp8,
+                      w_in, w_out, w_in_fp8, w_out_fp8, row_weights, tiles)[0]
+
+
+def _fp8_mlp_fwd(implementation, config, activation, weight_dtypes, name, rows, rows_fp8, w_in,
+                 w_out, w_in_fp8, w_out_fp8, row_weights, tiles):
+  del weight_dtypes, w_in, w_out  # their gradients come from the residuals alone
+  kernels = _uses_kernels(implementation)
+  (codes, scales), input_columns = _input_codes(rows, rows_fp8)
+  # Named inside the forward rule, so the residuals themselves carry the names.
+  input_columns = name(INPUT_CODES, input_columns)
+  hidden = _forward(implementation, config, codes, scales, w_in_fp8.codes_t,
+                    jnp.swapaxes(w_in_fp8.scales, 1, 2), tiles.tile_group)
+  hidden = name("expert_hidden", hidden)
+  (act_codes, act_scales), act_columns = fp8_activation.activate_quantized(
+      hidden, activation, row_weights, kernels)
+  act_columns = name(HIDDEN_CODES, act_columns)
+  out = _forward(implementation, config, act_codes, act_scales, w_out_fp8.codes_t,
+                 jnp.swapaxes(w_out_fp8.scales, 1, 2), tiles.tile_group)
+  return out, (input_columns, hidden, act_columns, row_weights, w_in_fp8.codes, w_in_fp8.scales,
+               w_out_fp8.codes, w_out_fp8.scales, tiles)
+
+
+def _fp8_mlp_bwd(implementation, config, activation, weight_dtypes, name, residuals, out_grad):
+  del name
+  (input_columns, hidden, act_columns, row_weights, w_in_codes, w_in_scales, w_out_codes,
+   w_out_scales, tiles) = residuals
+  kernels = _uses_kernels(implementation)
+  out_grad = out_grad.astype(jnp.bfloat16)
+  act_grad = _forward(implementation, config, *fp8_blocks.quantize_rows(out_grad), w_out_codes,
+                      w_out_scales, tiles.tile_group)
+  w_out_grad = _wgrad(implementation, config, *act_columns,
+                      *fp8_blocks.quantize_columns(out_grad), tiles, jnp.dtype(weight_dtypes[1]))
+  hidden_rows, hidden_columns, row_weights_grad = fp8_activation.activation_grad_quantized(
+      hidden, act_grad, activation, row_weights, kernels)
+  rows_grad = _forward(implementation, config, *hidden_rows, w_in_codes, w_in_scales,
+                       tiles.tile_group)
+  w_in_grad = _wgrad(implementation, config, *input_columns, *hidden_columns, tiles,
+                     jnp.dtype(weight_dtypes[0]))
+  return (rows_grad, None, w_in_grad, w_out_grad, None, None, row_weights_grad,
+          _no_gradient(tiles))
+
+
+_fp8_mlp.defvjp(_fp8_mlp_fwd, _fp8_mlp_bwd)
+
+
 def fp8_grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array,
                            w_out: jax.Array, w_in_fp8: FP8Weights, w_out_fp8: FP8Weights,
                            activation: str, name: Namer = _no_name,
@@ -356,6 +390,11 @@ def fp8_grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array,
                            ) -> jax.Array:
   """Expert ``l``'s MLP on the rows of group ``l``, both GEMMs in FP8 (the
   FP8 sibling of :func:`~moe_ep.experts.grouped.grouped_expert_mlp`).
+
+  One differentiable step: the first GEMM, the activation with both of its
+  quantizations in one pass (:mod:`~moe_ep.experts.fp8_activation`), the
+  second GEMM; backward, the activation's gradient and both of its
+  quantizations likewise in one pass between the GEMMs.
 
   Args:
     rows: ``[M, H]`` bfloat16 in the grouped layout.
@@ -377,9 +416,18 @@ def fp8_grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array,
     ``rows`` is zero too.
   """
   tiles = group_tiles(counts, rows.shape[0], ROW_TILE)
-  hidden = fp8_grouped_matmul(rows, w_in, w_in_fp8, tiles, implementation, rows_fp8, name,
-                              INPUT_CODES, tile_config)
-  hidden = name("expert_hidden", hidden)
-  out = fp8_grouped_matmul(activate(hidden, activation, row_weights), w_out, w_out_fp8, tiles,
-                           implementation, None, name, HIDDEN_CODES, tile_config)
+  _check_product(rows, w_in, w_in_fp8, tiles, rows_fp8)
+  if w_out.ndim != 3 or w_in.shape[2] != input_projections(activation) * w_out.shape[1]:
+    raise ValueError(f"w_out must be [L, F, H] with w_in [L, H, n*F] (n=2 for gated "
+                     f"activations); got w_in {w_in.shape}, w_out {w_out.shape} for "
+                     f"activation={activation!r}")
+  activations = jax.ShapeDtypeStruct((rows.shape[0], w_out.shape[1]), jnp.bfloat16)
+  _check_product(activations, w_out, w_out_fp8, tiles, None)
+  w_in, w_out = (sharding.vary_like(w, rows) for w in (w_in, w_out))
+  w_in_fp8, w_out_fp8 = (jax.tree.map(lambda v: sharding.vary_like(jax.lax.stop_gradient(v),
+                                                                     rows), w)
+                         for w in (w_in_fp8, w_out_fp8))
+  dtypes = (jnp.dtype(w_in.dtype).name, jnp.dtype(w_out.dtype).name)
+  out = _fp8_mlp(implementation, tile_config, activation, dtypes, name, rows, rows_fp8, w_in,
+                 w_out, w_in_fp8, w_out_fp8, row_weights, tiles)
   return name("expert_output", out)

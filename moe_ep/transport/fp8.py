@@ -76,7 +76,6 @@ INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.f
 _CODE_ALIGN = 16
 _WIRE_ALIGN = 128  # whole cache lines (see the wire row above)
 _WIRE_LINES_COST = 16  # ... where the padding is under 1/16 of the row
-_ROW_BLOCKS = (1, BLOCK)  # one scale per row and 128 channels
 
 
 def num_blocks(hidden: int) -> int:
@@ -139,7 +138,7 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     ``(codes [N, H] float8_e4m3fn, scales [N, B] float32)``.
   """
   check_rows("x", x)
-  return fp8_blocks.quantize(x, _ROW_BLOCKS)
+  return fp8_blocks.quantize_rows(x)
 
 
 def dequantize_rows(codes: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
@@ -158,7 +157,7 @@ def dequantize_rows(codes: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> 
   if scales.shape != (rows, blocks) or scales.dtype != jnp.float32:
     raise ValueError(f"scales must be [{rows}, {blocks}] float32 for codes {codes.shape}; "
                      f"got {scales.dtype} {scales.shape}")
-  return fp8_blocks.dequantize(codes, scales, _ROW_BLOCKS, dtype)
+  return fp8_blocks.dequantize_rows(codes, scales, dtype)
 
 
 def pack_wire(codes: jax.Array, scales: jax.Array) -> jax.Array:

@@ -16,8 +16,8 @@ import importlib.resources
 import pathlib
 
 COMMON_HEADER = "common.cuh"
-KERNEL_FILES = ("rows.cu", "layout.cu", "fp8.cu", "peer_exchange.cu", "peer_dispatch.cu",
-                "peer_combine.cu", "peer_layout.cu")
+KERNEL_FILES = ("rows.cu", "layout.cu", "fp8.cu", "fp8_bank.cu", "peer_exchange.cu",
+                "peer_dispatch.cu", "peer_combine.cu", "peer_layout.cu")
 # NVRTC options besides the include path; nvcc understands the same ones.
 COMPILE_OPTIONS = ("-std=c++17",)
 

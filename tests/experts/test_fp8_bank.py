@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
+from moe_ep import fp8_blocks
 from moe_ep.experts import fp8, grouped, hopper
 from moe_ep.row_groups import ROW_TILE
 
@@ -154,7 +155,7 @@ def test_forward_product_matches_float64(case, hidden, columns):
   rows, group, tiles = layout(SIZE_CASES[case], rng, hidden)
   w = rng.normal(size=(len(SIZE_CASES[case]), hidden, columns)) / hidden ** 0.5
   quantized = fp8.quantize_weights(jnp.asarray(w, jnp.float32))
-  codes, scales = fp8.quantize_rows(rows)
+  codes, scales = fp8_blocks.quantize_rows(rows)
   out = jax.jit(fp8.grouped_matmul_fp8)(codes, scales, quantized.codes_t,
                                         jnp.swapaxes(quantized.scales, 1, 2), tiles.tile_group)
   assert out.dtype == jnp.bfloat16 and out.shape == (rows.shape[0], columns)
@@ -174,7 +175,7 @@ def test_weight_gradient_product_matches_float64(case):
   sizes = SIZE_CASES[case]
   x, _, tiles = layout(sizes, rng, hidden)
   dy, _, _ = layout(sizes, rng, columns)
-  x_codes, dy_codes = fp8.quantize_columns(x), fp8.quantize_columns(dy)
+  x_codes, dy_codes = fp8_blocks.quantize_columns(x), fp8_blocks.quantize_columns(dy)
   out = jax.jit(fp8.grouped_matmul_fp8_wgrad, static_argnums=6)(
       *x_codes, *dy_codes, tiles.group_start, tiles.group_rows // 128, len(sizes))
   assert out.dtype == jnp.float32 and out.shape == (len(sizes), hidden, columns)
@@ -227,8 +228,8 @@ def test_rows_fed_as_fp8_equal_their_dequantized_rows_bit_for_bit():
   as they are, the weight gradient requantizes them column-wise."""
   rng = np.random.default_rng(4)
   rows, _, tiles = layout([300, 1, 0, 77], rng, 144)
-  codes, scales = fp8.quantize_rows(rows)
-  on_grid = fp8.dequantize_rows(codes, scales).astype(jnp.bfloat16)  # exact in bf16
+  codes, scales = fp8_blocks.quantize_rows(rows)
+  on_grid = fp8_blocks.dequantize_rows(codes, scales).astype(jnp.bfloat16)  # exact in bf16
   w = jnp.asarray(rng.normal(size=(4, 144, 48)) / 12, jnp.float32)
   fed, fed_vjp = _product_and_vjp(on_grid, w, tiles, (codes, scales))
   plain, plain_vjp = _product_and_vjp(on_grid, w, tiles)
