@@ -1,5 +1,5 @@
-// The FP8 expert bank's activation passes, each one read of its inputs and one
-// write of both quantizations of its output (moe_ep/experts/fp8_activation.py
+// The FP8 expert bank's passes outside its GEMMs, each one read of its inputs and
+// one write of every quantization of its output (moe_ep/experts/fp8_passes.py
 // launches them; its pure-JAX functions are the reference):
 //
 //   fp8_act_quantize_<act>:      hidden [M, nF] -> a = act(hidden) (* w), rounded
@@ -12,6 +12,10 @@
 //                                also each row's partial sums of da * act per
 //                                128-channel block (the gradient of w, summed
 //                                by the caller in a fixed order).
+//   fp8_quantize_weights_<dtype>: w [G, K, N] -> codes per 128 x 128 block, as
+//                                they are ([G, K, N]: the input gradient's
+//                                operand) and transposed ([G, N, K]: the
+//                                forward's), and one scale per block.
 //
 // gate | up halves of hidden for the gated activations (n = 2), as
 // moe_ep/activations.py splits them; all arithmetic in float32, from the
@@ -277,6 +281,100 @@ __device__ __forceinline__ void act_grad_quantize(
     act_grad_quantize<ACT>(hidden, act_grad, row_weights, num_rows, ffn, row_codes,         \
                            row_scales, column_codes, column_scales, weight_partials);       \
   }
+
+// ---------------------------------------------------------------------------
+// fp8_quantize_weights_{f32,bf16}
+//   grid:   G * ceil(K / 128) * ceil(N / 128) CTAs, one per 128 x 128 block
+//           (partial at the edges); warp w takes the block's rows 16w ..
+//           16w + 15, lane l the columns 4l .. 4l + 3 of each, kept in
+//           registers while the block's amax is reduced (warps, then shared
+//           memory); the transposed codes from the codes in shared memory,
+//           lane l the rows l, l + 32, l + 64, l + 96 of each column.
+//   input:  weights [G, K, N] (K % 16 == 0, N % 16 == 0: the caller checks).
+//   output: codes [G, K, N] e4m3, codes_t [G, N, K], scales [G, ceil(K / 128),
+//           ceil(N / 128)] float32: fp8.cuh's rule over the whole block,
+//           the bytes of moe_ep/fp8_blocks.py's quantize (no rounding but
+//           the e4m3 one: power-of-two scales).
+// ---------------------------------------------------------------------------
+#define WEIGHT_TILE_BYTES 132  // a block row of 128 codes, +4: aligned words
+
+template <typename T>
+__device__ __forceinline__ void quantize_weights(const typename T::Elem* __restrict__ weights,
+                                                 int groups, int k_size, int n_size,
+                                                 u8* __restrict__ codes,
+                                                 u8* __restrict__ codes_t,
+                                                 float* __restrict__ scales) {
+  __shared__ u32 tile[BANK_TILE * WEIGHT_TILE_BYTES / 4];
+  __shared__ float warp_amax[BANK_THREADS / 32];
+  const int k_blocks = (k_size + BANK_TILE - 1) / BANK_TILE;
+  const int n_blocks = (n_size + BANK_TILE - 1) / BANK_TILE;
+  const int n_block = blockIdx.x % n_blocks;
+  const int k_block = (blockIdx.x / n_blocks) % k_blocks;
+  const int group = blockIdx.x / (n_blocks * k_blocks);
+  if (group >= groups) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n = n_block * BANK_TILE + 4 * lane;
+  const bool inside_n = n < n_size;  // n_size % 4 == 0: the whole quad
+  const i64 matrix = (i64)group * k_size * n_size;
+  float v[BANK_ROWS_PER_WARP][4];
+  float amax = 0.0f;
+#pragma unroll
+  for (int r = 0; r < BANK_ROWS_PER_WARP; ++r) {
+    const int k = k_block * BANK_TILE + warp * BANK_ROWS_PER_WARP + r;
+    if (inside_n && k < k_size) {
+      const typename T::Elem* src = weights + matrix + (i64)k * n_size + n;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[r][i] = T::load(src[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[r][i] = 0.0f;
+    }
+    amax = fp8_max_nan(amax, fp8_lane_amax(v[r]));
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    amax = fp8_max_nan(amax, __shfl_xor_sync(MOE_EP_FULL_MASK, amax, offset));
+  if (lane == 0) warp_amax[warp] = amax;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < BANK_THREADS / 32; ++w) amax = fp8_max_nan(amax, warp_amax[w]);
+  u8* tile_bytes = reinterpret_cast<u8*>(tile);
+  u32 scale = 0u;
+#pragma unroll
+  for (int r = 0; r < BANK_ROWS_PER_WARP; ++r) {
+    const int local = warp * BANK_ROWS_PER_WARP + r;
+    const int k = k_block * BANK_TILE + local;
+    u32 words[1];
+    scale = fp8_quantize_block(v[r], amax, words);
+    *reinterpret_cast<u32*>(tile_bytes + local * WEIGHT_TILE_BYTES + 4 * lane) = words[0];
+    if (inside_n && k < k_size)
+      *reinterpret_cast<u32*>(codes + matrix + (i64)k * n_size + n) = words[0];
+  }
+  if (threadIdx.x == 0)
+    scales[((i64)group * k_blocks + k_block) * n_blocks + n_block] = __uint_as_float(scale);
+  __syncthreads();
+  for (int c = warp; c < BANK_TILE; c += BANK_THREADS / 32) {
+    const int column = n_block * BANK_TILE + c;
+    if (column >= n_size) break;
+    u8* dst = codes_t + matrix + (i64)column * k_size + k_block * BANK_TILE;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int local = lane + 32 * i;
+      if (k_block * BANK_TILE + local < k_size)
+        dst[local] = tile_bytes[local * WEIGHT_TILE_BYTES + c];
+    }
+  }
+}
+
+#define MOE_EP_WEIGHT_KERNEL(suffix, T)                                                      \
+  extern "C" __global__ void __launch_bounds__(BANK_THREADS) fp8_quantize_weights_##suffix(   \
+      const T::Elem* weights, int groups, int k_size, int n_size, u8* codes, u8* codes_t,   \
+      float* scales) {                                                                      \
+    quantize_weights<T>(weights, groups, k_size, n_size, codes, codes_t, scales);            \
+  }
+
+MOE_EP_WEIGHT_KERNEL(f32, F32)
+MOE_EP_WEIGHT_KERNEL(bf16, BF16)
 
 MOE_EP_BANK_KERNELS(swiglu, ACT_SWIGLU)
 MOE_EP_BANK_KERNELS(geglu, ACT_GEGLU)

@@ -46,16 +46,15 @@ import jax
 import jax.numpy as jnp
 
 from moe_ep import fp8_blocks, sharding
-from moe_ep.experts import fp8_activation, grouped, hopper_fp8
+from moe_ep.activations import input_projections
+from moe_ep.experts import fp8_passes, grouped, hopper_fp8
 from moe_ep.experts.grouped import GroupTiles, check_implementation, group_tiles
 from moe_ep.experts.slabs import Namer, _no_name
-from moe_ep.activations import input_projections
 from moe_ep.fp8_blocks import BLOCK
 from moe_ep.row_groups import ROW_TILE
 
 # FP8 rows must start on 16 bytes for the kernels' bulk copies (TMA).
 SIZE_MULTIPLE = 16
-WEIGHT_BLOCKS = (1, BLOCK, BLOCK)  # per group, 128x128
 # The weight gradient's dtypes the Hopper kernel stores (others: float32, then cast).
 _KERNEL_OUT_DTYPES = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32)))
 # Checkpoint names of the weight gradients' column-wise codes (RematConfig).
@@ -78,18 +77,17 @@ class FP8Weights(NamedTuple):
   scales: jax.Array
 
 
-def quantize_weights(weights: jax.Array) -> FP8Weights:
+def quantize_weights(weights: jax.Array, implementation: str = "auto") -> FP8Weights:
   """``weights [G, K, N]`` (any float dtype: the master weights) quantized per
-  128x128 block, with the transposed codes."""
-  if weights.ndim != 3:
-    raise ValueError(f"weights must be [G, K, N]; got shape {weights.shape}")
-  codes, scales = fp8_blocks.quantize(weights, WEIGHT_BLOCKS)
-  return FP8Weights(codes, jnp.swapaxes(codes, 1, 2), scales)
+  128x128 block, with the transposed codes, in one pass where the bank's
+  kernels run (:func:`moe_ep.experts.fp8_passes.quantize_weights`);
+  ``implementation`` as :func:`fp8_grouped_matmul`."""
+  return FP8Weights(*fp8_passes.quantize_weights(weights, _uses_kernels(implementation)))
 
 
 def dequantize_weights(weights: FP8Weights) -> jax.Array:
   """``[G, K, N]`` float32: the values the FP8 GEMMs multiply by (exact)."""
-  return fp8_blocks.dequantize(weights.codes, weights.scales, WEIGHT_BLOCKS)
+  return fp8_blocks.dequantize(weights.codes, weights.scales, fp8_passes.WEIGHT_BLOCKS)
 
 
 # --- the two products, pure JAX ("xla") ---------------------------------------
@@ -119,7 +117,7 @@ def grouped_matmul_fp8(a_codes: jax.Array, a_scales: jax.Array, b_codes: jax.Arr
     ``[M, N]`` bfloat16: the float32 sums of the exact products, rounded once.
   """
   lhs = fp8_blocks.dequantize_rows(a_codes, a_scales)
-  rhs = fp8_blocks.dequantize(b_codes, b_scales, WEIGHT_BLOCKS)
+  rhs = fp8_blocks.dequantize(b_codes, b_scales, fp8_passes.WEIGHT_BLOCKS)
   sizes = _tile_groups_to_sizes(tile_group, rhs.shape[0])
   out = jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2), sizes,
                            precision=jax.lax.Precision.HIGHEST,
@@ -348,7 +346,7 @@ def _fp8_mlp_fwd(implementation, config, activation, weight_dtypes, name, rows, 
   hidden = _forward(implementation, config, codes, scales, w_in_fp8.codes_t,
                     jnp.swapaxes(w_in_fp8.scales, 1, 2), tiles.tile_group)
   hidden = name("expert_hidden", hidden)
-  (act_codes, act_scales), act_columns = fp8_activation.activate_quantized(
+  (act_codes, act_scales), act_columns = fp8_passes.activate_quantized(
       hidden, activation, row_weights, kernels)
   act_columns = name(HIDDEN_CODES, act_columns)
   out = _forward(implementation, config, act_codes, act_scales, w_out_fp8.codes_t,
@@ -367,7 +365,7 @@ def _fp8_mlp_bwd(implementation, config, activation, weight_dtypes, name, residu
                       w_out_scales, tiles.tile_group)
   w_out_grad = _wgrad(implementation, config, *act_columns,
                       *fp8_blocks.quantize_columns(out_grad), tiles, jnp.dtype(weight_dtypes[1]))
-  hidden_rows, hidden_columns, row_weights_grad = fp8_activation.activation_grad_quantized(
+  hidden_rows, hidden_columns, row_weights_grad = fp8_passes.activation_grad_quantized(
       hidden, act_grad, activation, row_weights, kernels)
   rows_grad = _forward(implementation, config, *hidden_rows, w_in_codes, w_in_scales,
                        tiles.tile_group)
@@ -392,7 +390,7 @@ def fp8_grouped_expert_mlp(rows: jax.Array, counts: jax.Array, w_in: jax.Array,
   FP8 sibling of :func:`~moe_ep.experts.grouped.grouped_expert_mlp`).
 
   One differentiable step: the first GEMM, the activation with both of its
-  quantizations in one pass (:mod:`~moe_ep.experts.fp8_activation`), the
+  quantizations in one pass (:mod:`~moe_ep.experts.fp8_passes`), the
   second GEMM; backward, the activation's gradient and both of its
   quantizations likewise in one pass between the GEMMs.
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from moe_ep.experts import fp8_activation
+from moe_ep.experts import fp8_passes
 from moe_ep.transport import cupy_backend
 from moe_ep.transport import kernel_source
 from moe_ep.transport.peer import kernels as peer_kernels
@@ -36,7 +36,7 @@ def test_kernel_file_compiles_for_sm90_without_spills(kernel_file, tmp_path):
   assert not spills, spills
   entries = set(re.findall(r"Compiling entry function '(\w+)'", result.stderr))
   (launched,) = [f.kernels for f in (*cupy_backend.KERNEL_FILES, cupy_backend.FP8,
-                                     *peer_kernels.KERNEL_FILES, fp8_activation.KERNELS)
+                                     *peer_kernels.KERNEL_FILES, fp8_passes.KERNELS)
                  if f.name == kernel_file]
   assert set(launched) <= entries, set(launched) - entries
 

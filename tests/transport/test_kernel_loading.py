@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from moe_ep.experts import fp8_activation
+from moe_ep.experts import fp8_passes
 from moe_ep.transport import cupy_backend
 from moe_ep.transport import kernel_launch, kernel_source
 from moe_ep.transport.peer import kernels as peer_kernels
@@ -77,14 +77,14 @@ def test_each_user_compiles_its_files_once_per_device(monkeypatch, fresh_caches)
                        for name in f.kernels}
   assert cupy_backend.fp8_kernels(3)["quantize_pack_bf16"] == ("fp8.cu", "quantize_pack_bf16")
   assert peer_kernels.kernel(5, "exchange_v16") == ("peer_exchange.cu", "peer_exchange_v16")
-  assert fp8_activation._kernels(3)["fp8_act_quantize_swiglu"] == (
+  assert fp8_passes._kernels(3)["fp8_act_quantize_swiglu"] == (
       "fp8_bank.cu", "fp8_act_quantize_swiglu")
   assert calls[len(cupy_backend.KERNEL_FILES):] == (
       [(3, "fp8.cu", options)] + [(5, f.name, options) for f in peer_kernels.KERNEL_FILES]
       + [(3, "fp8_bank.cu", options)])
   # every kernel file has one user (that its kernels exist: test_kernel_compile.py)
   users = (*cupy_backend.KERNEL_FILES, cupy_backend.FP8, *peer_kernels.KERNEL_FILES,
-           fp8_activation.KERNELS)
+           fp8_passes.KERNELS)
   assert sorted(f.name for f in users) == sorted(kernel_source.KERNEL_FILES)
   count = len(calls)
   cupy_backend.kernels(3), cupy_backend.fp8_kernels(3), peer_kernels.compile_kernels(5)  # cached

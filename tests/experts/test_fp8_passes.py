@@ -1,7 +1,8 @@
-"""The FP8 bank's activation passes: kernels/fp8_bank.cu against the pure-JAX
-passes (the activation or its autodiff, then both quantizations), and the
-pure-JAX passes against float64 NumPy. Lowering on any machine; the kernels'
-values on a CUDA GPU."""
+"""The FP8 bank's passes outside its GEMMs: kernels/fp8_bank.cu against the
+pure-JAX passes (the weights' quantization bit for bit; the activation or its
+autodiff, then both quantizations, within a bf16 ulp of the activation), and
+the pure-JAX activation passes against float64 NumPy. Lowering on any
+machine; the kernels' values on a CUDA GPU."""
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 
 from moe_ep import fp8_blocks
 from moe_ep.activations import ACTIVATIONS, input_projections
-from moe_ep.experts import fp8_activation, grouped, hopper
+from moe_ep.experts import fp8_passes, grouped, hopper
 
 # F: whole blocks, a partial last block (176 = 128 + 48; gated, the
 # gradient's blocks straddle gate and up), one partial block.
@@ -62,7 +63,7 @@ def test_reference_passes_match_float64(activation, ffn):
   ``2**-10`` of its block's scale, plus the bf16 rounding before it,
   ``2**-8``; 1% for float32's own error); zero rows stay zero."""
   hidden, _, weights = _inputs(activation, ffn)
-  rows, columns = jax.jit(fp8_activation.activate_quantized_xla, static_argnums=1)(
+  rows, columns = jax.jit(fp8_passes.activate_quantized_xla, static_argnums=1)(
       hidden, activation, weights)
   want = _activation64(hidden, activation, weights)
   row_scales = np.repeat(np.asarray(rows[1]), 128, axis=1)[:, :ffn]
@@ -111,13 +112,13 @@ needs_kernels = pytest.mark.skipif(not grouped.hopper_available(),
 @pytest.mark.parametrize("weighted", (True, False))
 def test_kernels_match_the_reference_passes(activation, ffn, weighted):
   hidden, act_grad, weights = _inputs(activation, ffn, weighted=weighted)
-  forward = jax.jit(fp8_activation.activate_quantized_cuda, static_argnums=1)
-  reference = jax.jit(fp8_activation.activate_quantized_xla, static_argnums=1)
+  forward = jax.jit(fp8_passes.activate_quantized_cuda, static_argnums=1)
+  reference = jax.jit(fp8_passes.activate_quantized_xla, static_argnums=1)
   got, want = forward(hidden, activation, weights), reference(hidden, activation, weights)
   for got_q, want_q in zip(got, want):
     _one_code_apart(got_q, want_q)
-  backward = jax.jit(fp8_activation.activation_grad_quantized_cuda, static_argnums=2)
-  reference = jax.jit(fp8_activation.activation_grad_quantized_xla, static_argnums=2)
+  backward = jax.jit(fp8_passes.activation_grad_quantized_cuda, static_argnums=2)
+  reference = jax.jit(fp8_passes.activation_grad_quantized_xla, static_argnums=2)
   got, want = (backward(hidden, act_grad, activation, weights),
                reference(hidden, act_grad, activation, weights))
   for got_q, want_q in zip(got[:2], want[:2]):
@@ -139,30 +140,52 @@ def test_kernels_poison_a_non_finite_block_both_ways():
   codes NaN), as the reference does, and no other block."""
   hidden, act_grad, weights = _inputs("swiglu", 256)
   hidden = hidden.at[5, 7].set(jnp.nan).at[200, 256 + 130].set(jnp.inf)
-  got = jax.jit(fp8_activation.activate_quantized_cuda, static_argnums=1)(
+  got = jax.jit(fp8_passes.activate_quantized_cuda, static_argnums=1)(
       hidden, "swiglu", weights)
-  want = jax.jit(fp8_activation.activate_quantized_xla, static_argnums=1)(
+  want = jax.jit(fp8_passes.activate_quantized_xla, static_argnums=1)(
       hidden, "swiglu", weights)
   for (_, got_scales), (_, want_scales) in zip(got, want):
     np.testing.assert_array_equal(np.isnan(got_scales), np.isnan(want_scales))
     assert np.isnan(np.asarray(want_scales)).sum() == 2
 
 
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("shape", [(3, 256, 512), (2, 2880, 176), (1, 48, 16)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_weight_kernel_gives_the_reference_bytes(shape, dtype):
+  """Every code (both layouts) and scale of the kernel's weight quantization
+  is the pure-JAX one's: no rounding but the e4m3 one on either side. A NaN
+  poisons its block alone; a block of zeros gets the floor scale."""
+  rng = np.random.default_rng(3)
+  weights = rng.normal(size=shape) * 2.0 ** rng.integers(-30, 10, size=(shape[0], 1, 1))
+  weights[0, :16, :16] = 0.0
+  weights[-1, -1, -1] = np.nan
+  weights = jnp.asarray(weights, dtype)
+  got = jax.jit(fp8_passes.quantize_weights_cuda)(weights)
+  want = jax.jit(fp8_passes.quantize_weights_xla)(weights)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
 def test_kernels_lower_for_cuda_as_one_callback_each(monkeypatch, pretend_cupy):
-  """On a machine without a GPU the bank's activation passes lower for CUDA
-  to one buffer callback each, forward and backward."""
+  """On a machine without a GPU the bank's passes lower for CUDA to one
+  buffer callback each: the activation, its gradient, the weights."""
   monkeypatch.setattr(grouped, "hopper_available", lambda: True)
   monkeypatch.setattr(hopper, "num_sms_here", lambda: 132)
   hidden, act_grad, weights = _inputs("swiglu", 176)
 
-  def both(h, g, w):
-    return (fp8_activation.activate_quantized(h, "swiglu", w, kernels=True),
-            fp8_activation.activation_grad_quantized(h, g, "swiglu", w, kernels=True))
+  def passes(h, g, w, master):
+    return (fp8_passes.activate_quantized(h, "swiglu", w, kernels=True),
+            fp8_passes.activation_grad_quantized(h, g, "swiglu", w, kernels=True),
+            fp8_passes.quantize_weights(master, kernels=True))
 
-  text = jax.jit(both).trace(hidden, act_grad, weights).lower(
+  master = jnp.zeros((2, 64, 352), jnp.float32)
+  text = jax.jit(passes).trace(hidden, act_grad, weights, master).lower(
       lowering_platforms=("cuda",)).as_text()
   calls = [line for line in text.splitlines() if "xla_buffer_python_gpu_callback" in line]
-  assert len(calls) == 2, calls
+  assert len(calls) == 3, calls
+  assert "tensor<2x64x352xui8>" in calls[2] and "tensor<2x352x64xui8>" in calls[2]
   # Outputs: the codes both ways, [M, F] and [F, M]; backward [M, 2F] and [2F, M].
   assert f"tensor<{ROWS}x176xui8>" in calls[0] and f"tensor<176x{ROWS}xui8>" in calls[0]
   assert f"tensor<{ROWS}x352xui8>" in calls[1] and f"tensor<352x{ROWS}xui8>" in calls[1]
@@ -171,10 +194,10 @@ def test_kernels_lower_for_cuda_as_one_callback_each(monkeypatch, pretend_cupy):
 def test_shapes_are_checked_at_trace_time():
   hidden = jnp.zeros((100, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="multiple of 128"):
-    fp8_activation.activate_quantized(hidden, "swiglu", None, kernels=False)
+    fp8_passes.activate_quantized(hidden, "swiglu", None, kernels=False)
   with pytest.raises(ValueError, match="bfloat16"):
-    fp8_activation.activate_quantized(jnp.zeros((128, 64)), "swiglu", None, kernels=False)
+    fp8_passes.activate_quantized(jnp.zeros((128, 64)), "swiglu", None, kernels=False)
   with pytest.raises(ValueError, match="act_grad"):
-    fp8_activation.activation_grad_quantized(jnp.zeros((128, 64), jnp.bfloat16),
+    fp8_passes.activation_grad_quantized(jnp.zeros((128, 64), jnp.bfloat16),
                                              jnp.zeros((128, 64), jnp.bfloat16), "swiglu",
                                              None, kernels=False)

@@ -1,11 +1,14 @@
-"""The FP8 bank's activation passes, each one read of its inputs that writes
-both quantizations of its output: the row-wise codes the next GEMM reads and
-the column-wise codes (per channel and 128 rows, transposed) its weight
-gradient reads.
+"""The FP8 bank's passes outside its GEMMs, each one read of its input that
+writes every quantization of its output the GEMMs read:
 
+* :func:`quantize_weights`: the master weights ``[G, K, N]`` per 128x128
+  block, their codes as they are (the input gradient's operand) and
+  transposed (the forward's), once per step;
 * :func:`activate_quantized`: ``hidden [M, n*F]`` -> the activation ``[M, F]``
   (:func:`moe_ep.activations.activate`: float32 from the exact inputs, times
-  the routing weights, rounded to bf16 once), quantized both ways;
+  the routing weights, rounded to bf16 once), quantized per row (the second
+  GEMM's operand) and per channel and 128 rows, transposed (its weight
+  gradient's);
 * :func:`activation_grad_quantized`: ``hidden`` and the activation's
   cotangent ``[M, F]`` -> the hidden rows' gradient ``[M, n*F]`` (float32,
   rounded to bf16 once), quantized both ways, and the routing weights'
@@ -13,9 +16,9 @@ gradient reads.
 
 Where the bank's GEMMs run on the Hopper kernels, these run
 ``kernels/fp8_bank.cu`` (through CuPy, on XLA's stream); elsewhere, and as the
-reference, the pure-JAX functions below, the same math as XLA passes: the
-activation (or its gradient by autodiff) and :func:`moe_ep.fp8_blocks.quantize_rows`
-/ :func:`~moe_ep.fp8_blocks.quantize_columns` of it.
+reference, the pure-JAX functions below: the same math as XLA passes
+(:func:`moe_ep.fp8_blocks.quantize`, the activation or its autodiff).
+Without CuPy on such a GPU they say so once and run as XLA passes.
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ from moe_ep.row_groups import ROW_TILE
 from moe_ep.transport import kernel_launch as kl
 from moe_ep.transport.kernel_launch import KernelFile, i32, pointer
 
-KERNELS = KernelFile("fp8_bank.cu", tuple(f"{op}_{activation}" for op in
-                                          ("fp8_act_quantize", "fp8_act_grad_quantize")
-                                          for activation in ACTIVATIONS))
+WEIGHT_DTYPES = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16"}
+KERNELS = KernelFile("fp8_bank.cu", (
+    *(f"fp8_quantize_weights_{suffix}" for suffix in WEIGHT_DTYPES.values()),
+    *(f"{op}_{activation}" for op in ("fp8_act_quantize", "fp8_act_grad_quantize")
+      for activation in ACTIVATIONS)))
+WEIGHT_BLOCKS = (1, fp8_blocks.BLOCK, fp8_blocks.BLOCK)  # per group, 128x128
 _THREADS = 256  # kernels/fp8_bank.cu's BANK_THREADS
 _NULL = np.uint64(0)
 
@@ -43,6 +49,12 @@ Quantized = tuple[jax.Array, jax.Array]  # (codes, scales)
 
 
 # --- the reference (pure JAX) ---------------------------------------------------
+
+
+def quantize_weights_xla(weights: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """:func:`quantize_weights` as XLA passes."""
+  codes, scales = fp8_blocks.quantize(weights, WEIGHT_BLOCKS)
+  return codes, jnp.swapaxes(codes, 1, 2), scales
 
 
 def activate_quantized_xla(hidden: jax.Array, activation: str,
@@ -85,6 +97,26 @@ def _code_shapes(rows: int, width: int) -> list[jax.ShapeDtypeStruct]:
 def _as_codes(row_codes, row_scales, column_codes, column_scales) -> tuple[Quantized, Quantized]:
   e4m3 = lambda codes: jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
   return (e4m3(row_codes), row_scales), (e4m3(column_codes), column_scales)
+
+
+def quantize_weights_cuda(weights):
+  """:func:`quantize_weights` by kernel ``fp8_quantize_weights_<dtype>`` (the same bytes)."""
+  groups, k_size, n_size = weights.shape
+  blocks = (fp8_blocks.num_blocks(k_size), fp8_blocks.num_blocks(n_size))
+  kernel = f"fp8_quantize_weights_{WEIGHT_DTYPES[jnp.dtype(weights.dtype)]}"
+  shapes = [jax.ShapeDtypeStruct((groups, k_size, n_size), jnp.uint8),
+            jax.ShapeDtypeStruct((groups, n_size, k_size), jnp.uint8),
+            jax.ShapeDtypeStruct((groups, *blocks), jnp.float32)]
+
+  def callback(ctx, outs, weights_buffer):
+    with kl.on_xla_stream(ctx, weights_buffer, _kernels) as launch:
+      launch(kernel, groups * blocks[0] * blocks[1], _THREADS, pointer(weights_buffer),
+             *i32(groups, k_size, n_size), *(pointer(out) for out in outs))
+
+  codes, codes_t, scales = kl.call("moe_fp8_quantize_weights", callback, shapes, weights,
+                                   kernels=_kernels)
+  e4m3 = lambda c: jax.lax.bitcast_convert_type(c, jnp.float8_e4m3fn)
+  return e4m3(codes), e4m3(codes_t), scales
 
 
 def activate_quantized_cuda(hidden, activation, row_weights):
@@ -167,6 +199,24 @@ def _on_kernels(kernels: bool) -> bool:
     _warn_no_cupy()
     return False
   return kernels
+
+
+def quantize_weights(weights: jax.Array, kernels: bool
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``weights [G, K, N]`` (the master weights, no gradient through this)
+  quantized per 128x128 block: ``(codes [G, K, N], codes_t [G, N, K],
+  scales [G, ceil(K / 128), ceil(N / 128)])``; ``kernels``: run
+  ``kernels/fp8_bank.cu`` on a CUDA device for float32 and bfloat16 weights
+  with K and N multiples of 16 (the pure-JAX passes otherwise)."""
+  if weights.ndim != 3:
+    raise ValueError(f"weights must be [G, K, N]; got shape {weights.shape}")
+  weights = jax.lax.stop_gradient(weights)
+  fits = (jnp.dtype(weights.dtype) in WEIGHT_DTYPES and weights.shape[1] % 16 == 0
+          and weights.shape[2] % 16 == 0)
+  if not (fits and _on_kernels(kernels)):
+    return quantize_weights_xla(weights)
+  return jax.lax.platform_dependent(weights, cuda=quantize_weights_cuda,
+                                    default=quantize_weights_xla)
 
 
 def activate_quantized(hidden: jax.Array, activation: str, row_weights: jax.Array | None,
