@@ -25,7 +25,9 @@ SHAPES = {"mixtral_8x7b_w_in": (2048, 8, 4096, 28672),
 CONFIGS = {"default": hopper_fp8.FP8TileConfig(),
            "overlap": hopper_fp8.FP8TileConfig(overlap_promotion=True),
            "chain_overlap": hopper_fp8.FP8TileConfig(chain_tiles=True, overlap_promotion=True),
-           "split_columns": hopper_fp8.FP8TileConfig(split_rows=False, max_concurrent_steps=3)}
+           "split_columns": hopper_fp8.FP8TileConfig(split_rows=False, max_concurrent_steps=3),
+           "ring_wgrad": hopper_fp8.FP8TileConfig(chain_wgrad=True),
+           "ring_wgrad_5": hopper_fp8.FP8TileConfig(chain_wgrad=True, max_concurrent_steps=5)}
 
 
 def _operands(rng, per_group: int, groups: int, k: int, n: int) -> dict:

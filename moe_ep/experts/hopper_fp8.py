@@ -81,6 +81,11 @@ class FP8TileConfig:
       while the tensor cores compute its own (a third ``[64, 128]`` float32
       array a thread's registers hold: with ``split_rows`` only), rather
       than after them.
+    chain_wgrad: the weight gradient's tiles share one ring of stages
+      (:func:`grouped_matmul_fp8_wgrad`), rather than each its own pipeline
+      that starts with a full load latency and ends drained (its groups'
+      blocks, hence its tiles' steps, are known only on the device). Its
+      promotion follows each step's wgmma (not ``overlap_promotion``).
   """
 
   split_rows: bool = True
@@ -90,6 +95,7 @@ class FP8TileConfig:
   epi_tile: int = 64
   chain_tiles: bool = False
   overlap_promotion: bool = False
+  chain_wgrad: bool = False
 
   def __post_init__(self):
     if self.overlap_promotion and not self.split_rows:
@@ -312,6 +318,12 @@ def grouped_matmul_fp8_wgrad(a_codes: jax.Array, a_scales: jax.Array, b_codes: j
   transforms = hopper.smem_transforms(CODE_DTYPE, BLOCK, a_codes.shape[1])
   out_transforms = hopper.smem_transforms(out_dtype, epi, padded_q)
   snake = config.snake()
+  out_shape = jax.ShapeDtypeStruct((num_groups, padded_p, padded_q), out_dtype)
+  operands = (group_start, group_blocks, a_codes, b_codes, row_scales, column_scales)
+  if config.chain_wgrad:
+    call = _chained_wgrad(config, (p_iters, q_iters), num_groups, transforms, out_transforms,
+                          out_shape, num_sms or hopper.num_sms_here())
+    return call(*operands)[:, :p, :q]
 
   def pipeline(body, compute_context, steps, first_block):
     codes = lambda shape: plgpu.BlockSpec(shape, lambda ci: (0, first_block + ci),
@@ -366,8 +378,121 @@ def grouped_matmul_fp8_wgrad(a_codes: jax.Array, a_scales: jax.Array, b_codes: j
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  call = hopper.kernel_call(body, jax.ShapeDtypeStruct((num_groups, padded_p, padded_q),
-                                                       out_dtype),
-                            num_sms or hopper.num_sms_here(), name="grouped_matmul_fp8_wgrad")
-  out = call(group_start, group_blocks, a_codes, b_codes, row_scales, column_scales)
-  return out[:, :p, :q]
+  call = hopper.kernel_call(body, out_shape, num_sms or hopper.num_sms_here(),
+                            name="grouped_matmul_fp8_wgrad")
+  return call(*operands)[:, :p, :q]
+
+
+# Registers per thread of the chained weight gradient's memory warpgroup (as
+# the pipelines set them) and its compute warpgroups (the rest of 64K).
+_MEMORY_REGISTERS, _COMPUTE_REGISTERS = 40, 232
+
+
+def _chained_wgrad(config: FP8TileConfig, iters: tuple[int, int], num_groups: int, transforms,
+                   out_transforms, out_shape, num_sms: int):
+  """The weight gradient's kernel with every tile of a CTA on one ring of
+  ``max_concurrent_steps`` stages, written on barriers and TMA (as
+  :mod:`moe_ep.experts.hopper_wgrad`'s chained kernel): the memory
+  warpgroup counts blocks across tiles, so it loads the next tile's first
+  blocks while the compute warpgroups finish this tile and store it. Each
+  stage holds a 128-row block of both operands' codes and their scales; a
+  compute warpgroup reads the scales, runs the step's wgmma, releases the
+  stage and then promotes. The same sums in the same order as the tile by
+  tile kernel: the same bits."""
+  p_iters, q_iters = iters
+  stages, epi = config.max_concurrent_steps, config.epi_tile
+  wg_rows, cta_columns = config.wg_rows, config.cta_columns
+  snake, tiles = config.snake(), (num_groups, p_iters * q_iters)
+
+  def body(group_start_gmem, group_blocks_gmem, a_gmem, b_gmem, row_scales_gmem,
+           column_scales_gmem, out_gmem):
+    def scoped(a_smem, b_smem, row_scale_smem, column_scale_smem, out_smem, loaded, consumed):
+      wg_idx = lax.axis_index("wg")
+      wg_row_slice, wg_column_slice = config.wg_slices(wg_idx)
+
+      def tile_of(loop_info):
+        """The tile's group, its blocks, the first of them, and its output
+        tile's rows (of P) and columns (of Q)."""
+        group, index = loop_info.index
+        p_idx, q_idx = hopper.snake_tile(index, p_iters, q_iters, snake)
+        return (group, group_blocks_gmem[group], group_start_gmem[group] // BLOCK,
+                pl.ds(p_idx * ROW_TILE, ROW_TILE), pl.ds(q_idx * cta_columns, cta_columns))
+
+      @pl.when(wg_idx == 2)
+      def _memory():
+        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+        # Block ``b`` of this CTA goes to stage ``b % stages`` once the
+        # compute warpgroups released block ``b - stages``.
+        @plgpu.nd_loop(tiles, collective_axes="sm", init_carry=jnp.int32(0))
+        def blocks(loop_info, carry):
+          _, steps, first_block, p_slice, q_slice = tile_of(loop_info)
+
+          @pl.loop(0, steps)
+          def _(step):
+            block, slot = carry + step, lax.rem(carry + step, stages)
+
+            @pl.when(block >= stages)
+            def _():
+              plgpu.barrier_wait(consumed.at[slot])
+            index = first_block + step
+            columns = pl.ds(pl.multiple_of(index * BLOCK, BLOCK), BLOCK)
+            plgpu.copy_gmem_to_smem(a_gmem.at[p_slice, columns], a_smem.at[slot],
+                                    loaded.at[slot])
+            plgpu.copy_gmem_to_smem(b_gmem.at[q_slice, columns], b_smem.at[slot],
+                                    loaded.at[slot])
+            plgpu.copy_gmem_to_smem(row_scales_gmem.at[pl.ds(index, 1), p_slice],
+                                    row_scale_smem.at[slot], loaded.at[slot])
+            plgpu.copy_gmem_to_smem(column_scales_gmem.at[pl.ds(index, 1), q_slice],
+                                    column_scale_smem.at[slot], loaded.at[slot])
+          return carry + steps
+
+        # The last stages' releases, waited for so no barrier is left mid-phase.
+        @pl.loop(jnp.maximum(blocks - stages, 0), blocks)
+        def _(block):
+          plgpu.barrier_wait(consumed.at[lax.rem(block, stages)])
+
+      @pl.when(wg_idx < 2)
+      def _compute():
+        plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+
+        @plgpu.nd_loop(tiles, collective_axes="sm", init_carry=jnp.int32(0))
+        def _(loop_info, carry):  # the blocks this CTA has read
+          group, steps, _, p_slice, q_slice = tile_of(loop_info)
+
+          def step(index, acc):
+            slot = lax.rem(carry + index, stages)
+            plgpu.barrier_wait(loaded.at[slot])
+            rows = hopper.load(row_scale_smem.at[slot].at[0, wg_row_slice], _ROW_LAYOUT)
+            columns = hopper.load(column_scale_smem.at[slot].at[0, wg_column_slice],
+                                  _COLUMN_LAYOUT)
+
+            def product(part_ref):
+              plgpu.wgmma(part_ref, a_smem.at[slot].at[wg_row_slice, :],
+                          hopper.transposed(b_smem.at[slot].at[wg_column_slice, :]))
+              plgpu.wgmma_wait(0)
+              plgpu.barrier_arrive(consumed.at[slot])
+              return part_ref[...]
+
+            part = pl.run_scoped(product, plgpu.ACC((wg_rows, BLOCK), jnp.float32))
+            return _promote(acc, part, (rows, columns), (0, 1))
+
+          acc = lax.fori_loop(0, steps, step, _start_promotion((wg_rows, BLOCK), (0, 1),
+                                                               False)[0])
+          out_view = out_gmem.at[group].at[p_slice, q_slice].at[wg_row_slice, wg_column_slice]
+          hopper.store_tile(acc, out_smem, out_view, wg_idx, epi)
+          return carry + steps
+
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((stages, ROW_TILE, BLOCK), CODE_DTYPE, transforms=transforms),
+        plgpu.SMEM((stages, cta_columns, BLOCK), CODE_DTYPE, transforms=transforms),
+        plgpu.SMEM((stages, 1, ROW_TILE), jnp.float32),
+        plgpu.SMEM((stages, 1, cta_columns), jnp.float32),
+        plgpu.SMEM((2, 2, epi, epi), out_shape.dtype, transforms=out_transforms),
+        plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # a stage's four copies landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups read it
+        collective_axes="wg")
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  return hopper.kernel_call(body, out_shape, num_sms, name="grouped_matmul_fp8_wgrad")

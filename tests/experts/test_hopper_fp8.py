@@ -85,8 +85,9 @@ def test_fp8_kernels_lower_for_sizes_off_the_blocks():
   """Both kernels lower to Mosaic GPU, their shared memory within Hopper's,
   for whole and partial blocks (the GPU tests check their values)."""
   S = jax.ShapeDtypeStruct
-  configs = (hopper_fp8.FP8TileConfig(), hopper_fp8.FP8TileConfig(split_rows=False,
-                                                                   max_concurrent_steps=3),
+  configs = (hopper_fp8.FP8TileConfig(chain_wgrad=True),
+             hopper_fp8.FP8TileConfig(split_rows=False, max_concurrent_steps=3,
+                                      chain_wgrad=True),
              hopper_fp8.FP8TileConfig(overlap_promotion=True, chain_tiles=True))
   for (k, n), config in zip(SHAPES, configs):
     kb, nb, m, g = -(-k // BLOCK), -(-n // BLOCK), 4 * ROW_TILE, 3
@@ -111,10 +112,13 @@ _CONFIGS = {"split_rows": hopper_fp8.FP8TileConfig(),
             "chained": hopper_fp8.FP8TileConfig(chain_tiles=True),
             "overlapped": hopper_fp8.FP8TileConfig(overlap_promotion=True)}
 CONFIGS = pytest.mark.parametrize("config", list(_CONFIGS.values()), ids=list(_CONFIGS))
-# The weight gradient's tiles do not chain.
-WGRAD_CONFIGS = pytest.mark.parametrize(
-    "config", [c for name, c in _CONFIGS.items() if name != "chained"],
-    ids=[name for name in _CONFIGS if name != "chained"])
+# The forward's chain is not the weight gradient's, which has its own ring.
+_WGRAD_CONFIGS = {**{name: c for name, c in _CONFIGS.items() if name != "chained"},
+                  "ring": hopper_fp8.FP8TileConfig(chain_wgrad=True),
+                  "ring_split_columns": hopper_fp8.FP8TileConfig(
+                      split_rows=False, max_concurrent_steps=3, chain_wgrad=True)}
+WGRAD_CONFIGS = pytest.mark.parametrize("config", list(_WGRAD_CONFIGS.values()),
+                                        ids=list(_WGRAD_CONFIGS))
 needs_hopper = pytest.mark.skipif(not grouped.hopper_available(),
                                   reason="needs a GPU of compute capability 9.0")
 
@@ -171,6 +175,24 @@ def test_grouped_matmul_fp8_wgrad_matches_float64(k, n, out_dtype, config):
     got = _as64(out[g])
     assert np.all(np.abs(got - want) <= _bound(want, magnitude, out_dtype)), (
         g, _worst(got, want, magnitude, out_dtype))
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_the_weight_gradients_ring_gives_the_tile_by_tile_bits():
+  """The ring sums each tile's blocks in the same order as each tile's own
+  pipeline: the same bits, over groups of 0 to 23 blocks."""
+  rng = np.random.default_rng(4)
+  sizes = [0, 128, 2944, 384, 0, 1024]
+  starts, _, rows = _layout(sizes)
+  blocks = jnp.asarray([-(-s // BLOCK) for s in sizes], jnp.int32)
+  a, sa = _codes(rng, (2880, rows)), _scales(rng, (2880, rows // BLOCK))
+  b, sb = _codes(rng, (640, rows)), _scales(rng, (640, rows // BLOCK))
+  run = lambda config: np.asarray(hopper_fp8.grouped_matmul_fp8_wgrad(
+      a, sa, b, sb, jnp.asarray(starts, jnp.int32), blocks, len(sizes), config=config,
+      out_dtype=jnp.float32))
+  np.testing.assert_array_equal(run(hopper_fp8.FP8TileConfig(chain_wgrad=True)),
+                                run(hopper_fp8.FP8TileConfig()))
 
 
 @pytest.mark.gpu
