@@ -4,6 +4,8 @@ autodiff, then both quantizations, within a bf16 ulp of the activation), and
 the pure-JAX activation passes against float64 NumPy. Lowering on any
 machine; the kernels' values on a CUDA GPU."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 from moe_ep import fp8_blocks
 from moe_ep.activations import ACTIVATIONS, input_projections
 from moe_ep.experts import fp8_passes, grouped, hopper
+from moe_ep.transport import kernel_launch
 
 # F: whole blocks, a partial last block (176 = 128 + 48; gated, the
 # gradient's blocks straddle gate and up), one partial block.
@@ -201,3 +204,19 @@ def test_shapes_are_checked_at_trace_time():
     fp8_passes.activation_grad_quantized(jnp.zeros((128, 64), jnp.bfloat16),
                                              jnp.zeros((128, 64), jnp.bfloat16), "swiglu",
                                              None, kernels=False)
+
+
+def test_without_cupy_the_kernels_path_says_so_once_and_runs_the_reference(monkeypatch):
+  """Asked for the kernels where CuPy is missing, the passes warn once
+  (naming the install) and give the pure-JAX passes' values."""
+  monkeypatch.setattr(kernel_launch, "cupy_available", lambda: False)
+  fp8_passes._warn_no_cupy.cache_clear()
+  hidden, act_grad, weights = _inputs("geglu", 176)
+  with pytest.warns(UserWarning, match="CuPy is not installed"):
+    got = fp8_passes.activate_quantized(hidden, "geglu", weights, kernels=True)
+  want = fp8_passes.activate_quantized(hidden, "geglu", weights, kernels=False)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    fp8_passes.activation_grad_quantized(hidden, act_grad, "geglu", weights, kernels=True)
