@@ -27,6 +27,8 @@ BENCHMARKS = {
     "fp8_gemms": "the FP8 expert GEMMs' TFLOP/s beside the bf16 kernels, per tile config "
                  "(Hopper)",
     "router": "the router's top-k (arg-max passes vs lax.top_k) and its fwd+bwd (one device)",
+    "fp8_passes": "the FP8 bank's passes outside its GEMMs: one kernel each vs XLA passes "
+                  "(one device)",
 }
 # Tiny shapes that run anywhere (CPU included) to check the programs themselves.
 SMOKE = {
@@ -45,6 +47,7 @@ SMOKE = {
     "fp8_gemms": dict(shapes={"tiny": (128, 2, 256, 128)}, iters=1, rounds=1),
     "router": dict(shapes={"tiny": (64, 16, 4, None, None), "tiny_groups": (64, 16, 4, 4, 2)},
                    iters=2, rounds=2, repeats=2),
+    "fp8_passes": dict(shapes={"tiny": (256, 2, 64, 48, 4)}, iters=2, rounds=2),
 }
 
 # Benchmarks of the CuPy kernels themselves: no CPU version, --smoke included.

@@ -18,7 +18,8 @@ import background
 pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-PROGRAMS = ("transport", "experts", "layer", "models", "ep", "remat", "timeline", "router")
+PROGRAMS = ("transport", "experts", "layer", "models", "ep", "remat", "timeline", "router",
+            "fp8_passes")
 
 
 def run_smoke() -> tuple[subprocess.CompletedProcess, dict]:
@@ -96,6 +97,16 @@ def test_the_router_benchmark_times_both_top_k_on_the_same_indices(smoke):
     assert shape["same_indices"], name
     assert set(shape["kernels"]) == {"top_k_passes", "top_k_lax", "router_fwd_bwd"}
     assert all(timing["median_ms"] > 0 for timing in shape["kernels"].values()), name
+
+
+def test_the_fp8_passes_benchmark_times_each_pass_where_it_can_run(smoke):
+  """Every pass as XLA passes; as its kernel only where CuPy and a GPU are
+  (never on this CPU run), each with the bytes it moves per second."""
+  result = smoke["fp8_passes"]
+  assert result["kernels"] is False
+  (shape,) = result["shapes"].values()
+  assert set(shape["passes"]) == {"activation_xla", "activation_grad_xla", "weights_xla"}
+  assert all(timing["gbps"] > 0 for timing in shape["passes"].values())
 
 
 def test_ep_cases_agree_bitwise_and_time_fp8(smoke):
