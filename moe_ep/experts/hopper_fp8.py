@@ -422,35 +422,24 @@ def _chained_wgrad(config: FP8TileConfig, iters: tuple[int, int], num_groups: in
       def _memory():
         plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-        # Block ``b`` of this CTA goes to stage ``b % stages`` once the
-        # compute warpgroups released block ``b - stages``.
-        @plgpu.nd_loop(tiles, collective_axes="sm", init_carry=jnp.int32(0))
-        def blocks(loop_info, carry):
+        def tile_steps(loop_info):
           _, steps, first_block, p_slice, q_slice = tile_of(loop_info)
+          return steps, (first_block, p_slice, q_slice)
 
-          @pl.loop(0, steps)
-          def _(step):
-            block, slot = carry + step, lax.rem(carry + step, stages)
+        def load_block(tile, step, slot):
+          first_block, p_slice, q_slice = tile
+          index = first_block + step
+          columns = pl.ds(pl.multiple_of(index * BLOCK, BLOCK), BLOCK)
+          plgpu.copy_gmem_to_smem(a_gmem.at[p_slice, columns], a_smem.at[slot],
+                                  loaded.at[slot])
+          plgpu.copy_gmem_to_smem(b_gmem.at[q_slice, columns], b_smem.at[slot],
+                                  loaded.at[slot])
+          plgpu.copy_gmem_to_smem(row_scales_gmem.at[pl.ds(index, 1), p_slice],
+                                  row_scale_smem.at[slot], loaded.at[slot])
+          plgpu.copy_gmem_to_smem(column_scales_gmem.at[pl.ds(index, 1), q_slice],
+                                  column_scale_smem.at[slot], loaded.at[slot])
 
-            @pl.when(block >= stages)
-            def _():
-              plgpu.barrier_wait(consumed.at[slot])
-            index = first_block + step
-            columns = pl.ds(pl.multiple_of(index * BLOCK, BLOCK), BLOCK)
-            plgpu.copy_gmem_to_smem(a_gmem.at[p_slice, columns], a_smem.at[slot],
-                                    loaded.at[slot])
-            plgpu.copy_gmem_to_smem(b_gmem.at[q_slice, columns], b_smem.at[slot],
-                                    loaded.at[slot])
-            plgpu.copy_gmem_to_smem(row_scales_gmem.at[pl.ds(index, 1), p_slice],
-                                    row_scale_smem.at[slot], loaded.at[slot])
-            plgpu.copy_gmem_to_smem(column_scales_gmem.at[pl.ds(index, 1), q_slice],
-                                    column_scale_smem.at[slot], loaded.at[slot])
-          return carry + steps
-
-        # The last stages' releases, waited for so no barrier is left mid-phase.
-        @pl.loop(jnp.maximum(blocks - stages, 0), blocks)
-        def _(block):
-          plgpu.barrier_wait(consumed.at[lax.rem(block, stages)])
+        hopper.ring_loads(tiles, tile_steps, load_block, stages, consumed)
 
       @pl.when(wg_idx < 2)
       def _compute():

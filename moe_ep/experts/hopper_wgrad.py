@@ -111,31 +111,19 @@ def _chained(lhs, rhs, group_start, group_steps, num_groups, config, num_sms):
       def _memory():
         plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-        # The carry counts the blocks this CTA has loaded; block ``b`` goes to
-        # stage ``b % stages`` once the compute warpgroups released block
-        # ``b - stages``.
-        @plgpu.nd_loop(tiles, collective_axes="sm", init_carry=jnp.int32(0))
-        def blocks(loop_info, carry):
+        def tile_steps(loop_info):
           _, steps, first_block, k_slice, n_slice = tile_of(loop_info)
+          return steps, (first_block, k_slice, n_slice)
 
-          @pl.loop(0, steps)
-          def _(step):
-            block, slot = carry + step, lax.rem(carry + step, stages)
+        def load_block(tile, step, slot):
+          first_block, k_slice, n_slice = tile
+          rows = pl.ds(pl.multiple_of((first_block + step) * tile_c, tile_c), tile_c)
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, k_slice], lhs_smem.at[slot],
+                                  loaded.at[slot])
+          plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, n_slice], rhs_smem.at[slot],
+                                  loaded.at[slot])
 
-            @pl.when(block >= stages)
-            def _():
-              plgpu.barrier_wait(consumed.at[slot])
-            rows = pl.ds(pl.multiple_of((first_block + step) * tile_c, tile_c), tile_c)
-            plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, k_slice], lhs_smem.at[slot],
-                                    loaded.at[slot])
-            plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, n_slice], rhs_smem.at[slot],
-                                    loaded.at[slot])
-          return carry + steps
-
-        # The last stages' releases, waited for so no barrier is left mid-phase.
-        @pl.loop(jnp.maximum(blocks - stages, 0), blocks)
-        def _(block):
-          plgpu.barrier_wait(consumed.at[lax.rem(block, stages)])
+        hopper.ring_loads(tiles, tile_steps, load_block, stages, consumed)
 
       @pl.when(wg_idx < 2)
       def _compute():
