@@ -291,18 +291,25 @@ def for_each_tile(tile_body, tile_group_gmem, wg_idx, *, m_iters: int, n_iters: 
           plgpu.barrier_wait(barrier.at[slot])
 
 
+# Registers per thread of a warp-specialized kernel's memory warpgroup (as
+# JAX's pipelines set them); its compute warpgroups share the rest of the
+# 64K-register file.
+MEMORY_REGISTERS, COMPUTE_REGISTERS = 40, 232
+
+
 def ring_loads(tiles: tuple[int, int], tile_of, load_block, stages: int, consumed) -> None:
   """The memory warpgroup of a kernel whose tiles share one ring of
   ``stages`` shared-memory stages (the chained weight gradients): for each
-  of this CTA's tiles of the grid ``tiles`` (``tile_of(loop_info) ->
-  (steps, tile)``), ``load_block(tile, step, slot)`` issues its block
-  ``step``'s copies into stage ``slot``. The carry counts the CTA's blocks;
+  of this CTA's tiles of the grid ``tiles`` (``tile_of(loop_info) -> (group,
+  steps, first_block, rows, columns)``), ``load_block(first_block, rows,
+  columns, step, slot)`` issues its block ``step``'s copies into stage
+  ``slot``. The carry counts the CTA's blocks;
   block ``b`` goes to stage ``b % stages`` once the compute warpgroups
   released block ``b - stages`` (``consumed``), and the last stages'
   releases are waited for so no barrier is left mid-phase."""
   @plgpu.nd_loop(tiles, collective_axes="sm", init_carry=jnp.int32(0))
   def blocks(loop_info, carry):
-    steps, tile = tile_of(loop_info)
+    _, steps, *tile = tile_of(loop_info)
 
     @pl.loop(0, steps)
     def _(step):
@@ -311,7 +318,7 @@ def ring_loads(tiles: tuple[int, int], tile_of, load_block, stages: int, consume
       @pl.when(block >= stages)
       def _():
         plgpu.barrier_wait(consumed.at[slot])
-      load_block(tile, step, slot)
+      load_block(*tile, step, slot)
     return carry + steps
 
   @pl.loop(jnp.maximum(blocks - stages, 0), blocks)

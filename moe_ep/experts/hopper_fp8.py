@@ -383,10 +383,6 @@ def grouped_matmul_fp8_wgrad(a_codes: jax.Array, a_scales: jax.Array, b_codes: j
   return call(*operands)[:, :p, :q]
 
 
-# Registers per thread of the chained weight gradient's memory warpgroup (as
-# the pipelines set them) and its compute warpgroups (the rest of 64K).
-_MEMORY_REGISTERS, _COMPUTE_REGISTERS = 40, 232
-
 
 def _chained_wgrad(config: FP8TileConfig, iters: tuple[int, int], num_groups: int, transforms,
                    out_transforms, out_shape, num_sms: int):
@@ -420,14 +416,9 @@ def _chained_wgrad(config: FP8TileConfig, iters: tuple[int, int], num_groups: in
 
       @pl.when(wg_idx == 2)
       def _memory():
-        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+        plgpu.set_max_registers(hopper.MEMORY_REGISTERS, action="decrease")
 
-        def tile_steps(loop_info):
-          _, steps, first_block, p_slice, q_slice = tile_of(loop_info)
-          return steps, (first_block, p_slice, q_slice)
-
-        def load_block(tile, step, slot):
-          first_block, p_slice, q_slice = tile
+        def load_block(first_block, p_slice, q_slice, step, slot):
           index = first_block + step
           columns = pl.ds(pl.multiple_of(index * BLOCK, BLOCK), BLOCK)
           plgpu.copy_gmem_to_smem(a_gmem.at[p_slice, columns], a_smem.at[slot],
@@ -439,11 +430,11 @@ def _chained_wgrad(config: FP8TileConfig, iters: tuple[int, int], num_groups: in
           plgpu.copy_gmem_to_smem(column_scales_gmem.at[pl.ds(index, 1), q_slice],
                                   column_scale_smem.at[slot], loaded.at[slot])
 
-        hopper.ring_loads(tiles, tile_steps, load_block, stages, consumed)
+        hopper.ring_loads(tiles, tile_of, load_block, stages, consumed)
 
       @pl.when(wg_idx < 2)
       def _compute():
-        plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+        plgpu.set_max_registers(hopper.COMPUTE_REGISTERS, action="increase")
 
         @plgpu.nd_loop(tiles, collective_axes="sm", init_carry=jnp.int32(0))
         def _(loop_info, carry):  # the blocks this CTA has read

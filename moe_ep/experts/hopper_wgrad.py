@@ -34,11 +34,6 @@ from moe_ep.experts import hopper
 from moe_ep.experts.hopper import TileConfig
 from moe_ep.row_groups import ROW_TILE
 
-# Registers per thread of the memory warpgroup, as JAX's pipeline sets them;
-# the compute warpgroups share the rest of the 64K-register file.
-_MEMORY_REGISTERS = 40
-_COMPUTE_REGISTERS = 232
-
 
 def grouped_matmul_wgrad(lhs: jax.Array, rhs: jax.Array, group_start: jax.Array,
                          group_steps: jax.Array, num_groups: int, *,
@@ -109,25 +104,20 @@ def _chained(lhs, rhs, group_start, group_steps, num_groups, config, num_sms):
 
       @pl.when(wg_idx == 2)
       def _memory():
-        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+        plgpu.set_max_registers(hopper.MEMORY_REGISTERS, action="decrease")
 
-        def tile_steps(loop_info):
-          _, steps, first_block, k_slice, n_slice = tile_of(loop_info)
-          return steps, (first_block, k_slice, n_slice)
-
-        def load_block(tile, step, slot):
-          first_block, k_slice, n_slice = tile
+        def load_block(first_block, k_slice, n_slice, step, slot):
           rows = pl.ds(pl.multiple_of((first_block + step) * tile_c, tile_c), tile_c)
           plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, k_slice], lhs_smem.at[slot],
                                   loaded.at[slot])
           plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, n_slice], rhs_smem.at[slot],
                                   loaded.at[slot])
 
-        hopper.ring_loads(tiles, tile_steps, load_block, stages, consumed)
+        hopper.ring_loads(tiles, tile_of, load_block, stages, consumed)
 
       @pl.when(wg_idx < 2)
       def _compute():
-        plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+        plgpu.set_max_registers(hopper.COMPUTE_REGISTERS, action="increase")
         wg_n_slice = pl.ds(wg_idx * tile_n, tile_n)
 
         @plgpu.nd_loop(tiles, collective_axes="sm", init_carry=jnp.int32(0))
@@ -173,7 +163,7 @@ def _tile_by_tile(lhs, rhs, group_start, group_steps, num_groups, config, num_sm
 
   def pipeline(body, compute_context, steps, first_block):
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(steps,), memory_registers=_MEMORY_REGISTERS,
+        body, grid=(steps,), memory_registers=hopper.MEMORY_REGISTERS,
         in_specs=[
             plgpu.BlockSpec((tile_c, ROW_TILE), lambda ci: (first_block + ci, 0),
                             transforms=transforms, memory_space=plgpu.SMEM,
