@@ -389,7 +389,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, *,
                 plgpu.BlockSpec((tile_k, cta_tile_n), lambda ki: (ki, 0), transforms=transforms,
                                 memory_space=plgpu.SMEM, delay_release=config.delay_release))
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k_iters,), memory_registers=40,
+        body, grid=(k_iters,), memory_registers=MEMORY_REGISTERS,
         in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda ki: (0, ki), transforms=transforms,
                                   memory_space=plgpu.SMEM, delay_release=config.delay_release,
                                   collective_axes=rows_collective(config.cluster(n_iters))),

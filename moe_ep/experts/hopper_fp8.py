@@ -227,7 +227,7 @@ def grouped_matmul_fp8(a_codes: jax.Array, a_scales: jax.Array, b_codes: jax.Arr
                                           memory_space=plgpu.SMEM)
     scales = lambda shape: plgpu.BlockSpec(shape, lambda ki: (ki, 0), memory_space=plgpu.SMEM)
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k_iters,), memory_registers=40,
+        body, grid=(k_iters,), memory_registers=hopper.MEMORY_REGISTERS,
         in_specs=[codes((ROW_TILE, BLOCK)), codes((cta_columns, BLOCK)),
                   scales((1, ROW_TILE)), scales((1, _CTA_SCALES))],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
@@ -331,7 +331,7 @@ def grouped_matmul_fp8_wgrad(a_codes: jax.Array, a_scales: jax.Array, b_codes: j
     scales = lambda shape: plgpu.BlockSpec(shape, lambda ci: (first_block + ci, 0),
                                            memory_space=plgpu.SMEM)
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(steps,), memory_registers=40,
+        body, grid=(steps,), memory_registers=hopper.MEMORY_REGISTERS,
         in_specs=[codes((ROW_TILE, BLOCK)), codes((cta_columns, BLOCK)),
                   scales((1, ROW_TILE)), scales((1, cta_columns))],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,

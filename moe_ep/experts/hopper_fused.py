@@ -109,7 +109,7 @@ def activation_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array,
         shape, index, transforms=transforms, memory_space=plgpu.SMEM,
         delay_release=config.delay_release, collective_axes=collective)
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k_iters,), memory_registers=40,
+        body, grid=(k_iters,), memory_registers=hopper.MEMORY_REGISTERS,
         in_specs=[spec((tile_m, tile_k), lambda ki: (0, ki),
                        hopper.rows_collective(config.cluster(n_iters)))]
         + [spec((tile_k, cta_cols), lambda ki: (ki, 0))] * n,
@@ -252,7 +252,7 @@ def activation_grad_matmul(out_grad: jax.Array, w_out: jax.Array, hidden: jax.Ar
         shape, lambda ki: (0, ki), transforms=transforms, memory_space=plgpu.SMEM,
         delay_release=config.delay_release, collective_axes=collective)
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k_iters,), memory_registers=40,
+        body, grid=(k_iters,), memory_registers=hopper.MEMORY_REGISTERS,
         in_specs=[spec((tile_m, tile_k), hopper.rows_collective(config.cluster(n_iters))),
                   spec((cta_cols, tile_k))],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.max_concurrent_steps,
